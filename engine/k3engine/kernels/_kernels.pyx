@@ -1,0 +1,547 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Every numeric kernel of the forward pass (ARCHITECTURE §4-§5), nogil, OpenMP over
+independent outputs only (rows, heads, tokens, channels), never over one reduction, so
+results do not depend on the thread count.
+
+Float32 traps handled here (each has a test in tests/test_kernels.py):
+* Cython writes `1.0` as a C double literal; a float expression that touches it is silently
+  evaluated in double.  Every float32 chain below uses the typed constants F1/F0 instead.
+* expf/tanhf come from libm (NumPy's float32 SIMD versions differ in the last bit and fail
+  the peer's `moe` fixture).
+* No FMA: the build passes -ffp-contract=off (setup.py).
+"""
+from libc.math cimport expf, tanhf, sqrt, sqrtf, ldexp
+from libc.stdint cimport uint8_t, uint16_t, int32_t, int64_t
+from libc.stdlib cimport malloc, free
+from cython.parallel cimport prange, parallel
+import numpy as np
+
+cdef extern from "k3dot.h" nogil:
+    double k3_dot_f32(const float *w, const float *x, long n)
+    double k3_dot_bf16(const uint16_t *w, const float *x, long n)
+    double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const float *x, long n)
+    float k3_bf16_to_f32(uint16_t b)
+    void k3_set_simd(int on)
+    int k3_avx2()
+    const double K3_E2M1[16]
+
+cdef float F1 = 1.0
+cdef float F0 = 0.0
+cdef float L2_EPS = 1e-6          # float32 constant, widened where used (§4.1)
+DEF MAX_SOURCES = 256             # AttnRes sources per aggregation (real K3: 9)
+DEF MAX_TOPK = 64                 # reference ceiling (config rule 5)
+
+cdef int _nthreads = 1
+cdef long PAR_MIN_WORK = 1 << 15  # below this many MACs a parallel region costs more than it saves
+
+
+def set_num_threads(int n):
+    """Compute threads for every kernel (>= 1)."""
+    global _nthreads
+    if n < 1:
+        raise ValueError("threads must be >= 1")
+    _nthreads = n
+
+
+def get_num_threads():
+    return _nthreads
+
+
+def set_simd(bint on):
+    """Select the AVX2 row kernels (default when the CPU has them) or the scalar ones.
+    Both compute identical bits; the switch exists so tests can prove it."""
+    k3_set_simd(1 if on else 0)
+
+
+def simd_active():
+    return bool(k3_avx2())
+
+
+cdef inline int _threads_for(long work) noexcept nogil:
+    return _nthreads if work >= PAR_MIN_WORK else 1
+
+
+cdef inline float sigm(float x) noexcept nogil:
+    # sigma(x) = 1 / (1 + expf(-x)), a real float32 divide (§0.3)
+    return F1 / (F1 + expf(-x))
+
+
+# ---- matvec (§5.3, §5.6) -------------------------------------------------------------
+
+def matvec(W, const float[:, ::1] X, float[:, ::1] Y):
+    """Y[t, o] = sum_i W[o, i] * X[t, i] with the 16-lane double order, per token.
+    W is float32 or BF16 bit patterns (uint16), row-major [out, in]."""
+    if W.dtype == np.uint16:
+        _matvec_bf16(W, X, Y)
+    elif W.dtype == np.float32:
+        _matvec_f32(W, X, Y)
+    else:
+        raise TypeError(f"matvec weights must be float32 or bf16 (uint16), got {W.dtype}")
+
+
+cdef _check_mv(long wout, long win, const float[:, ::1] X, float[:, ::1] Y):
+    if X.shape[1] != win or Y.shape[1] != wout or X.shape[0] != Y.shape[0]:
+        raise ValueError(f"matvec shapes: W [{wout},{win}] X [{X.shape[0]},{X.shape[1]}] "
+                         f"Y [{Y.shape[0]},{Y.shape[1]}]")
+
+
+cdef _matvec_f32(const float[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
+    _check_mv(W.shape[0], W.shape[1], X, Y)
+    cdef Py_ssize_t o, t, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
+    cdef int nt = _threads_for(nout * n * T)
+    if nout == 0 or T == 0:
+        return
+    with nogil:
+        for o in prange(nout, num_threads=nt, schedule="static"):
+            for t in range(T):
+                Y[t, o] = <float>k3_dot_f32(&W[o, 0], &X[t, 0], n)
+
+
+cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
+    _check_mv(W.shape[0], W.shape[1], X, Y)
+    cdef Py_ssize_t o, t, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
+    cdef int nt = _threads_for(nout * n * T)
+    if nout == 0 or T == 0:
+        return
+    with nogil:
+        for o in prange(nout, num_threads=nt, schedule="static"):
+            for t in range(T):
+                Y[t, o] = <float>k3_dot_bf16(&W[o, 0], &X[t, 0], n)
+
+
+def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
+                 const float[:, ::1] X, float[:, ::1] Y):
+    """MXFP4 matvec straight from the nibbles (§5.6): P [out, n/2], S [out, n/32]."""
+    cdef Py_ssize_t o, t, nout = P.shape[0], n = P.shape[1] * 2, T = X.shape[0]
+    if S.shape[0] != nout or S.shape[1] * 32 != n:
+        raise ValueError(f"MXFP4 scales [{S.shape[0]},{S.shape[1]}] do not fit packed "
+                         f"[{P.shape[0]},{P.shape[1]}] with groups of 32")
+    _check_mv(nout, n, X, Y)
+    cdef int nt = _threads_for(nout * n * T)
+    if nout == 0 or T == 0:
+        return
+    with nogil:
+        for o in prange(nout, num_threads=nt, schedule="static"):
+            for t in range(T):
+                Y[t, o] = <float>k3_dot_mxfp4(&P[o, 0], &S[o, 0], &X[t, 0], n)
+
+
+def mxfp4_dequant(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S):
+    """Dequantise to float32 (tests and tools only: the engine never materialises an
+    expert).  A group whose scale byte is 255 dequantises to zeros, matching the matvec."""
+    cdef Py_ssize_t r, j, rows = P.shape[0], n = P.shape[1] * 2
+    if S.shape[0] != rows or S.shape[1] * 32 != n:
+        raise ValueError("MXFP4 scales do not fit the packed matrix with groups of 32")
+    out = np.empty((rows, n), dtype=np.float32)
+    cdef float[:, ::1] Y = out
+    cdef uint8_t code, sb
+    with nogil:
+        for r in range(rows):
+            for j in range(n):
+                code = (P[r, j >> 1] >> 4) if (j & 1) else (P[r, j >> 1] & 15)
+                sb = S[r, j >> 5]
+                if sb == 255:
+                    Y[r, j] = F0
+                else:
+                    Y[r, j] = <float>(K3_E2M1[code] * ldexp(1.0, <int>sb - 127))
+    return out
+
+
+# ---- norms and activations (§4.1) ----------------------------------------------------
+
+cdef inline void _rms_row(const float *x, const float *w, float eps, Py_ssize_t n,
+                          float *y) noexcept nogil:
+    cdef double s = 0.0
+    cdef Py_ssize_t i
+    for i in range(n):
+        s += <double>x[i] * <double>x[i]
+    cdef float r = <float>(1.0 / sqrt(s / <double>n + <double>eps))
+    cdef float wx
+    for i in range(n):
+        wx = w[i] * x[i]          # gain first, then the scale (SF order, trap #16)
+        y[i] = wx * r
+
+
+def rmsnorm(const float[:, ::1] X, const float[::1] w, float eps, float[:, ::1] Y):
+    """Row-wise RMSNorm; Y may be X (in place)."""
+    cdef Py_ssize_t t, T = X.shape[0], n = X.shape[1]
+    if w.shape[0] != n or Y.shape[0] != T or Y.shape[1] != n:
+        raise ValueError("rmsnorm shapes do not match")
+    with nogil:
+        for t in range(T):
+            _rms_row(&X[t, 0], &w[0], eps, n, &Y[t, 0])
+
+
+def l2norm_heads(float[:, ::1] X, Py_ssize_t D):
+    """In place: each D-slice of each row scaled by 1/sqrt(sum of squares + 1e-6) (§4.1)."""
+    cdef Py_ssize_t t, h, i, T = X.shape[0], H = X.shape[1] // D
+    cdef double s
+    cdef float r
+    if H * D != X.shape[1]:
+        raise ValueError("l2norm_heads: width is not a multiple of the head dim")
+    with nogil:
+        for t in range(T):
+            for h in range(H):
+                s = 0.0
+                for i in range(D):
+                    s += <double>X[t, h * D + i] * <double>X[t, h * D + i]
+                r = <float>(1.0 / sqrt(s + <double>L2_EPS))
+                for i in range(D):
+                    X[t, h * D + i] = X[t, h * D + i] * r
+
+
+cdef inline float _situ(float g, float u, float b1, float b2) noexcept nogil:
+    cdef float a = b1 * tanhf(g / b1)   # true division by beta, never * (1/beta)
+    a = a * sigm(g)                      # sigma sees the UNCAPPED gate (trap #28)
+    cdef float c = b2 * tanhf(u / b2)
+    return a * c
+
+
+def situ_glu(const float[:, ::1] G, const float[:, ::1] U, float b1, float b2,
+             float[:, ::1] Y):
+    cdef Py_ssize_t t, i, T = G.shape[0], n = G.shape[1]
+    if U.shape[0] != T or U.shape[1] != n or Y.shape[0] != T or Y.shape[1] != n:
+        raise ValueError("situ_glu shapes do not match")
+    with nogil:
+        for t in range(T):
+            for i in range(n):
+                Y[t, i] = _situ(G[t, i], U[t, i], b1, b2)
+
+
+def sigmoid(float[:, ::1] X):
+    """In place X = sigma(X), float32 (KDA beta)."""
+    cdef Py_ssize_t t, i
+    with nogil:
+        for t in range(X.shape[0]):
+            for i in range(X.shape[1]):
+                X[t, i] = sigm(X[t, i])
+
+
+def mul_sigmoid(float[:, ::1] X, const float[:, ::1] G):
+    """In place X = f32(X * sigma(G)) (output gates)."""
+    cdef Py_ssize_t t, i, T = X.shape[0], n = X.shape[1]
+    if G.shape[0] != T or G.shape[1] != n:
+        raise ValueError("mul_sigmoid shapes do not match")
+    with nogil:
+        for t in range(T):
+            for i in range(n):
+                X[t, i] = X[t, i] * sigm(G[t, i])
+
+
+def add(float[:, ::1] A, const float[:, ::1] B):
+    """In place A = f32(A + B)."""
+    cdef Py_ssize_t t, i, T = A.shape[0], n = A.shape[1]
+    if B.shape[0] != T or B.shape[1] != n:
+        raise ValueError("add shapes do not match")
+    with nogil:
+        for t in range(T):
+            for i in range(n):
+                A[t, i] = A[t, i] + B[t, i]
+
+
+def axpy(float[::1] acc, float w, const float[::1] d):
+    """In place acc = f32(acc + f32(w * d)) (MoE aggregate, §4.7.2)."""
+    cdef Py_ssize_t i, n = acc.shape[0]
+    cdef float p
+    if d.shape[0] != n:
+        raise ValueError("axpy shapes do not match")
+    with nogil:
+        for i in range(n):
+            p = w * d[i]
+            acc[i] = acc[i] + p
+
+
+def argmax(const float[::1] x):
+    """Index of the maximum, lowest index on ties (§4.9, trap #41)."""
+    cdef Py_ssize_t i, best = 0, n = x.shape[0]
+    if n == 0:
+        raise ValueError("argmax of an empty vector")
+    for i in range(1, n):
+        if x[i] > x[best]:
+            best = i
+    return best
+
+
+def embed(W, const int64_t[::1] ids, float[:, ::1] out):
+    """Gather embedding rows and widen (BF16 by shift; never multiplied)."""
+    cdef Py_ssize_t t, i, T = ids.shape[0]
+    cdef const uint16_t[:, ::1] Wb
+    cdef const float[:, ::1] Wf
+    if W.dtype == np.uint16:
+        Wb = W
+        for t in range(T):
+            if ids[t] < 0 or ids[t] >= Wb.shape[0]:
+                raise ValueError(f"token id {ids[t]} is outside the vocabulary of {Wb.shape[0]}")
+            for i in range(Wb.shape[1]):
+                out[t, i] = k3_bf16_to_f32(Wb[ids[t], i])
+    else:
+        Wf = W
+        for t in range(T):
+            if ids[t] < 0 or ids[t] >= Wf.shape[0]:
+                raise ValueError(f"token id {ids[t]} is outside the vocabulary of {Wf.shape[0]}")
+            for i in range(Wf.shape[1]):
+                out[t, i] = Wf[ids[t], i]
+
+
+# ---- KDA (§4.4) ----------------------------------------------------------------------
+
+def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
+              float[:, ::1] Y):
+    """Causal depthwise conv + SiLU per channel, tokens in order, history carried.
+    X [T, C] raw projections; w [C, K]; hist [C, K-1] oldest first (updated); Y [T, C]."""
+    cdef Py_ssize_t c, t, j, T = X.shape[0], C = X.shape[1], K = w.shape[1]
+    cdef float acc, xt
+    if w.shape[0] != C or hist.shape[0] != C or hist.shape[1] != K - 1 or Y.shape[0] != T:
+        raise ValueError("shortconv shapes do not match")
+    with nogil:
+        for c in range(C):
+            for t in range(T):
+                xt = X[t, c]
+                acc = w[c, K - 1] * xt                  # current input first
+                for j in range(K - 1):
+                    acc = acc + w[c, j] * hist[c, j]     # then history, oldest -> newest
+                for j in range(K - 2):
+                    hist[c, j] = hist[c, j + 1]
+                if K > 1:
+                    hist[c, K - 2] = xt                  # history keeps the RAW input
+                Y[t, c] = acc * sigm(acc)
+
+
+def kda_decay(const float[:, ::1] Z, const float[::1] A_log, const float[::1] dt_bias,
+              float g_min, float[:, ::1] G, float[:, ::1] alpha):
+    """g = g_min * sigma(exp(A_log[h]) * (z + dt_bias)); alpha = exp(g).
+    A_log is indexed by HEAD (trap #5), dt_bias by channel, added before scaling (#7)."""
+    cdef Py_ssize_t t, c, T = Z.shape[0], P = Z.shape[1], H = A_log.shape[0]
+    cdef Py_ssize_t D = P // H
+    cdef float e, u, g
+    if H * D != P or dt_bias.shape[0] != P:
+        raise ValueError("kda_decay shapes do not match")
+    with nogil:
+        for t in range(T):
+            for c in range(P):
+                e = expf(A_log[c // D])
+                u = Z[t, c] + dt_bias[c]
+                u = e * u
+                g = g_min * sigm(u)
+                G[t, c] = g
+                alpha[t, c] = expf(g)      # exactly 1.0 is legal saturation (trap #8)
+
+
+def kda_q_scale(Py_ssize_t D):
+    cdef float d = <float>D
+    return F1 / sqrtf(d)
+
+
+def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1] K,
+                   const float[:, ::1] V, const float[:, ::1] alpha, const float[:, ::1] beta,
+                   float q_scale, float[:, ::1] O):
+    """Delta-rule recurrence per head, tokens in order (§4.4 steps 1-4).
+    S [H, D, D] row = key channel (updated); Q, K, V, alpha [T, H*D]; beta [T, H]; O [T, H*D]."""
+    cdef Py_ssize_t H = S.shape[0], D = S.shape[1], T = Q.shape[0]
+    cdef Py_ssize_t h, t, i, j, base
+    cdef float *u
+    cdef float *qh
+    cdef float acc, kb, a, diff
+    if S.shape[2] != D or Q.shape[1] != H * D or beta.shape[1] != H:
+        raise ValueError("kda_recurrence shapes do not match")
+    with nogil, parallel(num_threads=_threads_for(H * D * D * T * 4)):
+        u = <float *>malloc(2 * D * sizeof(float))
+        qh = u + D
+        for h in prange(H, schedule="static"):
+            base = h * D
+            for t in range(T):
+                for i in range(D):
+                    qh[i] = Q[t, base + i] * q_scale
+                for i in range(D):                         # 1. decay rows
+                    a = alpha[t, base + i]
+                    for j in range(D):
+                        S[h, i, j] = S[h, i, j] * a
+                for j in range(D):                         # 2. u = S^T k
+                    acc = F0
+                    for i in range(D):
+                        acc = acc + K[t, base + i] * S[h, i, j]
+                    u[j] = acc
+                for i in range(D):                         # 3. delta write
+                    kb = K[t, base + i] * beta[t, h]
+                    for j in range(D):
+                        diff = V[t, base + j] - u[j]
+                        diff = kb * diff
+                        S[h, i, j] = S[h, i, j] + diff
+                for j in range(D):                         # 4. read from the UPDATED S
+                    acc = F0
+                    for i in range(D):
+                        acc = acc + qh[i] * S[h, i, j]
+                    O[t, base + j] = acc
+        free(u)
+
+
+# ---- MLA (§4.5) ----------------------------------------------------------------------
+
+def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
+                  Py_ssize_t n_past, Py_ssize_t H, Py_ssize_t dn, Py_ssize_t dv,
+                  float[:, ::1] O):
+    """Causal attention of T new tokens (positions n_past .. n_past+T-1, already written to
+    the cache) over the cache.  Q [T, H*(dn+dr)]; KV [cap, H*(dn+dv)] (per head: k_nope then
+    v); R [cap, dr] one shared rope key per position; O [T, H*dv]."""
+    cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
+    cdef Py_ssize_t npos = n_past + T
+    cdef Py_ssize_t th, t, h, s, i, j, p
+    cdef float kappa = F1 / sqrtf(<float>dq)        # 1/sqrt(dn+dr), NOT 1/sqrt(dn) (trap #18)
+    cdef float *sc
+    cdef double d, Z
+    cdef float mx, e, acc
+    if Q.shape[1] != H * dq or KV.shape[1] != H * dkv or O.shape[1] != H * dv:
+        raise ValueError("mla_attention shapes do not match")
+    if npos > KV.shape[0] or npos > R.shape[0]:
+        raise ValueError(f"MLA cache overflow: {npos} positions, capacity {KV.shape[0]}")
+    with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
+        sc = <float *>malloc(npos * sizeof(float))
+        for th in prange(T * H, schedule="static"):
+            t = th // H
+            h = th % H
+            p = n_past + t
+            for s in range(p + 1):                   # causal: s <= p, always (trap #21)
+                d = 0.0
+                for i in range(dn):
+                    d = d + <double>Q[t, h * dq + i] * <double>KV[s, h * dkv + i]
+                for i in range(dr):                  # rope slots unrotated, key shared by heads
+                    d = d + <double>Q[t, h * dq + dn + i] * <double>R[s, i]
+                sc[s] = (<float>d) * kappa
+            mx = sc[0]
+            for s in range(1, p + 1):
+                if sc[s] > mx:
+                    mx = sc[s]
+            Z = 0.0
+            for s in range(p + 1):
+                e = expf(sc[s] - mx)
+                sc[s] = e
+                Z = Z + <double>e
+            for s in range(p + 1):
+                sc[s] = <float>(<double>sc[s] / Z)
+            for j in range(dv):
+                acc = F0
+                for s in range(p + 1):
+                    acc = acc + sc[s] * KV[s, h * dkv + dn + j]
+                O[t, h * dv + j] = acc
+        free(sc)
+
+
+# ---- router (§4.7.1) -----------------------------------------------------------------
+
+def router(W, const float[::1] x, const float[::1] bias, int k, bint renorm, float scale,
+           int32_t[::1] idx, float[::1] weights):
+    """Top-k selection on sigma(logit)+bias, weights from the UNBIASED sigma (trap #24).
+    Logits use ONE sequential double accumulator, not the 16-lane matvec."""
+    cdef Py_ssize_t N = W.shape[0], E = W.shape[1]
+    if x.shape[0] != E or bias.shape[0] != N or k < 1 or k > N or k > MAX_TOPK:
+        raise ValueError("router shapes do not match")
+    scores = np.empty(N, dtype=np.float32)
+    cdef float[::1] s = scores
+    cdef const uint16_t[:, ::1] Wb
+    cdef const float[:, ::1] Wf
+    cdef Py_ssize_t e, i
+    cdef double l
+    if W.dtype == np.uint16:
+        Wb = W
+        with nogil:
+            for e in range(N):
+                l = 0.0
+                for i in range(E):
+                    l = l + <double>k3_bf16_to_f32(Wb[e, i]) * <double>x[i]
+                s[e] = sigm(<float>l)
+    else:
+        Wf = W
+        with nogil:
+            for e in range(N):
+                l = 0.0
+                for i in range(E):
+                    l = l + <double>Wf[e, i] * <double>x[i]
+                s[e] = sigm(<float>l)
+    _select(s, bias, k, renorm, scale, idx, weights)
+    return scores
+
+
+def route_scores(const float[::1] s, const float[::1] bias, int k, bint renorm, float scale,
+                 int32_t[::1] idx, float[::1] weights):
+    """Selection and weighting from given sigmoid scores (op fixtures, tests)."""
+    if s.shape[0] != bias.shape[0] or k < 1 or k > s.shape[0] or k > MAX_TOPK:
+        raise ValueError("route_scores shapes do not match")
+    _select(s, bias, k, renorm, scale, idx, weights)
+
+
+cdef _select(const float[::1] s, const float[::1] bias, int k, bint renorm, float scale,
+             int32_t[::1] idx, float[::1] weights):
+    cdef Py_ssize_t N = s.shape[0], e, j, best
+    sel_arr = np.empty(N, dtype=np.float32)
+    taken_arr = np.zeros(N, dtype=np.uint8)
+    cdef float[::1] sel = sel_arr
+    cdef uint8_t[::1] taken = taken_arr
+    cdef double tot
+    cdef float inv
+    for e in range(N):
+        sel[e] = s[e] + bias[e]          # biased score: selection only
+    for j in range(k):
+        best = -1
+        for e in range(N):               # strictly greater: ties go to the lowest index
+            if not taken[e] and (best < 0 or sel[e] > sel[best]):
+                best = e
+        taken[best] = 1
+        idx[j] = <int32_t>best
+        weights[j] = s[best]
+    if renorm and k > 1:                 # SF skips renormalisation for k = 1 (trap #42)
+        tot = 0.0
+        for j in range(k):
+            tot = tot + <double>weights[j]
+        inv = <float>(1.0 / (tot + 1e-20))
+        for j in range(k):
+            weights[j] = weights[j] * inv
+    for j in range(k):
+        weights[j] = weights[j] * scale
+
+
+# ---- AttnRes (§4.8) ------------------------------------------------------------------
+
+def attnres(const float[:, :, ::1] stack, Py_ssize_t n_snap, const float[:, ::1] run,
+            const float[::1] phi, float eps, float[:, ::1] out):
+    """Aggregate sources stack[0..n_snap-1][t] then run[t] (oldest -> newest, running sum
+    last).  Keys are RMS-normalised, values are the raw sources (trap #30).  out must not
+    alias run or stack."""
+    cdef Py_ssize_t T = run.shape[0], E = run.shape[1], n = n_snap + 1
+    cdef Py_ssize_t t, s, i
+    cdef const float *v
+    cdef double q, dot, Z
+    cdef float r, mx, vr, acc
+    cdef float sc[MAX_SOURCES]
+    if n > MAX_SOURCES or n_snap > stack.shape[0] or phi.shape[0] != E:
+        raise ValueError("attnres shapes do not match")
+    if n_snap > 0 and (stack.shape[1] < T or stack.shape[2] != E):
+        raise ValueError("attnres stack shape does not match")
+    with nogil:
+        for t in range(T):
+            for s in range(n):
+                v = &stack[s, t, 0] if s < n_snap else &run[t, 0]
+                q = 0.0
+                for i in range(E):
+                    q = q + <double>v[i] * <double>v[i]
+                r = <float>(1.0 / sqrt(q / <double>E + <double>eps))
+                dot = 0.0
+                for i in range(E):
+                    vr = v[i] * r
+                    dot = dot + <double>vr * <double>phi[i]
+                sc[s] = <float>dot
+            mx = sc[0]
+            for s in range(1, n):
+                if sc[s] > mx:
+                    mx = sc[s]
+            Z = 0.0
+            for s in range(n):
+                sc[s] = expf(sc[s] - mx)
+                Z = Z + <double>sc[s]
+            for s in range(n):
+                sc[s] = <float>(<double>sc[s] / Z)
+            for i in range(E):
+                acc = F0
+                for s in range(n):
+                    v = &stack[s, t, 0] if s < n_snap else &run[t, 0]
+                    acc = acc + sc[s] * v[i]
+                out[t, i] = acc

@@ -1,0 +1,1 @@
+"""Companion tools run as `k3 <subcommand>`."""
