@@ -1,0 +1,212 @@
+"""The Kimi K3 forward pass (ARCHITECTURE §4), top to bottom like the spec.
+
+Shapes are in the names: x_TE is [T tokens, E hidden].  Every kernel treats tokens one at
+a time in ascending order, so a token's logits do not depend on how many tokens share the
+call (§4.10): teacher forcing, full recompute and incremental decode agree bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels as K
+from .config import ModelConfig
+from .state import KDAState, MLAState, SequenceState
+from .weights import (DenseWeights, ExpertSource, KDAWeights, MLAWeights, MoEWeights,
+                      WeightProvider, mv)
+
+
+def _f32(*shape: int) -> np.ndarray:
+    return np.empty(shape, dtype=np.float32)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    y = np.empty_like(x)
+    K.rmsnorm(x, w, eps, y)
+    return y
+
+
+def situ_mlp(w: DenseWeights, x_TE: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """down(SiTU-GLU(gate(x), up(x))): the dense layer and the fused shared experts."""
+    g = mv(w.gate, x_TE)
+    K.situ_glu(g, mv(w.up, x_TE), cfg.situ_b1, cfg.situ_b2, g)
+    return mv(w.down, g)
+
+
+# ---- Kimi Delta Attention (§4.4) -----------------------------------------------------
+
+def kda(w: KDAWeights, x_TE: np.ndarray, st: KDAState, cfg: ModelConfig) -> np.ndarray:
+    T = x_TE.shape[0]
+    H, D = w.A_log.shape[0], w.o_norm.shape[0]
+    q_TP, k_TP, v_TP = _f32(T, H * D), _f32(T, H * D), _f32(T, H * D)
+    K.shortconv(mv(w.q_proj, x_TE), w.q_conv, st.conv_q, q_TP)   # conv + SiLU; history
+    K.shortconv(mv(w.k_proj, x_TE), w.k_conv, st.conv_k, k_TP)   # keeps raw projections
+    K.shortconv(mv(w.v_proj, x_TE), w.v_conv, st.conv_v, v_TP)
+    K.l2norm_heads(q_TP, D)                                       # q and k only (trap #12)
+    K.l2norm_heads(k_TP, D)
+
+    beta_TH = mv(w.b_proj, x_TE)                                  # one scalar per head
+    K.sigmoid(beta_TH)
+
+    z_TP = mv(w.f_b, mv(w.f_a, x_TE))                             # shared low rank, no act.
+    g_TP, alpha_TP = _f32(T, H * D), _f32(T, H * D)
+    K.kda_decay(z_TP, w.A_log, w.dt_bias, cfg.gate_lb, g_TP, alpha_TP)
+
+    o_TP = _f32(T, H * D)
+    K.kda_recurrence(st.S, q_TP, k_TP, v_TP, alpha_TP, beta_TH, K.kda_q_scale(D), o_TP)
+
+    o_heads = o_TP.reshape(T * H, D)                              # head-wise norm, one gain
+    K.rmsnorm(o_heads, w.o_norm, cfg.rms_eps, o_heads)
+    K.mul_sigmoid(o_TP, mv(w.g_proj, x_TE))                       # norm, then gate,
+    return mv(w.o_proj, o_TP)                                     # then project
+
+
+# ---- Gated MLA, NoPE (§4.5) ----------------------------------------------------------
+
+def mla(w: MLAWeights, x_TE: np.ndarray, st: MLAState, n_past: int,
+        cfg: ModelConfig) -> np.ndarray:
+    """Attend T new tokens at positions n_past.. (the caller reserved the cache rows)."""
+    T = x_TE.shape[0]
+    H, dn, dr, dv, R_kv = cfg.n_heads, cfg.qk_nope, cfg.qk_rope, cfg.v_head, cfg.kv_lora
+    q_T = mv(w.q_b_proj, rmsnorm(mv(w.q_a_proj, x_TE), w.q_a_norm, cfg.rms_eps))
+    c_T = mv(w.kv_a_proj, x_TE)
+    lat_T = np.ascontiguousarray(c_T[:, :R_kv])
+    K.rmsnorm(lat_T, w.kv_a_norm, cfg.rms_eps, lat_T)             # latent only (trap #20)
+    st.rope[n_past:n_past + T] = c_T[:, R_kv:R_kv + dr]           # raw, never rotated
+    mv(w.kv_b_proj, lat_T, st.kv[n_past:n_past + T])              # expanded k_nope | v
+    o_T = _f32(T, H * dv)
+    K.mla_attention(q_T, st.kv, st.rope, n_past, H, dn, dv, o_T)
+    if w.g_proj is not None:                                      # gate BEFORE o_proj
+        K.mul_sigmoid(o_T, mv(w.g_proj, x_TE))
+    return mv(w.o_proj, o_T)
+
+
+# ---- Stable LatentMoE (§4.7) ---------------------------------------------------------
+
+def route(w: MoEWeights, x_E: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.empty(cfg.topk, dtype=np.int32)
+    wts = np.empty(cfg.topk, dtype=np.float32)
+    K.router(w.router, x_E, w.bias, cfg.topk, cfg.moe_renorm, cfg.routed_scale, idx, wts)
+    return idx, wts
+
+
+def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
+               cfg: ModelConfig) -> np.ndarray:
+    T, k = x_TE.shape[0], cfg.topk
+    routes = [route(w, x_TE[t], cfg) for t in range(T)]           # full-width x (trap #23)
+    zl_TL = mv(w.down_lat, x_TE)
+
+    # Chunk union: each selected expert runs once over all the tokens that chose it; the
+    # per-token matvec order does not depend on that count, so this equals per-token MoE.
+    d_TkL = _f32(T, k, zl_TL.shape[1])
+    users: dict[int, list[tuple[int, int]]] = {}
+    for t, (idx, _) in enumerate(routes):
+        for j, e in enumerate(idx):
+            users.setdefault(int(e), []).append((t, j))
+    for e in sorted(users):
+        ex = experts.expert(layer, e)
+        rows = users[e]
+        z = np.ascontiguousarray(zl_TL[[t for t, _ in rows]])
+        g = mv(ex.w1, z)
+        K.situ_glu(g, mv(ex.w3, z), cfg.situ_b1, cfg.situ_b2, g)
+        d = mv(ex.w2, g)
+        for r, (t, j) in enumerate(rows):
+            d_TkL[t, j] = d[r]
+
+    acc_TL = np.zeros_like(zl_TL)
+    for t, (_, wts) in enumerate(routes):
+        for j in range(k):                                        # selection order
+            K.axpy(acc_TL[t], wts[j], d_TkL[t, j])
+    if cfg.latent_norm:                                           # on the aggregate only
+        K.rmsnorm(acc_TL, w.lat_norm, cfg.rms_eps, acc_TL)
+    y_TE = mv(w.up_lat, acc_TL)
+    K.add(y_TE, situ_mlp(w.shared, x_TE, cfg))                    # shared: original x, last
+    return y_TE
+
+
+# ---- decoder layer with Block Attention Residuals (§4.3, §4.8) -------------------------
+
+class AttnResStack:
+    """The per-call snapshot stack: [max_snapshots, T, E], rebuilt on every forward."""
+
+    def __init__(self, n_snapshots: int, T: int, E: int):
+        self.buf = np.empty((max(n_snapshots, 1), T, E), dtype=np.float32)
+        self.n = 0
+
+    def push(self, run_TE: np.ndarray) -> None:
+        self.buf[self.n] = run_TE
+        self.n += 1
+
+    def aggregate(self, run_TE: np.ndarray, phi: np.ndarray, eps: float) -> np.ndarray:
+        out = np.empty_like(run_TE)
+        K.attnres(self.buf, self.n, run_TE, phi, eps, out)
+        return out
+
+
+def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw, st, n_past: int,
+                  experts: ExpertSource, cfg: ModelConfig) -> np.ndarray:
+    run = h_TE                                                    # the block's running sum
+    a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
+    if cfg.is_boundary(L):
+        stack.push(run)                                           # push the block sum, then
+        run = None                                                # clear it
+    x = rmsnorm(a, lw.input_norm, cfg.rms_eps)
+    y = kda(lw.attn, x, st, cfg) if cfg.is_kda(L) else mla(lw.attn, x, st, n_past, cfg)
+    if run is None:
+        run = y
+    else:
+        K.add(run, y)
+    m = stack.aggregate(run, lw.phi_mlp, cfg.rms_eps)             # unconditional: stack >= 1
+    x2 = rmsnorm(m, lw.post_norm, cfg.rms_eps)
+    z = situ_mlp(lw.mlp, x2, cfg) if cfg.is_dense(L) else latent_moe(lw.mlp, x2, L, experts, cfg)
+    K.add(run, z)
+    return run
+
+
+# ---- whole model (§4.2, §4.9) --------------------------------------------------------
+
+class Model:
+    """Forward pass over a weight provider and an expert source, on the first `n_layers`
+    layers (the CLI's --layers binds a partial stack)."""
+
+    def __init__(self, cfg: ModelConfig, weights: WeightProvider, experts: ExpertSource,
+                 n_layers: int | None = None):
+        self.cfg = cfg
+        self.weights = weights
+        self.experts = experts
+        self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
+        self.layers_completed = 0
+
+    def new_state(self, capacity: int) -> SequenceState:
+        return SequenceState(self.cfg, capacity, self.n_layers)
+
+    def forward(self, ids, state: SequenceState, all_logits: bool = False) -> np.ndarray:
+        """Run the new ids through the model, advancing `state`.  Returns the logits of
+        the last position [V], or of every position [T, V] with all_logits."""
+        cfg = self.cfg
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        T = ids.shape[0]
+        n_past = state.reserve(T)
+        tables = self.weights.tables
+        h = _f32(T, cfg.hidden)
+        K.embed(tables.embed, ids, h)                             # gather and widen
+        n_boundaries = -(-self.n_layers // cfg.attn_res_block)
+        stack = AttnResStack(n_boundaries, T, cfg.hidden)
+        self.layers_completed = 0
+        for L in range(self.n_layers):
+            lw = self.weights.layer(L)
+            try:
+                h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts, cfg)
+            finally:
+                self.weights.release(L)
+            self.layers_completed = L + 1
+        state.n_cached = n_past + T
+        o = stack.aggregate(h, tables.phi_out, cfg.rms_eps)       # one more before the norm
+        rows = o if all_logits else o[T - 1:]
+        logits = mv(tables.lm_head, rmsnorm(np.ascontiguousarray(rows), tables.final_norm,
+                                            cfg.rms_eps))
+        return logits if all_logits else logits[0]
+
+
+def greedy(logits: np.ndarray) -> int:
+    """First index of the maximum (lowest index on ties)."""
+    return int(K.argmax(np.ascontiguousarray(logits, dtype=np.float32)))

@@ -1,0 +1,87 @@
+"""Per-sequence state (ARCHITECTURE §6): what one sequence carries between forward calls.
+
+KDA layers carry the recurrent matrix S [H, D, D] (row = key channel) and the raw
+ShortConv history of q, k and v [P, K-1] (oldest first).  MLA layers carry the expanded
+cache KV [capacity, H*(d_n+d_v)] and one shared rope key per position R [capacity, d_r].
+Nothing else crosses tokens: the AttnRes stack is rebuilt on every call (trap #32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+class CacheOverflowError(RuntimeError):
+    """Writing past the MLA cache capacity aborts the run (trap #44)."""
+
+
+@dataclass
+class KDAState:
+    S: np.ndarray
+    conv_q: np.ndarray
+    conv_k: np.ndarray
+    conv_v: np.ndarray
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig) -> "KDAState":
+        H, D, P, K = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_proj, cfg.conv_k
+        z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+        return cls(z(H, D, D), z(P, K - 1), z(P, K - 1), z(P, K - 1))
+
+    def reset(self) -> None:
+        for a in (self.S, self.conv_q, self.conv_k, self.conv_v):
+            a.fill(0.0)
+
+
+@dataclass
+class MLAState:
+    kv: np.ndarray
+    rope: np.ndarray
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, capacity: int) -> "MLAState":
+        width = cfg.n_heads * (cfg.qk_nope + cfg.v_head)
+        return cls(np.zeros((capacity, width), dtype=np.float32),
+                   np.zeros((capacity, cfg.qk_rope), dtype=np.float32))
+
+
+class SequenceState:
+    """State of one sequence over the first `n_layers` layers, with room for `capacity`
+    positions in every MLA cache."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None):
+        self.cfg = cfg
+        self.capacity = int(capacity)
+        self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
+        self.n_cached = 0
+        self.layers: list[KDAState | MLAState] = [
+            MLAState.empty(cfg, self.capacity) if cfg.is_mla(L) else KDAState.zeros(cfg)
+            for L in range(self.n_layers)
+        ]
+
+    def reset(self) -> None:
+        """Fresh sequence: zero recurrent state, empty caches (full recompute, §6.2)."""
+        self.n_cached = 0
+        for st in self.layers:
+            if isinstance(st, KDAState):
+                st.reset()
+
+    def reserve(self, n_new: int) -> int:
+        """Positions n_cached .. n_cached+n_new-1 are about to be written; refuse overflow
+        before anything is written, so no token is ever computed from unwritten rows."""
+        if self.n_cached + n_new > self.capacity:
+            raise CacheOverflowError(
+                f"MLA cache overflow: {self.n_cached} cached + {n_new} new positions "
+                f"exceed the capacity of {self.capacity}")
+        return self.n_cached
+
+    def nbytes(self) -> int:
+        total = 0
+        for st in self.layers:
+            arrays = (st.S, st.conv_q, st.conv_k, st.conv_v) if isinstance(st, KDAState) \
+                else (st.kv, st.rope)
+            total += sum(a.nbytes for a in arrays)
+        return total
