@@ -24,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..config import ModelConfig, parse_config, to_flat_dict, to_nested_dict
-from ..names import TensorDef, expert_tensors, layer_tensors, model_tensors
+from ..names import PREFIX, TensorDef, expert_tensors, layer_tensors, model_tensors
 from .st_writer import TensorSpec, write_safetensors
 
 # The peer's 13-layer tiny dims (ARCHITECTURE §0.2) with moe_intermediate_size 64, so
@@ -95,11 +95,20 @@ def quantise_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, scales
 
 
-def _matrix_std(key: str) -> float:
+# MLA query/key expansions and output at the op fixtures' scale: at 0.02 the attention
+# scores are ~5e-3, softmax is uniform and a wrong score scale (trap #18) or dropped rope
+# terms move the logits by less than the oracle's tolerance.
+_MLA_STD = {"self_attn.q_b_proj.weight": 0.3, "self_attn.kv_b_proj.weight": 0.3,
+            "self_attn.o_proj.weight": 0.1}
+
+
+def _matrix_std(key: str, mla: bool = False) -> float:
     if key.startswith(("w1", "w3")) or key.endswith(("gate_proj.weight", "up_proj.weight")):
         return 1.2          # SiTU caps engage (dense gate/up, shared and routed w1/w3)
     if "conv1d" in key:
         return 0.4
+    if mla and key in _MLA_STD:
+        return _MLA_STD[key]
     return 0.02
 
 
@@ -125,7 +134,9 @@ class Generator:
             return np.linspace(-0.15, 0.15, t.shape[0], dtype=np.float32)
         if t.kind == "v" and len(t.shape) == 1:             # norm gains: random around 1
             return (1.0 + 0.1 * rng.standard_normal(t.shape)).astype(np.float32)
-        w = rng.standard_normal(t.shape, dtype=np.float32) * np.float32(_matrix_std(t.key))
+        mla = t.name.startswith(PREFIX + "layers.") and \
+            cfg.is_mla(int(t.name[len(PREFIX + "layers."):].split(".", 1)[0]))
+        w = rng.standard_normal(t.shape, dtype=np.float32) * np.float32(_matrix_std(t.key, mla))
         return w if t.kind == "v" else to_bf16(w)           # conv taps, res_proj stay F32
 
     def _expert_part(self, t: TensorDef) -> np.ndarray:
