@@ -56,3 +56,23 @@ def check_close(name: str, got: np.ndarray, want: np.ndarray) -> float:
 @pytest.fixture
 def peer():
     return peer_dir()
+
+
+# ---- print what the gates compared, even under -q with output captured ----------------
+
+_GATE_PREFIXES = ("[gate]", "[fixture]", "[oracle]", "[cli]")
+_gate_lines: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        for line in report.capstdout.splitlines():
+            if line.startswith(_GATE_PREFIXES):
+                _gate_lines.append(line)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _gate_lines:
+        terminalreporter.section("what the gates compared")
+        for line in _gate_lines:
+            terminalreporter.write_line(line)
