@@ -11,8 +11,8 @@ import numpy as np
 from . import kernels as K
 from .config import ModelConfig
 from .state import KDAState, MLAState, SequenceState
-from .weights import (DenseWeights, ExpertSource, KDAWeights, MLAWeights, MoEWeights,
-                      WeightProvider, mv)
+from .weights import (DenseWeights, ExpertSource, KDAWeights, LayerWeights, MLAWeights,
+                      MoEWeights, WeightProvider, mv)
 
 
 def _f32(*shape: int) -> np.ndarray:
@@ -142,8 +142,10 @@ class AttnResStack:
         return out
 
 
-def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw, st, n_past: int,
-                  experts: ExpertSource, cfg: ModelConfig) -> np.ndarray:
+def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeights,
+                  st: KDAState | MLAState, n_past: int, experts: ExpertSource,
+                  cfg: ModelConfig) -> np.ndarray:
+    """One layer; h_TE is consumed (updated in place as the running sum)."""
     run = h_TE                                                    # the block's running sum
     a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
     if cfg.is_boundary(L):
