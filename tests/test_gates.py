@@ -177,3 +177,16 @@ def test_generated_experts_exercise_the_traps(lm):
     print(f"[gate] router bias changed the selection in {changed}/32 random inputs; "
           f"{capped:.0%} of dense gate pre-activations beyond the SiTU cap {cfg.situ_b1}")
     assert changed > 0 and capped > 0.2
+
+
+def test_long_prefill_in_moe_chunks_equals_token_by_token(lm):
+    """A prompt longer than one MoE prefill chunk (64 positions) gives the same logits at
+    every position as feeding it one token at a time (chunk-union prefill, trap #45)."""
+    from k3engine.model import PREFILL_CHUNK
+    ids = [int(i) for i in np.random.default_rng(7).integers(0, lm.cfg.vocab, PREFILL_CHUNK + 37)]
+    tf = teacher_forced_logits(lm, ids)
+    st = lm.model.new_state(len(ids))
+    same = sum(np.array_equal(tf[t], lm.model.forward([ids[t]], st)) for t in range(len(ids)))
+    print(f"[gate] prefill of {len(ids)} positions ({PREFILL_CHUNK}-position MoE chunks) vs "
+          f"one token at a time: {same}/{len(ids)} positions bit-identical")
+    assert same == len(ids)

@@ -158,9 +158,9 @@ class DictExperts:
     def __init__(self, fx, prefix):
         self.fx, self.prefix = fx, prefix
 
-    def expert(self, layer, e):
-        g = lambda m: tens(self.fx, f"{self.prefix}experts_{e}_{m}_weight")  # noqa: E731
-        return ExpertWeights(w1=g("w1"), w3=g("w3"), w2=g("w2"))
+    def batches(self, layer, experts):
+        g = lambda e, m: tens(self.fx, f"{self.prefix}experts_{e}_{m}_weight")  # noqa: E731
+        yield [(e, ExpertWeights(w1=g(e, "w1"), w3=g(e, "w3"), w2=g(e, "w2"))) for e in experts]
 
 
 def _moe_weights(fx, p) -> MoEWeights:

@@ -89,38 +89,50 @@ def route(w: MoEWeights, x_E: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray,
     return idx, wts
 
 
+PREFILL_CHUNK = 64      # positions whose routed experts are gathered into one union
+
+
 def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
                cfg: ModelConfig) -> np.ndarray:
-    T, k = x_TE.shape[0], cfg.topk
-    routes = [route(w, x_TE[t], cfg) for t in range(T)]           # full-width x (trap #23)
-    zl_TL = mv(w.down_lat, x_TE)
-
-    # Chunk union: each selected expert runs once over all the tokens that chose it; the
-    # per-token matvec order does not depend on that count, so this equals per-token MoE.
-    d_TkL = _f32(T, k, zl_TL.shape[1])
-    users: dict[int, list[tuple[int, int]]] = {}
-    for t, (idx, _) in enumerate(routes):
-        for j, e in enumerate(idx):
-            users.setdefault(int(e), []).append((t, j))
-    for e in sorted(users):
-        ex = experts.expert(layer, e)
-        rows = users[e]
-        z = np.ascontiguousarray(zl_TL[[t for t, _ in rows]])
-        g = mv(ex.w1, z)
-        K.situ_glu(g, mv(ex.w3, z), cfg.situ_b1, cfg.situ_b2, g)
-        d = mv(ex.w2, g)
-        for r, (t, j) in enumerate(rows):
-            d_TkL[t, j] = d[r]
-
-    acc_TL = np.zeros_like(zl_TL)
-    for t, (_, wts) in enumerate(routes):
-        for j in range(k):                                        # selection order
-            K.axpy(acc_TL[t], wts[j], d_TkL[t, j])
+    acc_TL = np.empty((x_TE.shape[0], w.down_lat.shape[0]), dtype=np.float32)
+    for c0 in range(0, x_TE.shape[0], PREFILL_CHUNK):
+        x = x_TE[c0:c0 + PREFILL_CHUNK]
+        _routed_aggregate(w, x, mv(w.down_lat, x), layer, experts, cfg, acc_TL[c0:c0 + x.shape[0]])
     if cfg.latent_norm:                                           # on the aggregate only
         K.rmsnorm(acc_TL, w.lat_norm, cfg.rms_eps, acc_TL)
     y_TE = mv(w.up_lat, acc_TL)
     K.add(y_TE, situ_mlp(w.shared, x_TE, cfg))                    # shared: original x, last
     return y_TE
+
+
+def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer: int,
+                      experts: ExpertSource, cfg: ModelConfig, acc_TL: np.ndarray) -> None:
+    """acc[t] = sum_j w_j * expert_j(zl[t]) in selection order, for one chunk of tokens.
+
+    Chunk union: each selected expert is fetched once and runs over all the chunk's tokens
+    that chose it; the per-token matvec order does not depend on that count, so this equals
+    the per-token MoE bit for bit.  Outputs are kept per (token, rank) and summed in rank
+    order afterwards (the accumulation order is part of the contract, trap #41)."""
+    T, k = x_TE.shape[0], cfg.topk
+    routes = [route(w, x_TE[t], cfg) for t in range(T)]           # full-width x (trap #23)
+    users: dict[int, list[tuple[int, int]]] = {}
+    for t, (idx, _) in enumerate(routes):
+        for j, e in enumerate(idx):
+            users.setdefault(int(e), []).append((t, j))
+    d_TkL = np.empty((T, k, zl_TL.shape[1]), dtype=np.float32)
+    for group in experts.batches(layer, sorted(users)):           # resident together
+        for e, ex in group:
+            rows = users[e]
+            z = np.ascontiguousarray(zl_TL[[t for t, _ in rows]])
+            g = mv(ex.w1, z)
+            K.situ_glu(g, mv(ex.w3, z), cfg.situ_b1, cfg.situ_b2, g)
+            d = mv(ex.w2, g)
+            for r, (t, j) in enumerate(rows):
+                d_TkL[t, j] = d[r]
+    acc_TL.fill(0.0)
+    for t, (_, wts) in enumerate(routes):
+        for j in range(k):                                        # selection order
+            K.axpy(acc_TL[t], wts[j], d_TkL[t, j])
 
 
 # ---- decoder layer with Block Attention Residuals (§4.3, §4.8) -------------------------

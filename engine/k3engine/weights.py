@@ -12,7 +12,7 @@ be swapped without touching the math.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Iterator, Protocol, Union
 
 import numpy as np
 
@@ -131,4 +131,7 @@ class WeightProvider(Protocol):
 
 
 class ExpertSource(Protocol):
-    def expert(self, layer: int, expert: int) -> ExpertWeights: ...
+    def batches(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Yield the requested experts in groups that are resident together; a group
+        stays valid until the next one is requested."""
+        ...
