@@ -18,6 +18,8 @@ from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
+from .diskio import pread_into
+
 __all__ = [
     "CheckpointError", "PartialCheckpointError", "HeaderEntry", "TensorInfo", "Checkpoint",
     "parse_header", "widen_bf16", "require_tensors", "DTYPES",
@@ -28,7 +30,6 @@ NAME_MAX_BYTES = 511       # the C reader's name buffer (§1.4 #16)
 MAX_RANK = 4
 INT64_MAX = 2**63 - 1
 WIDEN_CHUNK = 4 << 20      # source bytes per read_f32 step (§1.8); read at call time
-PREAD_MAX = 1 << 30        # one request; Linux returns at most 0x7ffff000 bytes anyway
 INDEX_JSON = "model.safetensors.index.json"
 SUFFIX = ".safetensors"
 _JSON_WS = b" \t\n\r"
@@ -88,26 +89,9 @@ class TensorInfo:
 # system, EOF); every caller loops, and 0 means EOF.  A short count is reported to the
 # caller, which must refuse it: never a partially filled array (§1.9.3).
 
-def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
-    """Fill buf from offset; return the byte count actually read (< len(buf) at EOF)."""
-    got, want = 0, len(buf)
-    while got < want:
-        req = min(want - got, PREAD_MAX)
-        if hasattr(os, "preadv"):       # straight into the destination, no bytes copy
-            r = os.preadv(fd, [buf[got:got + req]], offset + got)
-        else:
-            chunk = os.pread(fd, req, offset + got)
-            r = len(chunk)
-            buf[got:got + r] = chunk
-        if r <= 0:
-            break
-        got += r
-    return got
-
-
 def _pread_bytes(fd: int, n: int, offset: int) -> bytes:
     buf = bytearray(n)
-    got = _pread_into(fd, memoryview(buf), offset)
+    got = pread_into(fd, memoryview(buf), offset)
     return bytes(buf[:got]) if got < n else bytes(buf)
 
 
@@ -424,7 +408,7 @@ class Checkpoint:
             raise CheckpointError(f"{info.path}: checkpoint is closed (reading {info.name})",
                                   info.path, info.name)
         try:
-            got = _pread_into(self._fds[info.shard], memoryview(dest), info.offset + start)
+            got = pread_into(self._fds[info.shard], memoryview(dest), info.offset + start)
         except OSError as e:
             raise CheckpointError(f"{info.path}: cannot read {info.name} ({e.strerror})",
                                   info.path, info.name) from None

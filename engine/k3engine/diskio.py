@@ -1,0 +1,94 @@
+"""Positioned, aligned and parallel reads: the I/O primitives the checkpoint reader, the
+streamed trunk and the expert cache share (SYSTEM §1.7, §2.5, §3.3-§3.4).
+
+Reads run as `os.preadv` straight into the destination buffer; the call releases the GIL,
+so a few Python I/O threads overlap with the nogil compute kernels.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+ALIGN = 4096                 # O_DIRECT offset/length/address granularity
+ARENA_ALIGN = 2 << 20        # arenas are 2 MiB aligned (huge pages, fewer pins per read)
+CHUNK = 64 << 20             # one parallel read request (SYSTEM §2.5)
+PREAD_MAX = 1 << 30          # Linux returns at most 0x7ffff000 bytes per call anyway
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill buf from offset; return the byte count actually read (< len(buf) at EOF).
+    os.pread may return fewer bytes than asked (signal, EOF): loop, 0 means EOF.  The
+    caller must refuse a short count: never a partially filled buffer as if complete."""
+    got, want = 0, len(buf)
+    while got < want:
+        req = min(want - got, PREAD_MAX)
+        if hasattr(os, "preadv"):       # straight into the destination, no bytes copy
+            r = os.preadv(fd, [buf[got:got + req]], offset + got)
+        else:
+            chunk = os.pread(fd, req, offset + got)
+            r = len(chunk)
+            buf[got:got + r] = chunk
+        if r <= 0:
+            break
+        got += r
+    return got
+
+
+class AlignedBuffer:
+    """An anonymous mapping whose usable part starts on a 2 MiB boundary (O_DIRECT needs
+    page alignment; huge pages cut the pin cost of large reads).  `view` is the writable
+    memoryview of exactly `nbytes`."""
+
+    def __init__(self, nbytes: int, align: int = ARENA_ALIGN):
+        self.nbytes = nbytes
+        size = align_up(max(nbytes, 1), ALIGN)
+        self._map = mmap.mmap(-1, size + align)
+        addr = _address(self._map)
+        self.pad = (-addr) % align
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE, self.pad, align_up(size, align))
+        except (AttributeError, OSError, ValueError):
+            pass                        # advisory only
+        self.view = memoryview(self._map)[self.pad:self.pad + nbytes]
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()
+
+
+def _address(m: mmap.mmap) -> int:
+    import ctypes
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def open_for_streaming(path: str) -> tuple[int, bool]:
+    """A read descriptor with O_DIRECT when the filesystem accepts it (page cache
+    bypassed: streamed bytes are used once), else buffered.  Returns (fd, direct)."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError:
+            pass                        # tmpfs and some filesystems refuse O_DIRECT
+    return os.open(path, os.O_RDONLY), False
+
+
+def parallel_read(pool: ThreadPoolExecutor | None, fd: int, dest: memoryview, offset: int,
+                  chunk: int = CHUNK) -> int:
+    """Read len(dest) bytes at offset as parallel chunk requests (aligned when offset and
+    chunk are); returns the byte count read contiguously from the start."""
+    n = len(dest)
+    spans = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
+    if pool is None or len(spans) == 1:
+        return sum(pread_into(fd, dest[o:o + m], offset + o) for o, m in spans)
+    got = list(pool.map(lambda s: pread_into(fd, dest[s[0]:s[0] + s[1]], offset + s[0]), spans))
+    total = 0
+    for (o, m), g in zip(spans, got):
+        total += g
+        if g < m:
+            break
+    return total
