@@ -7,6 +7,8 @@ vectors are widened to float32, `A_log` is sliced to its first H_k entries (trap
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError, require_tensors
@@ -25,54 +27,66 @@ def _numel(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
+class TensorSource(Protocol):
+    """Where a layer's tensors come from: the checkpoint's shards, or one run of the packed
+    trunk sitting in a pinned buffer or ring slot (zero-copy views)."""
+
+    def info(self, name: str): ...          # .dtype, .shape, .path
+
+    def read(self, name: str) -> np.ndarray: ...
+
+    def read_f32(self, name: str) -> np.ndarray: ...
+
+
 class Binder:
     """Reads and checks tensors of one checkpoint for one config."""
 
     def __init__(self, ck: Checkpoint, cfg: ModelConfig):
         self.ck, self.cfg = ck, cfg
 
-    def _checked(self, t: TensorDef):
-        info = self.ck.info(t.name)
+    def _checked(self, t: TensorDef, src: TensorSource):
+        info = src.info(t.name)
         if _numel(info.shape) != _numel(t.shape):
             raise BindError(f"{info.path}: {t.name} has {_numel(info.shape)} elements "
                             f"{list(info.shape)}, the config implies {_numel(t.shape)} "
                             f"{list(t.shape)}", info.path, t.name)
         return info
 
-    def matrix(self, t: TensorDef) -> np.ndarray:
+    def matrix(self, t: TensorDef, src: TensorSource) -> np.ndarray:
         """A large matrix in its shipped form: BF16 bits or float32 (F16 is widened)."""
-        info = self._checked(t)
+        info = self._checked(t, src)
         shape = (t.shape[0], _numel(t.shape[1:]))
         if info.dtype == "BF16":
-            return self.ck.read(t.name).reshape(shape)
+            return src.read(t.name).reshape(shape)
         if info.dtype in ("F32", "F16"):
-            return self.ck.read_f32(t.name).reshape(shape)
+            return src.read_f32(t.name).reshape(shape)
         raise BindError(f"{info.path}: {t.name} has dtype {info.dtype}, expected a float "
                         f"matrix", info.path, t.name)
 
-    def vector(self, t: TensorDef) -> np.ndarray:
-        info = self._checked(t)
+    def vector(self, t: TensorDef, src: TensorSource) -> np.ndarray:
+        info = self._checked(t, src)
         if info.dtype == "U8":
             raise BindError(f"{info.path}: {t.name} has dtype U8, expected a float vector",
                             info.path, t.name)
-        return self.ck.read_f32(t.name).reshape(t.shape)
+        return src.read_f32(t.name).reshape(t.shape)
 
-    def a_log(self, t: TensorDef) -> np.ndarray:
+    def a_log(self, t: TensorDef, src: TensorSource) -> np.ndarray:
         """A_log ships D values (H real + zero padding); op-fixture formats ship H."""
-        info = self.ck.info(t.name)
+        info = src.info(t.name)
         H, D = self.cfg.kda_heads, self.cfg.kda_head_dim
         if _numel(info.shape) not in (D, H) or info.dtype == "U8":
             raise BindError(f"{info.path}: {t.name} has {_numel(info.shape)} elements, "
                             f"expected {D} (head_dim, first {H} used)", info.path, t.name)
-        return np.ascontiguousarray(self.ck.read_f32(t.name).reshape(-1)[:H])
+        return np.ascontiguousarray(src.read_f32(t.name).reshape(-1)[:H])
 
     # -- per layer -------------------------------------------------------------------
 
-    def layer(self, L: int) -> LayerWeights:
-        cfg = self.cfg
+    def layer(self, L: int, src: TensorSource | None = None) -> LayerWeights:
+        """Layer L's weights from `src` (default: the checkpoint's shards)."""
+        cfg, src = self.cfg, src or self.ck
         defs = {t.key: t for t in layer_tensors(cfg, L)}
-        M = lambda key: self.matrix(defs[key])                     # noqa: E731
-        v = lambda key: self.vector(defs[key])                     # noqa: E731
+        M = lambda key: self.matrix(defs[key], src)                # noqa: E731
+        v = lambda key: self.vector(defs[key], src)                # noqa: E731
         if cfg.is_kda(L):
             conv = lambda m: v(f"self_attn.{m}_conv1d.weight").reshape(cfg.kda_proj, cfg.conv_k)  # noqa: E731
             attn = KDAWeights(
@@ -81,7 +95,7 @@ class Binder:
                 q_conv=conv("q"), k_conv=conv("k"), v_conv=conv("v"),
                 f_a=M("self_attn.f_a_proj.weight"), f_b=M("self_attn.f_b_proj.weight"),
                 b_proj=M("self_attn.b_proj.weight"), g_proj=M("self_attn.g_proj.weight"),
-                o_proj=M("self_attn.o_proj.weight"), A_log=self.a_log(defs["self_attn.A_log"]),
+                o_proj=M("self_attn.o_proj.weight"), A_log=self.a_log(defs["self_attn.A_log"], src),
                 dt_bias=v("self_attn.dt_bias"), o_norm=v("self_attn.o_norm.weight"))
         else:
             attn = MLAWeights(
@@ -113,17 +127,18 @@ class Binder:
 
     def tables(self) -> ModelTables:
         d = {t.key: t for t in model_tensors(self.cfg)}
+        M = lambda key: self.matrix(d[key], self.ck)               # noqa: E731
+        v = lambda key: self.vector(d[key], self.ck)               # noqa: E731
         return ModelTables(
-            embed=self.matrix(d["embed_tokens.weight"]), lm_head=self.matrix(d["lm_head.weight"]),
-            final_norm=self.vector(d["norm.weight"]),
-            phi_out=fold_phi(self.vector(d["output_attn_res_norm.weight"]),
-                             self.vector(d["output_attn_res_proj.weight"])))
+            embed=M("embed_tokens.weight"), lm_head=M("lm_head.weight"),
+            final_norm=v("norm.weight"),
+            phi_out=fold_phi(v("output_attn_res_norm.weight"), v("output_attn_res_proj.weight")))
 
     def expert(self, L: int, e: int) -> ExpertWeights:
         """One routed expert's three MXFP4 matrices, with the geometry checks of
         SYSTEM §1.6 (U8, rank 2, same rows, group size 32, one shard)."""
         defs = expert_tensors(self.cfg, L, e)
-        infos = [self._checked(t) for t in defs]
+        infos = [self._checked(t, self.ck) for t in defs]
         shard = infos[0].shard
         for t, info in zip(defs, infos):
             if info.dtype != "U8" or len(info.shape) != 2 or tuple(info.shape) != t.shape:
