@@ -1,0 +1,513 @@
+"""The packed trunk (SYSTEM §2) and the streamed trunk (SYSTEM §3).
+
+Packing copies each decoder layer's trunk run (every tensor of the layer except the routed
+experts; one contiguous run in one shard) verbatim into `trunk.bin`, 4096-aligned, and
+describes it in `trunk.json`.  Streaming keeps a planned set of layers pinned after first
+use and streams every other layer through a small ring of slots, read ahead in layer order
+by a reader thread while the compute thread works on the current layer.
+
+Silent-failure traps handled here (each has a test in tests/test_trunk.py):
+* one ring slot must never be read ahead: the next layer would land on the bytes being
+  computed on (fluent wrong tokens, no error) -- no reader thread when ring == 1;
+* a slot is marked empty BEFORE its read starts and published only AFTER the read
+  succeeded, so a failed or short read is never bound;
+* an upcoming layer already in a slot is never evicted for a further one (re-read storm);
+* a trunk packed from another checkpoint is refused at open (TrunkMismatchError).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .bind import Binder
+from .checkpoint import Checkpoint, CheckpointError, TensorInfo, widen_bf16
+from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
+from .names import PREFIX
+from .weights import LayerWeights, ModelTables
+
+TRUNK_BIN, TRUNK_JSON = "trunk.bin", "trunk.json"
+COPY_CHUNK = 64 << 20
+ELEM = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
+NP_DTYPE = {"U8": np.uint8, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+class TrunkError(CheckpointError):
+    """A packed trunk that must not be used; the message names the file and the problem."""
+
+
+class TrunkMismatchError(TrunkError):
+    """trunk.json describes tensors that differ from this checkpoint's."""
+
+
+class PackCancelled(TrunkError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrunkTensor:
+    off: int            # relative to the layer run's start
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TrunkLayer:
+    file_off: int
+    nbytes: int         # run length rounded up to 4096: the bytes read
+    tensors: dict[str, TrunkTensor]
+
+
+def _is_trunk_tensor(name: str, L: int) -> bool:
+    return name.startswith(f"{PREFIX}layers.{L}.") and ".block_sparse_moe.experts." not in name
+
+
+def _layer_of(name: str) -> int | None:
+    head = PREFIX + "layers."
+    if not name.startswith(head):
+        return None
+    num = name[len(head):].split(".", 1)[0]
+    return int(num) if num.isdigit() else None
+
+
+def trunk_runs(ck: Checkpoint, n_layers: int) -> list[tuple[int, int, int, list[TensorInfo]]]:
+    """(shard, lo, own, tensors) of each layer's trunk run, with the §2.2 refusals."""
+    by_layer: dict[int, list[TensorInfo]] = {L: [] for L in range(n_layers)}
+    for name in ck.names():
+        L = _layer_of(name)
+        if L is not None and L < n_layers and _is_trunk_tensor(name, L):
+            by_layer[L].append(ck.info(name))
+    runs = []
+    for L in range(n_layers):
+        mine = by_layer[L]
+        if not mine:
+            raise TrunkError(f"{ck.model_dir}: layer {L}: NO TENSORS FOUND", ck.model_dir)
+        shards = {t.shard for t in mine}
+        if len(shards) > 1:
+            raise TrunkError(f"{ck.model_dir}: layer {L} spans {len(shards)} shards, cannot "
+                             f"pack as one run", ck.model_dir)
+        lo = min(t.offset for t in mine)
+        hi = max(t.offset + t.nbytes for t in mine)
+        own = sum(t.nbytes for t in mine)
+        if hi - lo != own:
+            raise TrunkError(f"{mine[0].path}: layer {L} trunk is NOT contiguous (span "
+                             f"{hi - lo}, own {own})", mine[0].path)
+        runs.append((mine[0].shard, lo, own, sorted(mine, key=lambda t: t.name)))
+    return runs
+
+
+def _tensor_map(infos: list[TensorInfo], lo: int) -> dict:
+    return {t.name: {"off": t.offset - lo, "nbytes": t.nbytes, "dtype": t.dtype,
+                     "shape": list(t.shape)} for t in infos}
+
+
+def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
+               progress: Callable[[int, int, int], None] | None = None,
+               cancel: Callable[[], bool] | None = None) -> "TrunkManifest":
+    """Write trunk.bin + trunk.json.  `progress(layers_done, bytes_done, bytes_total)`;
+    `cancel()` returning True stops the pack.  Atomic: files appear under their final
+    names only when complete, trunk.json last, so a cancelled or failed pack never leaves
+    a pair that looks valid."""
+    from .config import load_config
+    cfg = load_config(os.path.join(model_dir, "config.json"))
+    n = cfg.n_layers if n_layers is None else n_layers
+    with Checkpoint(model_dir) as ck:
+        runs = trunk_runs(ck, n)
+        layers = [_tensor_map(infos, lo) for _, lo, _, infos in runs]
+        os.makedirs(trunk_dir, exist_ok=True)
+        _refuse_other_model(trunk_dir, layers)
+        total = sum(own for _, _, own, _ in runs)
+        bin_path = os.path.join(trunk_dir, TRUNK_BIN)
+        tmp_bin = f"{bin_path}.partial-{os.getpid()}"
+        manifest = {"n_layers": n, "align": ALIGN, "layers": []}
+        done = 0
+        try:
+            with open(tmp_bin, "wb") as out:
+                buf = bytearray(COPY_CHUNK)
+                for L, (shard, lo, own, _) in enumerate(runs):
+                    out.write(b"\0" * (-out.tell() % ALIGN))
+                    file_off = out.tell()
+                    fd = os.open(ck.shards[shard], os.O_RDONLY)
+                    try:
+                        for o in range(0, own, COPY_CHUNK):
+                            if cancel and cancel():
+                                raise PackCancelled(f"{trunk_dir}: pack cancelled at layer {L}",
+                                                    trunk_dir)
+                            m = min(COPY_CHUNK, own - o)
+                            if pread_into(fd, memoryview(buf)[:m], lo + o) != m:
+                                raise TrunkError(f"{ck.shards[shard]}: short read packing "
+                                                 f"layer {L}", ck.shards[shard])
+                            out.write(memoryview(buf)[:m])
+                            done += m
+                            if progress:
+                                progress(L, done, total)
+                    finally:
+                        os.close(fd)
+                    out.write(b"\0" * (-out.tell() % ALIGN))   # an O_DIRECT read never passes EOF
+                    manifest["layers"].append({
+                        "layer": L, "shard": os.path.basename(ck.shards[shard]), "run_start": lo,
+                        "nbytes": align_up(own), "file_off": file_off, "tensors": layers[L]})
+                    if progress:
+                        progress(L + 1, done, total)
+                out.flush()
+                os.fsync(out.fileno())
+            json_path = os.path.join(trunk_dir, TRUNK_JSON)
+            if os.path.exists(json_path):
+                os.unlink(json_path)            # never a stale json beside a new bin
+            os.replace(tmp_bin, bin_path)
+            tmp_json = f"{json_path}.partial-{os.getpid()}"
+            with open(tmp_json, "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_json, json_path)
+        finally:
+            for p in (tmp_bin, os.path.join(trunk_dir, f"{TRUNK_JSON}.partial-{os.getpid()}")):
+                if os.path.exists(p):
+                    os.unlink(p)
+    return TrunkManifest.load(trunk_dir)
+
+
+def _refuse_other_model(trunk_dir: str, layers: list[dict]) -> None:
+    json_path = os.path.join(trunk_dir, TRUNK_JSON)
+    if not os.path.exists(json_path):
+        return
+    try:
+        old = TrunkManifest.load(trunk_dir)
+    except TrunkError:
+        return                                  # damaged: nothing worth protecting
+    for L, tensors in enumerate(layers[:len(old.layers)]):
+        mism = _first_mismatch(old.layers[L].tensors, tensors)
+        if mism:
+            raise TrunkMismatchError(f"{json_path}: the directory holds the trunk of a different "
+                                     f"model (layer {L}: {mism}); remove it or choose another "
+                                     f"directory", json_path)
+
+
+def _first_mismatch(have: dict[str, TrunkTensor], want: dict[str, dict]) -> str | None:
+    for name in sorted(set(have) | set(want)):
+        if name not in have:
+            return f"{name} is not present in the packed run"
+        if name not in want:
+            return f"{name} is not in the checkpoint"
+        h, w = have[name], want[name]
+        if (h.dtype, list(h.shape), h.nbytes) != (w["dtype"], list(w["shape"]), w["nbytes"]):
+            return (f"{name} is {h.dtype} {list(h.shape)} in the trunk, {w['dtype']} "
+                    f"{list(w['shape'])} in the checkpoint")
+    return None
+
+
+class TrunkManifest:
+    """trunk.json read with the integrity checks of SYSTEM §2.6 (required and NEW)."""
+
+    def __init__(self, trunk_dir: str, layers: list[TrunkLayer], align: int, bin_size: int):
+        self.trunk_dir, self.layers, self.align, self.bin_size = trunk_dir, layers, align, bin_size
+
+    @property
+    def bin_path(self) -> str:
+        return os.path.join(self.trunk_dir, TRUNK_BIN)
+
+    @classmethod
+    def load(cls, trunk_dir: str) -> "TrunkManifest":
+        jp = os.path.join(trunk_dir, TRUNK_JSON)
+        bp = os.path.join(trunk_dir, TRUNK_BIN)
+
+        def bad(problem: str) -> TrunkError:
+            return TrunkError(f"{jp}: {problem}", jp)
+        try:
+            with open(jp, "rb") as f:
+                raw = json.loads(f.read())
+        except FileNotFoundError:
+            raise TrunkError(f"{jp}: no trunk.json (pack one with k3 pack-trunk)", jp) from None
+        except (OSError, ValueError) as e:
+            raise bad(f"not valid JSON ({e})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("layers"), list):
+            raise bad("has no 'layers' array")
+        try:
+            bin_size = os.path.getsize(bp)
+        except OSError:
+            raise TrunkError(f"{bp}: missing trunk.bin beside trunk.json", bp) from None
+        align = raw.get("align", 0) if isinstance(raw.get("align", 0), int) else 0
+        layers, prev_end = [], 0
+        for i, e in enumerate(raw["layers"]):
+            if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict):
+                raise bad(f"layer {i} has no 'tensors' object")
+            fo, nb = e.get("file_off"), e.get("nbytes")
+            if not (isinstance(fo, int) and isinstance(nb, int)) or fo < 0 or nb < 0:
+                raise bad(f"layer {i} has no valid file_off/nbytes")
+            if fo % ALIGN or nb % ALIGN:
+                raise bad(f"layer {i}: file_off {fo} or nbytes {nb} is not a multiple of {ALIGN}")
+            if fo + nb > bin_size:
+                raise TrunkError(f"{bp}: layer {i} run [{fo}, {fo + nb}) passes the end of "
+                                 f"trunk.bin ({bin_size} bytes): truncated trunk", bp)
+            if fo < prev_end:
+                raise bad(f"layer {i} overlaps the previous layer's run")
+            prev_end = fo + nb
+            tensors = {}
+            for name, t in e["tensors"].items():
+                try:
+                    tt = TrunkTensor(int(t["off"]), int(t["nbytes"]), str(t["dtype"]),
+                                     tuple(int(d) for d in t.get("shape", [])))
+                except (KeyError, TypeError, ValueError):
+                    raise bad(f"layer {i}: tensor {name} entry is malformed") from None
+                if tt.dtype not in ELEM:
+                    raise bad(f"layer {i}: tensor {name} has dtype {tt.dtype!r}, which this "
+                              f"reader does not decode")
+                if tt.off < 0 or tt.off + tt.nbytes > nb:
+                    raise bad(f"layer {i}: tensor {name} lies outside its run")
+                if int(np.prod(tt.shape, dtype=np.int64)) * ELEM[tt.dtype] != tt.nbytes:
+                    raise bad(f"layer {i}: tensor {name} is {tt.nbytes} bytes but its shape "
+                              f"implies {int(np.prod(tt.shape)) * ELEM[tt.dtype]}")
+                tensors[name] = tt
+            if "blocks" in e:
+                raise bad(f"layer {i} uses the compressed block format, which this reader "
+                          f"does not implement")
+            layers.append(TrunkLayer(fo, nb, tensors))
+        return cls(trunk_dir, layers, align, bin_size)
+
+    def check_against(self, ck: Checkpoint, n_layers: int) -> None:
+        """Refuse a trunk packed from another checkpoint or revision (TrunkMismatchError)."""
+        if len(self.layers) < n_layers:
+            raise TrunkError(f"{os.path.join(self.trunk_dir, TRUNK_JSON)}: packed trunk has "
+                             f"{len(self.layers)} layers, need {n_layers}", self.trunk_dir)
+        for L in range(n_layers):
+            want = {n: {"dtype": ck.info(n).dtype, "shape": list(ck.info(n).shape),
+                        "nbytes": ck.info(n).nbytes}
+                    for n in ck.names() if _layer_of(n) == L and _is_trunk_tensor(n, L)}
+            mism = _first_mismatch(self.layers[L].tensors, want)
+            if mism:
+                jp = os.path.join(self.trunk_dir, TRUNK_JSON)
+                raise TrunkMismatchError(f"{jp}: trunk does not belong to {ck.model_dir} "
+                                         f"(layer {L}: {mism})", jp)
+
+    def total_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+class TrunkLayerSource:
+    """One layer run in memory, read as tensors (zero-copy views for large matrices)."""
+
+    def __init__(self, manifest: TrunkManifest, L: int, buf: memoryview):
+        self.layer, self.buf, self.path = manifest.layers[L], buf, manifest.bin_path
+
+    def info(self, name: str):
+        t = self.layer.tensors.get(name)
+        if t is None:
+            raise TrunkError(f"{self.path}: {name} is not present in the packed run", self.path,
+                             name)
+        return TensorInfo(name, t.dtype, t.shape, 0, self.path, t.off, t.nbytes)
+
+    def read(self, name: str) -> np.ndarray:
+        t = self.info(name)
+        dt = NP_DTYPE[t.dtype]
+        return np.frombuffer(self.buf, dtype=dt, count=t.nbytes // ELEM[t.dtype],
+                             offset=t.offset).reshape(t.shape)
+
+    def read_f32(self, name: str) -> np.ndarray:
+        a = self.read(name)
+        if a.dtype == np.uint16:
+            return widen_bf16(a)
+        return a.astype(np.float32)
+
+
+class StreamedTrunk:
+    """WeightProvider over a packed trunk: pinned layers (read on first touch, kept) and a
+    ring of `ring_slots` uniform slots read ahead in layer order (SYSTEM §3.5)."""
+
+    def __init__(self, manifest: TrunkManifest, binder: Binder, tables: ModelTables,
+                 n_layers: int, pinned: set[int], ring_slots: int, io_threads: int = 4,
+                 on_read: Callable[[int, int, float], None] | None = None):
+        self.m, self.binder, self.tables, self.n_layers = manifest, binder, tables, n_layers
+        self.pinned = set(pinned)
+        self.on_read = on_read
+        unpinned = [L for L in range(n_layers) if L not in self.pinned]
+        self.nslot = max(1, min(ring_slots, len(unpinned))) if unpinned else 0
+        self.slot_bytes = max((manifest.layers[L].nbytes for L in unpinned), default=0)
+        self.fd, self.direct = open_for_streaming(manifest.bin_path)
+        if manifest.align != ALIGN:
+            os.close(self.fd)
+            self.fd, self.direct = os.open(manifest.bin_path, os.O_RDONLY), False
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="k3-trunk-io")
+        self.slots = [AlignedBuffer(self.slot_bytes) for _ in range(self.nslot)]
+        self.pinned_buf: dict[int, AlignedBuffer] = {}
+        self.pinned_bound: dict[int, LayerWeights] = {}
+        # ring state, all under self.cv (§3.5)
+        self.cv = threading.Condition()
+        self.layer_of = [-1] * self.nslot
+        self.slot_of: dict[int, int] = {}
+        self.pending = [-1] * self.nslot
+        self.held = -1
+        self.walk = -1
+        self.cursor = 0
+        self.queue: list[tuple[int, int]] = []
+        self.stop = False
+        # counters (completed binds / reads only)
+        self.hits = self.misses = self.binds = 0
+        self.bytes_read = 0
+        self.read_seconds = 0.0
+        self.reader = None
+        if self.nslot >= 2:                     # with ONE slot there must be no read-ahead
+            self.reader = threading.Thread(target=self._reader, name="k3-trunk-reader",
+                                           daemon=True)
+            self.reader.start()
+
+    # -- reads -------------------------------------------------------------------------
+
+    def _read_run(self, L: int, dest: memoryview) -> bool:
+        run = self.m.layers[L]
+        t0 = time.monotonic()
+        got = parallel_read(self.pool, self.fd, dest[:run.nbytes], run.file_off)
+        dt = time.monotonic() - t0
+        if got != run.nbytes:
+            return False
+        with self.cv:
+            self.bytes_read += run.nbytes
+            self.read_seconds += dt
+        if self.on_read:
+            self.on_read(L, run.nbytes, dt)
+        return True
+
+    def _claim(self, L: int) -> int:
+        """A slot that may receive layer L (§3.5 rules), marked empty and pending; -1 if
+        every slot is busy.  Caller holds the lock."""
+        for i in range(self.nslot):
+            s = (self.cursor + i) % self.nslot
+            lo = self.layer_of[s]
+            if self.pending[s] >= 0 or s == self.held:
+                continue
+            if lo >= 0 and self.walk < lo <= self.walk + self.nslot:
+                continue                        # an upcoming layer: keep it
+            if lo >= 0:
+                del self.slot_of[lo]
+            self.layer_of[s] = -1               # empty BEFORE the read starts
+            self.pending[s] = L
+            self.cursor = (s + 1) % self.nslot
+            return s
+        return -1
+
+    def _publish(self, s: int, L: int, ok: bool) -> None:
+        """Caller holds the lock."""
+        self.pending[s] = -1
+        if ok:
+            self.layer_of[s] = L
+            self.slot_of[L] = s
+        self.cv.notify_all()
+
+    def _reader(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.stop:
+                    self.cv.wait()
+                if self.stop:
+                    return
+                L, s = self.queue.pop(0)
+            ok = self._read_run(L, self.slots[s].view)
+            with self.cv:
+                self._publish(s, L, ok)
+
+    # -- the WeightProvider interface --------------------------------------------------
+
+    def layer(self, L: int) -> LayerWeights:
+        with self.cv:
+            self.walk = L
+        if L in self.pinned:
+            lw = self._pinned(L)
+        else:
+            s = self._fetch_ring(L)
+            lw = self.binder.layer(L, TrunkLayerSource(self.m, L, self.slots[s].view))
+            self._prefetch(L + 1)
+        self.binds += 1
+        return lw
+
+    def release(self, L: int) -> None:
+        with self.cv:
+            self.held = -1
+            self.cv.notify_all()
+
+    def _pinned(self, L: int) -> LayerWeights:
+        lw = self.pinned_bound.get(L)
+        if lw is not None:
+            self.hits += 1
+            return lw
+        buf = AlignedBuffer(self.m.layers[L].nbytes)
+        if not self._read_run(L, buf.view):
+            buf.close()
+            raise TrunkError(f"{self.m.bin_path}: short read on layer {L}", self.m.bin_path)
+        self.misses += 1
+        self.pinned_buf[L] = buf
+        lw = self.pinned_bound[L] = self.binder.layer(L, TrunkLayerSource(self.m, L, buf.view))
+        return lw
+
+    def _fetch_ring(self, L: int) -> int:
+        cv = self.cv
+        with cv:
+            self.held = -1
+            cv.notify_all()
+            first = True
+            while True:
+                s = self.slot_of.get(L, -1)
+                if s >= 0:
+                    if first:
+                        self.hits += 1
+                    break
+                if first:
+                    self.misses += 1
+                    first = False
+                if L in self.pending:
+                    cv.wait()                   # the reader is on it
+                    continue
+                s = self._claim(L)
+                if s < 0:
+                    cv.wait()                   # every slot busy
+                    continue
+                cv.release()
+                try:
+                    ok = self._read_run(L, self.slots[s].view)
+                finally:
+                    cv.acquire()
+                self._publish(s, L, ok)
+                if not ok:
+                    raise TrunkError(f"{self.m.bin_path}: short read on layer {L}",
+                                     self.m.bin_path)
+                break
+            self.held = self.slot_of[L]
+            return self.held
+
+    def _prefetch(self, L: int) -> None:
+        if self.reader is None:
+            return
+        with self.cv:
+            n = L
+            while len(self.queue) < self.nslot and n < self.n_layers:
+                if n in self.pinned or n in self.slot_of or n in self.pending \
+                        or any(q == n for q, _ in self.queue):
+                    n += 1
+                    continue
+                s = self._claim(n)
+                if s < 0:
+                    break
+                self.queue.append((n, s))
+                n += 1
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        with self.cv:
+            self.stop = True
+            self.cv.notify_all()
+        if self.reader is not None:
+            self.reader.join()
+        self.pool.shutdown()
+        os.close(self.fd)
+        self.pinned_bound.clear()
+        for b in list(self.pinned_buf.values()) + self.slots:
+            try:
+                b.close()
+            except BufferError:
+                pass                            # views still referenced: freed with them
