@@ -11,7 +11,7 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
 * No FMA: the build passes -ffp-contract=off (setup.py).
 """
 from libc.math cimport expf, tanhf, sqrt, sqrtf, ldexp
-from libc.stdint cimport uint8_t, uint16_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, free
 from cython.parallel cimport prange, parallel
 import numpy as np
@@ -545,3 +545,17 @@ def attnres(const float[:, :, ::1] stack, Py_ssize_t n_snap, const float[:, ::1]
                     v = &stack[s, t, 0] if s < n_snap else &run[t, 0]
                     acc = acc + sc[s] * v[i]
                 out[t, i] = acc
+
+
+# ---- state-file payload hash (SYSTEM §6.9) -------------------------------------------
+
+def fnv_fold_words(uint64_t h, const uint64_t[::1] words):
+    """h = (h ^ w) * FNV_PRIME mod 2^64 over little-endian 64-bit words, in order.  A
+    sequential chain (cannot be vectorised exactly), so it runs here at memory speed
+    instead of as a Python-int loop."""
+    cdef Py_ssize_t i
+    cdef uint64_t prime = 0x100000001B3
+    with nogil:
+        for i in range(words.shape[0]):
+            h = (h ^ words[i]) * prime
+    return h
