@@ -1,0 +1,1024 @@
+"""Memory planning (SYSTEM §5, §3.2, §4.1, §7.1): presets, the auto budget, the trunk's
+pinned set and ring, the whole-run plan with its two refusals, and the available-memory
+probe.
+
+Everything above the probe is pure arithmetic on plain numbers: the GUI calls `plan()`
+live while sliders move, so nothing there reads a file, the clock or the environment.
+The probe (`available_memory`) is the only I/O, and its roots are injectable so tests can
+point it at synthetic /proc and cgroup trees.
+
+The plan is a forecast and overstates on purpose (budgets round down to whole slots); the
+authoritative figure is peak RSS measured afterwards (§5.5).  Units are decimal: GB = 1e9.
+"""
+from __future__ import annotations
+
+import errno
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+from .diskio import ALIGN, align_up
+
+__all__ = [
+    "human", "Preset", "PRESETS", "PRESET_NAMES", "AUTO", "list_presets_text",
+    "ModelFigures", "reference_layer_scratch", "default_widen_bytes", "kv_check_constant",
+    "TrunkPlan", "plan_trunk", "clamp_ring",
+    "BudgetError", "AutoBudget", "auto_budget", "Budgets", "resolve_budgets",
+    "Refusal", "KvCheck", "kv_check", "Plan", "plan",
+    "MemProbe", "available_memory", "probe_memory",
+    "ADMIT", "KV_ADMIT", "KV_CHECK_BYTES_K3", "KV_EXACT_BYTES_K3",
+    "DEFAULT_TRUNK_GB", "DEFAULT_CACHE_GB", "RING_MAX",
+]
+
+# --- constants of the reference (§0 table, §5) ------------------------------------------
+
+ADMIT = 0.95                 # whole plan may use at most this share of available memory
+KV_ADMIT = 0.90              # the early KV check refuses above this share
+DEFAULT_TRUNK_GB = 16.0      # budgets when no preset/budget flag is given (§5.2)
+DEFAULT_CACHE_GB = 64.0
+RING_DEFAULT = 2             # --trunk-ring
+RING_MAX = 8
+PIN_PASSES = 8               # §3.2 fixed-point iteration bound
+ULTRA_STREAM_BYTES = (4 << 20) + 2 * ALIGN   # ultra's one widened read buffer (§5.6)
+KV_EXACT_BYTES_K3 = 2_365_440     # 24 x (96 x 256 + 64) x 4
+KV_CHECK_BYTES_K3 = 2_370_000     # the rounded constant the reference's early check uses
+
+# auto (§5.3), in GB: reserve = fixed + (1 - ADMIT) x available
+AUTO_FIXED_RESERVE_GB = 2.0 + 4.70 + 1.70   # buffers/KV slack + embed/lm_head + state/index
+AUTO_SLOT_MIN_GB = 2.5       # one ring slot + headroom
+AUTO_CACHE_MIN_GB = 0.5      # topk + 1 expert slots is ~0.3 GB
+AUTO_TRUNK_FULL_GB = 111.0   # the whole packed trunk + widen headroom
+AUTO_PIN_CEILING = 0.55      # of MemTotal: heavy partial pinning measured slower (§5.3)
+
+V1_UNLIMITED = 1 << 62       # cgroup v1 reports "no limit" as PAGE_COUNTER_MAX
+MAX_CGROUP_ANCESTORS = 32
+
+
+def human(b: float) -> str:
+    """The reference's decimal-unit formatter: "%.2f" in B/KB/MB/GB/TB with 1000 steps.
+    Divides step by step like the C loop, so the last digit rounds the same way."""
+    units = ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    b = float(b)
+    while b >= 1000.0 and i < 4:
+        b /= 1000.0
+        i += 1
+    return f"{b:.2f} {units[i]}"
+
+
+# --- presets (§5.2) ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    trunk_gb: float
+    cache_gb: float
+    ultra: bool
+    note: str
+
+
+# A preset sets only the two budgets (and ultra).  Trunk before cache: a GB of trunk removes
+# ~1.17 GB/token of certain reads, a GB of cache nothing measurable below ~36 GB (§5.2).
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("ultra", 2.5, 0.31, True,
+           "~3 GB planned: streamed model tables, one state slot. Slow."),
+    Preset("laptop", 3.0, 1.0, False, "8.2 GB peak RSS. The ordinary-path floor."),
+    Preset("desktop", 16.0, 10.0, False, "31.9 GB peak RSS."),
+    Preset("workstation", 60.0, 30.0, False,
+           "95.5 GB peak RSS; the expert cache starts to matter here."),
+    Preset("server", 110.0, 13.0, False,
+           "~128 GB peak RSS; 90 of 93 trunk layers pinned. Fastest."),
+    Preset("max", 110.0, 109.0, False,
+           "~224 GB peak RSS; trunk pinned and a large expert cache."),
+)}
+AUTO = "auto"
+PRESET_NAMES = (AUTO,) + tuple(PRESETS)
+
+
+def list_presets_text() -> str:
+    """What `--list-presets` prints (stdout, exit 0), ending in a newline."""
+    out = ["presets (trunk / expert-cache, in GB):"]
+    for p in PRESETS.values():
+        out.append("  %-12s %6.2f / %-6.2f  %s" % (p.name, p.trunk_gb, p.cache_gb, p.note))
+    out.append("  %-12s %6s / %-6s  %s" % (
+        AUTO, "fit", "fit", "sizes both from this machine's free RAM, trunk-first. Recommended."))
+    out += ["", "All presets stream the trunk, so they need --trunk <packed_dir>.",
+            "Run k3 doctor to see which one this machine fits."]
+    return "\n".join(out) + "\n"
+
+
+# --- the model's figures ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """Every size the plan needs, in bytes (or floats where the engine counts floats).
+
+    `layer_sizes` are the packed runs the trunk reads (trunk.json `nbytes`); for a resident
+    trunk pass the bytes the binder keeps per layer instead.  `scratch_base` and
+    `scratch_subs` describe the per-layer scratch in floats as (per position, fixed) pairs:
+    scratch(T) = base(T) + max(sub(T) for sub in subs) -- the shape of the reference's
+    k3_layer_scratch; model.py may substitute its own figures with dataclasses.replace.
+    """
+
+    layer_sizes: tuple[int, ...]
+    expert_bytes: int                 # one routed expert, from the checkpoint (§4.1 probe)
+    n_experts: int                    # routed experts per MoE layer
+    n_moe_layers: int
+    topk: int
+    hidden: int
+    vocab: int
+    n_layers: int                     # config layers (NL default)
+    n_mla: int                        # MLA layers of the config (KV cache)
+    table_bytes: int                  # embed + lm_head as stored (BF16: 2 x vocab x E x 2)
+    final_norm_bytes: int             # norm + output aggregator pair, widened: 3 x E x 4
+    state_floats_per_layer: int       # kper = H d d + 3 H d (conv_k - 1)
+    kv_bytes_per_position: int        # exact: n_mla x (H (nope + v) + rope) x 4
+    kv_check_bytes_per_position: int  # the early check's rounded figure (kv_check_constant)
+    max_blocks: int                   # n_layers // attn_res_block + 2
+    widen_bytes: int                  # W of §3.2: per-layer room the binder widens into
+    scratch_base: tuple[int, int] = (0, 0)
+    scratch_subs: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def for_config(cls, cfg, layer_sizes: Sequence[int], expert_bytes: int,
+                   table_bytes: int | None = None, widen_bytes: int | None = None
+                   ) -> "ModelFigures":
+        """Figures for a `k3engine.config.ModelConfig`.  `table_bytes` is embed + lm_head
+        as the checkpoint stores them (None: BF16 arithmetic); `widen_bytes` None takes
+        `default_widen_bytes(cfg)`."""
+        E = cfg.hidden
+        P = cfg.kda_heads * cfg.kda_head_dim
+        kv_exact = len(cfg.mla_layers) * (cfg.n_heads * (cfg.qk_nope + cfg.v_head)
+                                          + cfg.qk_rope) * 4
+        base, subs = reference_layer_scratch(cfg)
+        return cls(
+            layer_sizes=tuple(int(s) for s in layer_sizes),
+            expert_bytes=int(expert_bytes),
+            n_experts=cfg.n_experts,
+            n_moe_layers=cfg.n_layers - min(cfg.first_dense, cfg.n_layers),
+            topk=cfg.topk, hidden=E, vocab=cfg.vocab, n_layers=cfg.n_layers,
+            n_mla=len(cfg.mla_layers),
+            table_bytes=int(2 * cfg.vocab * E * 2 if table_bytes is None else table_bytes),
+            final_norm_bytes=3 * E * 4,
+            state_floats_per_layer=P * cfg.kda_head_dim + 3 * P * (cfg.conv_k - 1),
+            kv_bytes_per_position=kv_exact,
+            kv_check_bytes_per_position=kv_check_constant(kv_exact),
+            max_blocks=cfg.n_layers // cfg.attn_res_block + 2,
+            widen_bytes=int(default_widen_bytes(cfg) if widen_bytes is None else widen_bytes),
+            scratch_base=base, scratch_subs=subs)
+
+    # -- derived sizes --------------------------------------------------------------------
+
+    @property
+    def expert_slot_bytes(self) -> int:
+        """§4.1: room for the widened O_DIRECT window, a multiple of 4096."""
+        return align_up(self.expert_bytes + 2 * ALIGN)
+
+    def expert_slots(self, cache_gb: float) -> int:
+        return max(0, int(cache_gb * 1e9)) // self.expert_slot_bytes
+
+    @property
+    def expert_pool(self) -> int:
+        return self.n_moe_layers * self.n_experts
+
+    def trunk_bytes(self, layers: int | None = None) -> int:
+        return sum(self.layer_sizes[:self.n_layers if layers is None else layers])
+
+    def model_table_bytes(self, ultra: bool) -> int:
+        """Resident embed + lm_head + final norms; ultra streams the tables through one
+        4 MiB + 8 KiB buffer and keeps only the norms (§5.5 w_model)."""
+        return (ULTRA_STREAM_BYTES if ultra else self.table_bytes) + self.final_norm_bytes
+
+    def state_bytes(self, layers: int, ultra: bool, incremental: bool) -> int:
+        """Full recompute in ultra clears and reuses one slot (a layer's state is dead once
+        it returns); incremental carries every layer's."""
+        slots = 1 if ultra and not incremental else layers
+        return self.state_floats_per_layer * slots * 4
+
+    def scratch_floats(self, positions: int) -> int:
+        T = positions
+        sub = max((a * T + b for a, b in self.scratch_subs), default=0)
+        return self.scratch_base[0] * T + self.scratch_base[1] + sub
+
+    def buffer_bytes(self, positions: int) -> int:
+        """h, the AttnRes block stack, layer scratch and one logits row (§5.1)."""
+        T, E = positions, self.hidden
+        return (T * E + T * self.max_blocks * E + self.scratch_floats(T) + self.vocab) * 4
+
+    def kv_bytes(self, positions: int) -> int:
+        return positions * self.kv_bytes_per_position
+
+
+def kv_check_constant(kv_exact: int) -> int:
+    """The early KV check's per-position figure.  The reference uses 2,370,000 B for K3's
+    exact 2,365,440 B (rounded up to the 0.01 MB it prints).  For any other model the
+    same ratio is applied and rounded up, so K3 gets exactly 2,370,000 and a small model
+    is not overstated by a fixed 10 KB step."""
+    return -(-kv_exact * KV_CHECK_BYTES_K3 // KV_EXACT_BYTES_K3)
+
+
+def default_widen_bytes(cfg) -> int:
+    """W for the Python binder: every small vector of the widest layer kind widened to
+    float32, plus one page.  An upper bound (F32 tensors may be bound as views); the
+    R10 engine's 26 MB came from also widening the router gate, which this binder keeps
+    in BF16 (§3.2)."""
+    E, P = cfg.hidden, cfg.kda_heads * cfg.kda_head_dim
+    D = cfg.kda_head_dim
+    common = 6 * E + cfg.n_experts + cfg.latent   # norms + aggregators, router bias, latent norm
+    kda = 3 * P * cfg.conv_k + P + D + D          # conv taps, dt_bias, A_log (D on disk), o_norm
+    mla = cfg.q_lora + cfg.kv_lora                # q_a / kv_a layernorms
+    return (common + max(kda, mla)) * 4 + ALIGN
+
+
+def reference_layer_scratch(cfg) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+    """The reference's k3_layer_scratch as (per position, fixed) float pairs: a base of
+    prefix/tmp/input rows, fold vectors, the AttnRes source stack and the dense gate|up
+    row, plus the largest of the MLA, KDA and MoE sub-blocks."""
+    E = cfg.hidden
+    maxb = cfg.n_layers // cfg.attn_res_block + 2
+    base = (3 * E, 2 * E + maxb * E + 2 * cfg.dense_inter)
+    H, qh, vh = cfg.n_heads, cfg.qk_nope + cfg.qk_rope, cfg.v_head
+    kvd = cfg.qk_nope + vh
+    mla = (H * qh + H * kvd + cfg.qk_rope + 1,                    # q, k|v, rope, scores
+           cfg.kv_lora + cfg.qk_rope + cfg.q_lora + 2 * H * vh)
+    P = cfg.kda_heads * cfg.kda_head_dim
+    kda = (6 * P + cfg.kda_heads, 2 * P + cfg.kda_head_dim)
+    SI = cfg.moe_inter * cfg.n_shared
+    moe = (0, 3 * cfg.latent + 3 * cfg.moe_inter + 3 * SI + E)
+    return base, (mla, kda, moe)
+
+
+# --- the trunk: pinned set and ring (§3.2) ----------------------------------------------
+
+@dataclass(frozen=True)
+class TrunkPlan:
+    """Which layers stay pinned and how deep the ring is, for one budget."""
+
+    pinned: tuple[int, ...]       # sorted layer indices
+    ring_slots: int               # R actually granted
+    ring_want: int                # R asked for, after the 1..8 clamp
+    slot_bytes: int               # one uniform ring slot
+    pinned_bytes: int             # sum of the pinned layers' own allocations
+    budget_bytes: int
+    widen_bytes: int
+    n_layers: int
+    prefix: bool                  # K3_PIN_PREFIX rule
+    passes: int                   # fixed-point passes taken (<= 8)
+    largest_bytes: int            # the biggest layer run
+    largest_unpinned_bytes: int   # what the ring slot is sized for (0 if all pinned)
+    packed_bytes: int             # all runs together (the packed trunk's size)
+
+    @property
+    def n_pinned(self) -> int:
+        return len(self.pinned)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_slots * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ring_bytes + self.pinned_bytes
+
+    @property
+    def ring_held(self) -> bool:
+        """The budget could not afford the ring depth asked for."""
+        return self.ring_slots < self.ring_want
+
+    @property
+    def over_budget(self) -> bool:
+        """Even one slot exceeds the budget: the ring is the floor, the budget loses."""
+        return self.ring_bytes > self.budget_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        """Deterministic steady-state trunk hit rate: a cyclic scan defeats LRU, so the
+        pinned set is the whole story."""
+        return self.n_pinned / self.n_layers if self.n_layers else 0.0
+
+    def lines(self, direct: bool = True, chunk_mib: int = 64,
+              total_bytes: int | None = None) -> list[str]:
+        """The `trunk stream:` block of §3.8 (without the final 'enabled from' line);
+        `total_bytes` is the packed trunk's size, which the plan only knows per layer."""
+        total = self.packed_bytes if total_bytes is None else total_bytes
+        pad = " " * 14
+        how = ("nothing" if not self.pinned else
+               "as a PREFIX (K3_PIN_PREFIX)" if self.prefix else "LARGEST FIRST")
+        out = [
+            "trunk stream: %.2f GB packed, %d/%d layers PINNED (%.2f GB), ring %d x %.2f GB"
+            % (total / 1e9, self.n_pinned, self.n_layers, self.pinned_bytes / 1e9,
+               self.ring_slots, self.slot_bytes / 1e9),
+            f"{pad}pinned {how}; the ring slot is sized to the largest UNPINNED layer "
+            "(%.2f GB" % (self.largest_unpinned_bytes / 1e9),
+            f"{pad}of a %.2f GB maximum)" % (self.largest_bytes / 1e9),
+            f"{pad}reads use %s, pread in parallel %d MiB chunks"
+            % ("O_DIRECT (page cache bypassed)" if direct else "buffered I/O", chunk_mib),
+        ]
+        if self.ring_held:
+            want = self.ring_want * self.slot_bytes / 1e9
+            out.append(f"{pad}ring held at %d slot%s: %d slots need %.2f GB and the trunk "
+                       "budget is %.2f GB." % (self.ring_slots,
+                                              "" if self.ring_slots == 1 else "s",
+                                              self.ring_want, want, self.budget_bytes / 1e9))
+            out.append(f"{pad}%s Raise --trunk-gb above %.2f GB for the %d asked for."
+                       % ("Reads are NOT overlapped with compute." if self.ring_slots == 1
+                          else "Fewer reads stay in flight.", want, self.ring_want))
+        out.append(f"{pad}deterministic hit rate %.1f%% (a cyclic scan defeats LRU, so a "
+                   "pinned SET is used instead)" % (100.0 * self.hit_rate))
+        return out
+
+
+def clamp_ring(ring_want: int | None) -> int:
+    """--trunk-ring: 1..8; 0 or less (or absent) is the default 2, as the reference's
+    `ring_want > 0 ? ring_want : 2`."""
+    r = RING_DEFAULT if ring_want is None or ring_want <= 0 else int(ring_want)
+    return min(r, RING_MAX)
+
+
+def plan_trunk(layer_sizes: Sequence[int], budget_bytes: int, ring_want: int | None = 2,
+               widen_bytes: int = 0, prefix: bool = False) -> TrunkPlan:
+    """§3.2: pin layers (largest first, or a prefix with K3_PIN_PREFIX) and size the ring.
+
+    The ring is paid for first, then layers are pinned into what is left; pinning the
+    largest layer shrinks the slot (it is sized for the largest layer that still
+    streams), which frees budget to pin more, so the two iterate to a fixed point."""
+    s = [int(x) for x in layer_sizes]
+    n = len(s)
+    if n == 0:
+        raise ValueError("plan_trunk needs at least one layer size")
+    B, W = int(budget_bytes), int(widen_bytes)
+    want = clamp_ring(ring_want)
+    # largest first, ties by lower index; the prefix rule walks in layer order
+    order = list(range(n)) if prefix else sorted(range(n), key=lambda L: (-s[L], L))
+
+    chosen: set[int] = set()
+    slot = ring = npin = spent = passes = 0
+    for passes in range(1, PIN_PASSES + 1):
+        big = max((s[L] for L in range(n) if L not in chosen), default=0)
+        if big == 0:
+            big = s[n - 1]                                  # all pinned: the last layer
+        rs = align_up(align_up(big) + W)
+        R = want
+        while R > 1 and R * rs > B:                         # the ring must fit first
+            R -= 1
+        sp = R * rs
+        chosen = set()
+        for L in order:
+            need = align_up(s[L]) + W                       # its own exact allocation
+            if sp + need > B:
+                if prefix:
+                    break                                   # a prefix cannot skip a layer
+                continue                                    # keep trying smaller layers
+            sp += need
+            chosen.add(L)
+        done = rs == slot and len(chosen) == npin
+        slot, ring, npin, spent = rs, R, len(chosen), sp
+        if done:
+            break
+    unpinned = [s[L] for L in range(n) if L not in chosen]
+    return TrunkPlan(pinned=tuple(sorted(chosen)), ring_slots=ring, ring_want=want,
+                     slot_bytes=slot, pinned_bytes=spent - ring * slot, budget_bytes=B,
+                     widen_bytes=W, n_layers=n, prefix=prefix, passes=passes,
+                     largest_bytes=max(s), largest_unpinned_bytes=max(unpinned, default=0),
+                     packed_bytes=sum(s))
+
+
+# --- budgets: presets, flags in argv order, auto (§5.2, §5.3) ----------------------------
+
+class BudgetError(ValueError):
+    """A budget request that cannot run; `exit_code` is what the CLI exits with."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    available_gb: float
+    reserve_gb: float
+    trunk_gb: float
+    cache_gb: float
+
+    @property
+    def line(self) -> str:
+        return ("auto budget: %.1f GB available, %.1f GB reserved -> trunk %.1f GB / "
+                "expert cache %.1f GB" % (self.available_gb, self.reserve_gb,
+                                          self.trunk_gb, self.cache_gb))
+
+
+def auto_budget(available_bytes: float, total_bytes: float = 0.0,
+                detail: str = "") -> AutoBudget:
+    """§5.3: size both budgets from available memory, trunk before cache.  Raises
+    BudgetError (exit 2) when memory is unknown or below the floor."""
+    if available_bytes <= 0:
+        raise BudgetError("--preset auto could not read this machine's available memory"
+                          + (f" ({detail})" if detail else "")
+                          + "; pass explicit --trunk-gb/--cache-gb")
+    A = available_bytes / 1e9
+    # Fixed costs outside both budgets plus the same headroom admission enforces.
+    reserve = AUTO_FIXED_RESERVE_GB + (1.0 - ADMIT) * A
+    usable = A - reserve
+    floor = AUTO_SLOT_MIN_GB + AUTO_CACHE_MIN_GB
+    if usable < floor:
+        raise BudgetError("auto: only %.1f GB usable after the %.1f GB reserve; below the "
+                          "%.1f GB floor. Pass explicit budgets." % (usable, reserve, floor))
+    if usable - AUTO_CACHE_MIN_GB >= AUTO_TRUNK_FULL_GB:
+        trunk, cache = AUTO_TRUNK_FULL_GB, usable - AUTO_TRUNK_FULL_GB   # whole trunk resident
+    else:
+        # Below full residency, pin only while the process stays clear of the RAM
+        # ceiling: 51 of 109 GB pinned at ~90 % RAM ran slower than pinning nothing.
+        ceiling = AUTO_PIN_CEILING * total_bytes / 1e9 if total_bytes > 0 else usable
+        cap = max(ceiling - reserve - AUTO_CACHE_MIN_GB, AUTO_SLOT_MIN_GB)
+        trunk, cache = min(usable - AUTO_CACHE_MIN_GB, cap), AUTO_CACHE_MIN_GB
+    return AutoBudget(A, reserve, trunk, cache)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The budget flags after argv-order resolution; `auto` is resolved later, against
+    available memory, by `plan()` / `auto_budget()`."""
+
+    preset: str | None = None
+    trunk_gb: float = DEFAULT_TRUNK_GB
+    cache_gb: float = DEFAULT_CACHE_GB
+    ultra: bool = False
+    auto: bool = False
+
+    def plan_kwargs(self) -> dict:
+        return {"preset": self.preset, "ultra": self.ultra,
+                "trunk_gb": AUTO if self.auto else self.trunk_gb, "cache_gb": self.cache_gb}
+
+
+def _gb(flag: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise BudgetError(f"{flag} {value}: expected a number of GB") from None
+    if not math.isfinite(v) or v < 0:
+        raise BudgetError(f"{flag} {value}: expected a non-negative number of GB")
+    return v
+
+
+def resolve_budgets(args_in_order: Iterable[tuple[str, object]]) -> Budgets:
+    """Apply the memory flags in argv order (§5.2): `[("--preset", "server"),
+    ("--cache-gb", "40")]` is the server trunk with a 40 GB cache.
+
+    * `--preset NAME` sets both budgets and ultra (a named preset after auto switches
+      auto off: later flags win);
+    * `--preset auto` / `--trunk-gb auto` turn auto on (`--preset auto` also clears ultra);
+    * a later `--trunk-gb X` switches auto off (the cache keeps its previous value);
+    * `--cache-gb` given with auto is overwritten by the auto result;
+    * `--ultra-low-memory` (value ignored) turns ultra on; ultra with auto is refused.
+    Other flags are ignored, so a caller may pass the whole option list."""
+    b = Budgets()
+    for flag, value in args_in_order:
+        if flag == "--preset":
+            name = str(value)
+            if name == AUTO:
+                b = replace(b, preset=AUTO, auto=True, ultra=False)
+            elif name in PRESETS:
+                p = PRESETS[name]
+                b = replace(b, preset=name, trunk_gb=p.trunk_gb, cache_gb=p.cache_gb,
+                            ultra=p.ultra, auto=False)
+            else:
+                raise BudgetError(f"unknown preset '{name}'\n\n" + list_presets_text())
+        elif flag == "--trunk-gb":
+            if str(value) == AUTO:
+                b = replace(b, auto=True)
+            else:
+                b = replace(b, trunk_gb=_gb(flag, value), auto=False)
+        elif flag == "--cache-gb":
+            b = replace(b, cache_gb=_gb(flag, value))
+        elif flag == "--ultra-low-memory":
+            b = replace(b, ultra=True)
+    if b.ultra and b.auto:
+        raise BudgetError(ULTRA_AUTO_MESSAGE)
+    return b
+
+
+ULTRA_AUTO_MESSAGE = ("--ultra-low-memory uses explicit bounded budgets; use --preset ultra "
+                      "or pass --trunk-gb/--cache-gb")
+ULTRA_TRUNK_MESSAGE = ("--ultra-low-memory needs --trunk; resident trunk cannot fit its "
+                       "memory contract")
+
+
+# --- refusals (§5.5) --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Refusal:
+    """One reason the run must not start.  `message` is the stderr text without the one
+    leading newline the CLI prints first."""
+
+    kind: str          # "kv", "plan", "unknowable", "auto", "usage"
+    exit_code: int
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class KvCheck:
+    positions: int
+    need_bytes: int          # positions x the rounded per-position constant
+    available_bytes: int
+    line: str                # "  KV cache : X for N positions (R/position)"
+    refusal: Refusal | None
+
+
+def _kv_refusal_text(positions: int, need: float, avail: float, n_mla: int,
+                     per_position: int) -> str:
+    return (f"REFUSING: the KV cache for {positions} positions needs {human(need)} but only "
+            f"{human(avail)} is\n"
+            "available. This is a MEMORY limit, not an engine ceiling: MLA caches\n"
+            f"expanded k and v in fp32 across {n_mla} layers, so context costs "
+            f"~{human(per_position)} per\n"
+            "position regardless of budget. Shorten the request, or use full\n"
+            "recompute (drop --incremental), which carries no KV cache at all.")
+
+
+def kv_check(figures: ModelFigures, positions: int, available: "MemProbe | int | None"
+             ) -> KvCheck:
+    """§5.5.1, incremental runs only, right after the prompt is parsed.  `positions` is
+    prior (resumed) + prompt + gen + 1: unlike the reference, resumed positions count."""
+    avail, known, malformed, detail = _availability(available)
+    rate = figures.kv_check_bytes_per_position
+    need = positions * rate
+    line = f"  KV cache : {human(need)} for {positions} positions ({human(rate)}/position)"
+    refusal = None
+    if malformed:
+        refusal = _unknowable(2, detail)
+    elif avail > 0 and need > KV_ADMIT * avail:
+        refusal = Refusal("kv", 2, _kv_refusal_text(positions, need, avail, figures.n_mla,
+                                                    rate))
+    return KvCheck(positions, need, avail, line, refusal)
+
+
+def _unknowable(exit_code: int, detail: str) -> Refusal:
+    # A control file that is present but unreadable says the budget is unknowable, not
+    # unlimited: a 12 GB cap once printed "available 65.56 GB" and was OOM-killed (§5.4).
+    return Refusal("unknowable", exit_code,
+                   "REFUSING TO START: available memory cannot be determined: "
+                   f"{detail or 'a memory control file is unreadable'}.\n"
+                   "A limit that cannot be read is not treated as unlimited. Fix the file "
+                   "or run outside that cgroup.")
+
+
+def _plan_refusal_text(need: float, avail: float) -> str:
+    limit = ADMIT * avail
+    return (f"REFUSING TO START: this needs {human(need)}. The machine has {human(avail)} "
+            f"available and a plan may use at most {human(limit)} of that, so this is "
+            f"{human(need - limit)} over the limit.\n"
+            "Options: a larger box, a smaller --cache-gb, or fewer --layers.")
+
+
+# --- the plan (§5.5.2, §7.1, §7.5) ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """Every term of the `memory plan` block, in bytes, and whether the run may start."""
+
+    preset: str | None
+    trunk_gb: float
+    cache_gb: float
+    ultra: bool
+    streamed: bool
+    incremental: bool
+    positions: int
+    layers: int
+    trunk_bytes: int
+    model_table_bytes: int
+    expert_cache_bytes: int
+    recurrent_state_bytes: int
+    buffer_bytes: int
+    kv_cache_bytes: int
+    baseline_bytes: int           # measured process baseline (§5.8), 0 when not given
+    available_bytes: int
+    available_known: bool
+    trunk_plan: TrunkPlan | None
+    expert_slot_bytes: int
+    expert_slots: int
+    expert_slots_needed: int      # topk + 1
+    auto: AutoBudget | None = None
+    kv: KvCheck | None = None
+    refusals: tuple[Refusal, ...] = ()
+    baseline_label: str = "python baseline"
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.trunk_bytes + self.model_table_bytes + self.expert_cache_bytes
+                + self.recurrent_state_bytes + self.buffer_bytes + self.kv_cache_bytes
+                + self.baseline_bytes)
+
+    @property
+    def limit_bytes(self) -> float:
+        """What admission allows: 0.95 x available (0 when available is unknown)."""
+        return ADMIT * self.available_bytes
+
+    @property
+    def admitted(self) -> bool:
+        return not self.refusals
+
+    @property
+    def reasons(self) -> list[str]:
+        return [r.message for r in self.refusals]
+
+    @property
+    def exit_code(self) -> int:
+        """The code of the first refusal the CLI meets (the KV check runs first), 0 if
+        admitted."""
+        return self.refusals[0].exit_code if self.refusals else 0
+
+    @property
+    def cache_fits_topk(self) -> bool:
+        """Cache init fails (exit 1, §4.1) below topk + 1 slots."""
+        return self.expert_slots >= self.expert_slots_needed
+
+    def preset_line(self) -> str | None:
+        """`  preset   : NAME (trunk X GB / expert cache Y GB)` when a preset was named."""
+        if not self.preset:
+            return None
+        return "  preset   : %s (trunk %.2f GB / expert cache %.2f GB)" % (
+            self.preset, self.trunk_gb, self.cache_gb)
+
+    def lines(self) -> list[str]:
+        """The `memory plan` block of §7.1 (the CLI prints a blank line before and after).
+        The baseline line appears only when a measured baseline was given (§5.8)."""
+        out = [
+            "memory plan",
+            "  trunk %-10s %s" % ("(STREAMED)" if self.streamed else "(resident)",
+                                  human(self.trunk_bytes)),
+            "  embed + lm_head  %s %s" % (human(self.model_table_bytes),
+                                          "(STREAMED)" if self.ultra else "(resident)"),
+            "  expert cache     " + human(self.expert_cache_bytes),
+            "  recurrent state  " + human(self.recurrent_state_bytes),
+            "  buffers          " + human(self.buffer_bytes),
+            "  KV cache         " + human(self.kv_cache_bytes),
+        ]
+        if self.baseline_bytes:
+            out.append("  %-16s %s (measured)" % (self.baseline_label,
+                                                  human(self.baseline_bytes)))
+        out.append("  TOTAL            " + human(self.total_bytes))
+        if self.available_bytes > 0:
+            out.append("  available        " + human(self.available_bytes))
+        return out
+
+    def as_event(self) -> dict:
+        """The §7.5 `plan` event (the session adds "t")."""
+        tp = self.trunk_plan
+        return {
+            "ev": "plan",
+            "trunk_bytes": self.trunk_bytes,
+            "model_table_bytes": self.model_table_bytes,
+            "expert_cache_bytes": self.expert_cache_bytes,
+            "recurrent_state_bytes": self.recurrent_state_bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "baseline_bytes": self.baseline_bytes,
+            "total_bytes": self.total_bytes,
+            "available": self.available_bytes,
+            "admitted": self.admitted,
+            "preset": self.preset,
+            "trunk_gb": self.trunk_gb,
+            "cache_gb": self.cache_gb,
+            "ultra": self.ultra,
+            "incremental": self.incremental,
+            "streamed": self.streamed,
+            "positions": self.positions,
+            "layers": self.layers,
+            "expert_slots": self.expert_slots,
+            "n_pinned": tp.n_pinned if tp else None,
+            "ring_slots": tp.ring_slots if tp else None,
+            "refusals": [{"kind": r.kind, "code": r.exit_code, "message": r.message}
+                         for r in self.refusals],
+        }
+
+
+def _availability(available) -> tuple[int, bool, bool, str]:
+    """(bytes, known, malformed, detail) from a probe, a plain byte count or None."""
+    if isinstance(available, MemProbe):
+        return available.bytes, available.known, available.malformed, available.detail
+    b = int(available or 0)
+    return max(b, 0), b > 0, False, ""
+
+
+def plan(figures: ModelFigures, preset: str | None = None,
+         trunk_gb: float | str | None = None, cache_gb: float | None = None,
+         trunk_ring: int | None = RING_DEFAULT, ultra: bool = False, streamed: bool = True,
+         incremental: bool = False, positions: int = 1,
+         available_bytes: "MemProbe | int | None" = None, total_memory: int = 0,
+         layers: int | None = None, baseline_bytes: int = 0, prefix: bool = False,
+         baseline_label: str = "python baseline") -> Plan:
+    """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
+
+    Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
+    (use `resolve_budgets` for true argv order).  `preset="auto"` or `trunk_gb="auto"`
+    sizes both from `available_bytes` and `total_memory` (MemTotal); an explicit numeric
+    `trunk_gb` switches auto off, and auto overwrites `cache_gb`.
+    `positions` = prior + prompt + gen + 1.  `available_bytes` is a byte count (0 = unknown:
+    both refusals off) or the MemProbe itself (so a fail-closed probe refuses).
+    `layers` is --layers (NL); `prefix` is K3_PIN_PREFIX (read by the caller).
+    `baseline_bytes` is the measured process baseline of §5.8 (interpreter, NumPy, Qt)."""
+    refusals: list[Refusal] = []
+    avail, known, malformed, detail = _availability(available_bytes)
+    NL = figures.n_layers if layers is None else int(layers)
+
+    is_auto = preset == AUTO or trunk_gb == AUTO
+    p = PRESETS.get(preset) if preset and preset != AUTO else None
+    if preset and preset != AUTO and p is None:
+        refusals.append(Refusal("usage", 2, f"unknown preset '{preset}'\n\n"
+                                + list_presets_text()))
+    t_gb = p.trunk_gb if p else DEFAULT_TRUNK_GB
+    c_gb = p.cache_gb if p else DEFAULT_CACHE_GB
+    ultra = bool(ultra or (p.ultra if p else False))
+    if trunk_gb is not None and trunk_gb != AUTO:
+        t_gb, is_auto = float(trunk_gb), False
+    if cache_gb is not None:
+        c_gb = float(cache_gb)
+
+    # in the order the CLI meets them: flag conflicts, auto, the KV check, the whole plan
+    if ultra and not streamed:
+        refusals.append(Refusal("usage", 2, ULTRA_TRUNK_MESSAGE))
+    auto = None
+    if is_auto and ultra:
+        refusals.append(Refusal("usage", 2, ULTRA_AUTO_MESSAGE))
+    elif is_auto:
+        try:
+            auto = auto_budget(avail, total_memory, detail)
+            t_gb, c_gb = auto.trunk_gb, auto.cache_gb
+        except BudgetError as e:
+            refusals.append(Refusal("auto", e.exit_code, str(e)))
+
+    kv = None
+    if incremental:
+        kv = kv_check(figures, positions, available_bytes)
+        if kv.refusal:
+            refusals.append(kv.refusal)
+
+    budget = int(t_gb * 1e9)
+    tplan = None
+    if streamed:
+        tplan = plan_trunk(figures.layer_sizes, budget, trunk_ring, figures.widen_bytes,
+                           prefix)
+        # The budget, as the reference counts it -- unless even one ring slot exceeds it,
+        # where the slot is what gets allocated and the plan must not understate.
+        w_trunk = max(budget, tplan.total_bytes)
+    else:
+        w_trunk = figures.trunk_bytes(NL)
+
+    terms = dict(
+        trunk_bytes=w_trunk,
+        model_table_bytes=figures.model_table_bytes(ultra),
+        expert_cache_bytes=int(c_gb * 1e9),
+        recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
+        buffer_bytes=figures.buffer_bytes(positions),
+        kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
+        baseline_bytes=int(baseline_bytes))
+    need = sum(terms.values())
+    if malformed:
+        if not (kv and kv.refusal):           # the KV check already said it (exit 2)
+            refusals.append(_unknowable(1, detail))
+    elif avail > 0 and need > ADMIT * avail:
+        refusals.append(Refusal("plan", 1, _plan_refusal_text(need, avail)))
+
+    return Plan(preset=preset, trunk_gb=t_gb, cache_gb=c_gb, ultra=ultra, streamed=streamed,
+                incremental=incremental, positions=positions, layers=NL, **terms,
+                available_bytes=avail, available_known=known, trunk_plan=tplan,
+                expert_slot_bytes=figures.expert_slot_bytes,
+                expert_slots=figures.expert_slots(c_gb),
+                expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
+                refusals=tuple(refusals), baseline_label=baseline_label)
+
+
+# --- available memory (§5.4) ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemProbe:
+    """What the machine can hand out, with the breakdown behind it.
+
+    `bytes` is min(host, tightest cgroup headroom); 0 with `known` False means UNKNOWN
+    (both refusals off, auto refuses); 0 with `malformed` True means a control file is
+    present but untrustworthy: fail closed, the run refuses and prints `detail`."""
+
+    bytes: int
+    known: bool
+    malformed: bool = False
+    host: int | None = None            # MemAvailable (or the platform's figure)
+    total: int | None = None           # MemTotal
+    cgroup: int | None = None          # tightest finite headroom, None if unlimited/none
+    cgroup_version: int = 0            # 2 or 1 when a cgroup supplied `cgroup`
+    cgroup_limit: int | None = None
+    cgroup_usage: int | None = None
+    limit_path: str = ""
+    detail: str = ""
+
+    @property
+    def how(self) -> str:
+        if self.malformed:
+            return f"fail closed: {self.detail}"
+        if not self.known:
+            return "unknown: no memory figure could be read"
+        parts = []
+        if self.host is not None:
+            parts.append(f"host {human(self.host)} available")
+        if self.cgroup is not None:
+            parts.append(f"cgroup v{self.cgroup_version} {human(self.cgroup_limit or 0)} limit "
+                         f"- {human(self.cgroup_usage or 0)} used at {self.limit_path}")
+        binding = ("cgroup" if self.cgroup is not None
+                   and (self.host is None or self.cgroup < self.host) else "host")
+        return f"{human(self.bytes)} ({'; '.join(parts)}; {binding} binds)"
+
+
+class _Malformed(Exception):
+    """A control file that exists but cannot be trusted."""
+
+
+def _read_u64(path: str) -> tuple[bool, int | None]:
+    """(present, value): value None means unlimited ("max").  Absent files (ENOENT,
+    ENOTDIR) are (False, None); anything present but not a non-negative integer raises."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.readline(64)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False, None
+        raise _Malformed(f"cannot read {path}: {e.strerror or e}") from None
+    text = raw.decode("ascii", "replace").rstrip("\r\n ")
+    if not raw:
+        raise _Malformed(f"{path} is empty")
+    if text == "max":
+        return True, None
+    if not text.isdigit() or not text.isascii():
+        raise _Malformed(f"{path} holds '{text}', not a byte count")
+    return True, int(text)
+
+
+def _walk(root: str, member: str, limit_name: str, usage_name: str, unlimited_at: int
+          ) -> tuple[bool, int | None, int | None, int | None, str]:
+    """One hierarchy: (seen, headroom, limit, usage, limit_path).  Starts at the nearest
+    directory on the membership path that carries the limit file, then takes the
+    tightest finite (limit - usage) up to the mounted root."""
+    parts = [p for p in member.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise _Malformed(f"cgroup path '{member}' climbs out of the hierarchy")
+    chain = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
+    chain = chain[:MAX_CGROUP_ANCESTORS]
+    start = next((i for i, d in enumerate(chain)
+                  if os.path.exists(os.path.join(d, limit_name))), None)
+    if start is None:
+        # Container runtimes mount the process's own subgroup as the root while
+        # /proc still reports the host-side path.
+        if not os.path.exists(os.path.join(root, limit_name)):
+            return False, None, None, None, ""
+        chain, start = [root], 0
+    seen, best = False, (None, None, None, "")
+    for d in chain[start:]:
+        lpath = os.path.join(d, limit_name)
+        present, lim = _read_u64(lpath)
+        if not present:
+            continue
+        seen = True
+        if lim is None or lim >= unlimited_at:
+            continue
+        upresent, use = _read_u64(os.path.join(d, usage_name))
+        use = use if upresent and use is not None else 0
+        head = max(lim - use, 0)
+        if best[0] is None or head < best[0]:
+            best = (head, lim, use, lpath)
+    return (seen,) + best
+
+
+def _memberships(path: str) -> tuple[str | None, str | None]:
+    """(v2 path, v1 memory path) from /proc/self/cgroup.  A hybrid host lists v1 lines
+    first, so match each line rather than taking the first."""
+    try:
+        with open(path, "r", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    v2 = v1 = None
+    for line in lines:
+        if not line:
+            continue
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            raise _Malformed(f"{path}: unparseable line '{line}'")
+        hid, ctls, cpath = fields
+        if hid == "0" and ctls == "":
+            v2 = cpath
+        elif "memory" in ctls.split(","):
+            v1 = cpath
+    return v2, v1
+
+
+def _meminfo(path: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open(path, "r", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "MemTotal"):
+                    num = rest.split()
+                    if num and num[0].isdigit():
+                        out[key] = int(num[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def probe_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> MemProbe:
+    """The Linux probe against explicit roots: min(MemAvailable, tightest cgroup
+    headroom); cgroup v2 is authoritative when its memory controller is visible, v1 only
+    otherwise; a present but garbled control file fails closed."""
+    info = _meminfo(os.path.join(proc_root, "meminfo"))
+    host, total = info.get("MemAvailable"), info.get("MemTotal")
+    try:
+        v2, v1 = _memberships(os.path.join(proc_root, "self", "cgroup"))
+        cg = (False, None, None, None, "")
+        version = 0
+        if v2 is not None:
+            cg = _walk(cgroup_root, v2, "memory.max", "memory.current", 1 << 200)
+            version = 2 if cg[0] else 0
+        if not version and v1 is not None:
+            cg = _walk(os.path.join(cgroup_root, "memory"), v1, "memory.limit_in_bytes",
+                       "memory.usage_in_bytes", V1_UNLIMITED)
+            if not cg[0]:
+                cg = _walk(cgroup_root, v1, "memory.limit_in_bytes",
+                           "memory.usage_in_bytes", V1_UNLIMITED)
+            version = 1 if cg[0] else 0
+    except _Malformed as e:
+        return MemProbe(0, True, True, host=host, total=total, detail=str(e))
+    _, head, lim, use, lpath = cg
+    if host is None and head is None:
+        return MemProbe(0, False, total=total)
+    figure = min(x for x in (host, head) if x is not None)
+    return MemProbe(figure, True, host=host, total=total, cgroup=head,
+                    cgroup_version=version if head is not None else 0,
+                    cgroup_limit=lim, cgroup_usage=use, limit_path=lpath)
+
+
+def _probe_darwin() -> MemProbe:
+    # free + inactive + purgeable pages: what Darwin gives up without paging out.
+    try:
+        text = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5,
+                              check=True).stdout
+        lines = text.splitlines()
+        page = int(lines[0].split("page size of")[1].split()[0])
+        pages = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            v = v.strip().rstrip(".")
+            if v.isdigit():
+                pages[k.strip()] = int(v)
+        host = (pages.get("Pages free", 0) + pages.get("Pages inactive", 0)
+                + pages.get("Pages purgeable", 0)) * page
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return MemProbe(0, False)
+    total = None
+    try:
+        import psutil
+        total = int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001 - total is only auto's ceiling; unknown is allowed
+        pass
+    return MemProbe(host, host > 0, host=host, total=total)
+
+
+def _probe_windows() -> MemProbe:
+    # ullAvailPhys capped by the remaining commit limit: arenas are committed up front.
+    import ctypes
+
+    class MEMORYSTATUSEX(ctypes.Structure):
+        _fields_ = [("dwLength", ctypes.c_ulong), ("dwMemoryLoad", ctypes.c_ulong),
+                    ("ullTotalPhys", ctypes.c_ulonglong), ("ullAvailPhys", ctypes.c_ulonglong),
+                    ("ullTotalPageFile", ctypes.c_ulonglong),
+                    ("ullAvailPageFile", ctypes.c_ulonglong),
+                    ("ullTotalVirtual", ctypes.c_ulonglong),
+                    ("ullAvailVirtual", ctypes.c_ulonglong),
+                    ("ullAvailExtendedVirtual", ctypes.c_ulonglong)]
+
+    ms = MEMORYSTATUSEX()
+    ms.dwLength = ctypes.sizeof(ms)
+    if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(ms)):
+        return MemProbe(0, False)
+    host = min(ms.ullAvailPhys, ms.ullAvailPageFile)
+    return MemProbe(host, True, host=host, total=ms.ullTotalPhys)
+
+
+def available_memory(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup"
+                     ) -> tuple[int, MemProbe]:
+    """(bytes a plan may use, the probe with its breakdown; `probe.how` describes it).
+
+    Linux, or any platform when roots are given explicitly: `probe_memory`.  macOS and
+    Windows use their platform figures (no cgroups)."""
+    defaults = proc_root == "/proc" and cgroup_root == "/sys/fs/cgroup"
+    if defaults and sys.platform == "darwin":
+        probe = _probe_darwin()
+    elif defaults and sys.platform == "win32":
+        probe = _probe_windows()
+    else:
+        probe = probe_memory(proc_root, cgroup_root)
+    return probe.bytes, probe
