@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -16,6 +17,8 @@ from .bind import Binder, CheckpointExperts, ResidentWeights
 from .checkpoint import Checkpoint
 from .config import ConfigError, ModelConfig, load_config
 from .model import Model, greedy
+from .sampler import Sampler
+from .state import SequenceState
 
 MAX_PROMPT = 32768
 MAX_GEN = 4096
@@ -88,6 +91,20 @@ def load_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None) ->
                        weights.trunk_nbytes(), weights.tables_nbytes())
 
 
+class Cancel:
+    """A stop request honoured at the next safe point (between decode steps): SIGINT in
+    the CLI, the Stop button in the app (SYSTEM §6.6)."""
+
+    def __init__(self):
+        self._flag = threading.Event()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    def __bool__(self) -> bool:
+        return self._flag.is_set()
+
+
 @dataclass
 class Step:
     step: int
@@ -100,9 +117,13 @@ class Step:
 @dataclass
 class RunResult:
     prompt_ids: list[int]
+    prior_ids: list[int] = field(default_factory=list)
     generated_ids: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     layers_completed: int = 0
+    stopped_at: int = -1
+    interrupted: bool = False
+    state: SequenceState | None = None
 
     @property
     def wall_seconds(self) -> float:
@@ -112,18 +133,32 @@ class RunResult:
     def expert_bytes(self) -> int:
         return sum(s.expert_bytes for s in self.steps)
 
+    @property
+    def full_ids(self) -> list[int]:
+        return self.prior_ids + self.prompt_ids + self.generated_ids
+
 
 def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool,
-             on_step: Callable[[Step], None] | None = None) -> RunResult:
-    """Greedy decode.  Incremental: step 0 prefills the prompt, later steps feed one token
-    with carried state.  Otherwise every step recomputes the whole sequence from a fresh
-    state (the reference's default); both give the same ids by construction (§4.10)."""
+             on_step: Callable[[Step], None] | None = None, stop_ids: Iterable[int] = (),
+             sampler: Sampler | None = None, cancel: Cancel | None = None,
+             state: SequenceState | None = None, prior_ids: Iterable[int] = ()) -> RunResult:
+    """The decode loop of SYSTEM §6.4.  Incremental: step 0 feeds everything not yet cached
+    (a resumed state's pending token plus the new prompt), later steps one token with the
+    carried state.  Otherwise every step recomputes the whole sequence from a fresh state
+    (the reference's default); both give the same ids by construction (§4.10).  `cancel`
+    is checked at the top of each step, so the step in flight always completes."""
     model = lm.model
-    res = RunResult(list(prompt_ids))
-    seq = list(prompt_ids)
-    state = model.new_state(len(seq) + gen + 1)
+    res = RunResult(list(prompt_ids), list(prior_ids))
+    seq = res.prior_ids + res.prompt_ids
+    stops = set(stop_ids)
+    if state is None:
+        state = model.new_state(len(seq) + gen + 1)
+    res.state = state
     g = 0
     while len(res.generated_ids) < gen or (incremental and g == 0):
+        if cancel:
+            res.interrupted = True
+            break
         before = lm.experts.bytes_read
         t0 = time.monotonic()
         if incremental:
@@ -131,7 +166,9 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
         else:
             state.reset()
             logits = model.forward(seq, state)
-        emitted = [greedy(logits)] if len(res.generated_ids) < gen else []
+        emitted = []
+        if len(res.generated_ids) < gen:
+            emitted = [sampler.sample(logits) if sampler else greedy(logits)]
         step = Step(g, emitted, time.monotonic() - t0, lm.experts.bytes_read - before,
                     logits if g == 0 else None)
         res.steps.append(step)
@@ -142,8 +179,111 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
         if on_step:
             on_step(step)
         g += 1
+        if any(i in stops for i in emitted):
+            res.stopped_at = next(i for i in emitted if i in stops)
+            break
     return res
 
 
 def set_threads(n: int) -> None:
     K.set_num_threads(n)
+
+
+# ---- one chat turn (SYSTEM §9.3-§9.4): the API the CLI's REPL and the app both use -----
+
+@dataclass
+class TurnResult:
+    ids: list[int]                     # generated ids, the end id included when reached
+    prompt_ids: int                    # rendered transcript length
+    reused: int                        # positions served from the previous turn's state
+    seconds: float
+    first_token_seconds: float
+    end_id: int | None                 # None: the generation limit came first, or a stop
+    interrupted: bool = False
+    reasoning: str | None = None
+    content: str | None = None
+
+
+class ChatSession:
+    """A conversation on one loaded model.  Each turn renders the whole history (XTML),
+    reuses the previous turn's state when the rendered ids extend what is cached (all or
+    nothing), and generates until an end id, the limit or a stop request."""
+
+    def __init__(self, lm: LoadedModel, tok, ctl, history, opts, sampler: Sampler,
+                 incremental: bool = True):
+        self.lm, self.tok, self.ctl = lm, tok, ctl
+        self.history, self.opts, self.sampler = history, opts, sampler
+        self.incremental = incremental
+        self.turn0 = history.assistant_count()
+        self.turns_done = 0
+        self.state: SequenceState | None = None
+        self.record: list[int] = []    # the exact ids fed so far (the prefix record)
+
+    def render(self) -> list[int]:
+        from .chat import encode_prompt, render_segments
+        return encode_prompt(self.tok, render_segments(self.history, self.opts))
+
+    def reset(self) -> None:
+        self.history.reset()
+        self.state, self.record = None, []
+
+    def _prefill(self, prompt: list[int], gen: int) -> tuple[np.ndarray, int]:
+        from .chat import reuse_positions
+        from .state import grown
+        model = self.lm.model
+        if not self.incremental:
+            self.state = model.new_state(len(prompt) + gen + 1)
+            return model.forward(prompt, self.state), 0
+        cached = self.state.n_cached if self.state is not None else 0
+        reuse = reuse_positions(self.record, prompt, cached=cached)
+        if reuse == 0:
+            self.state, self.record = model.new_state(len(prompt) + gen + 1), []
+        else:
+            self.state = grown(self.state, len(prompt) + gen + 1)
+        tail = prompt[reuse:]
+        try:
+            logits = model.forward(tail, self.state)
+        except Exception:
+            self.state, self.record = None, []     # a failed forward clears the record
+            raise
+        self.record += tail
+        return logits, reuse
+
+    def turn(self, gen: int, on_token: Callable[[int, int], None] | None = None,
+             cancel: Cancel | None = None) -> TurnResult:
+        """Generate the assistant's reply to the history (which ends with a user message).
+        On a closed turn the parsed reply is appended to the history; otherwise the
+        history is left as it was (the caller decides what to tell the person)."""
+        from .chat import Message, parse_reply
+        model = self.lm.model
+        t0 = time.monotonic()
+        prompt = self.render()
+        self.sampler.new_turn(self.turn0 + self.turns_done + 1)
+        logits, reuse = self._prefill(prompt, gen)
+        first = time.monotonic() - t0
+        out: list[int] = []
+        end_ids = set(self.ctl.end_ids)
+        interrupted = False
+        while True:
+            tok_id = self.sampler.sample(logits)
+            out.append(tok_id)
+            if on_token:
+                on_token(len(out), tok_id)
+            if tok_id in end_ids or len(out) >= gen:
+                break
+            if cancel:
+                interrupted = True
+                break
+            if self.incremental:
+                logits = model.forward([tok_id], self.state)
+                self.record.append(tok_id)
+            else:
+                self.state.reset()
+                logits = model.forward(prompt + out, self.state)
+        res = TurnResult(out, len(prompt), reuse, time.monotonic() - t0, first,
+                         out[-1] if out and out[-1] in end_ids else None, interrupted)
+        if res.end_id is not None:
+            res.reasoning, res.content = parse_reply(self.tok, self.ctl, out, self.opts.thinking)
+            self.history.add(Message("assistant", res.content, res.reasoning))
+            self.turns_done += 1
+        return res

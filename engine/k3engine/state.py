@@ -85,3 +85,22 @@ class SequenceState:
                 else (st.kv, st.rope)
             total += sum(a.nbytes for a in arrays)
         return total
+
+
+def grown(state: SequenceState, capacity: int) -> SequenceState:
+    """A copy of `state` with room for `capacity` positions (cached KV rows copied), for a
+    chat turn that outgrows the cache it was allocated with."""
+    if capacity <= state.capacity:
+        return state
+    new = SequenceState(state.cfg, capacity, state.n_layers)
+    new.n_cached = state.n_cached
+    n = state.n_cached
+    for old, dst in zip(state.layers, new.layers):
+        if isinstance(old, MLAState):
+            dst.kv[:n] = old.kv[:n]
+            dst.rope[:n] = old.rope[:n]
+        else:
+            for a, b in ((old.S, dst.S), (old.conv_q, dst.conv_q), (old.conv_k, dst.conv_k),
+                         (old.conv_v, dst.conv_v)):
+                b[...] = a
+    return new

@@ -50,7 +50,17 @@ _MID = dict(
     intermediate_size=8192, attn_res_block_size=4, full_attn_layers=[4, 8, 12, 16],
 )
 
-DIMS = {"tiny": _TINY, "mid": _MID}
+# The smallest chat-capable model: our vocabulary (ranks + 256 added tokens), every layer
+# kind present, a few tens of MB; the app's out-of-the-box model.
+_DEMO = dict(
+    _TINY, hidden_size=256, kda_head_dim=32, q_lora_rank=128, kv_lora_rank=64,
+    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=32,
+    num_experts_per_token=4, routed_expert_hidden_size=128, moe_intermediate_size=128,
+    intermediate_size=512, vocab_size=None,
+)
+
+DIMS = {"tiny": _TINY, "demo": _DEMO, "mid": _MID}
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
 # Above this many parameters per expert matrix, nibbles and scales are drawn at random
 # instead of quantising Gaussian weights (same format, far faster at multi-GB sizes).
 QUANTISE_LIMIT = 1 << 20
@@ -61,7 +71,27 @@ PROGRESS_MIN_BYTES = 200 * 10**6
 def dims_config(dims: str) -> ModelConfig:
     if dims not in DIMS:
         raise ValueError(f"unknown --dims {dims!r} (choose from {', '.join(DIMS)})")
-    return parse_config(dict(DIMS[dims]), f"--dims {dims}")
+    d = dict(DIMS[dims])
+    if d["vocab_size"] is None:             # sized to hold our shipped vocabulary exactly
+        from ..tokenizer import Tokenizer, default_tokenizer_dir
+        d["vocab_size"] = Tokenizer.from_dir(default_tokenizer_dir()).vocab_size
+    return parse_config(d, f"--dims {dims}")
+
+
+def write_tokenizer(out_dir: str, vocab: int) -> bool:
+    """Copy our vocabulary into a model directory whose embedding can hold it, so the
+    directory also serves as --tok.  Returns whether it was written."""
+    from ..tokenizer import Tokenizer, default_tokenizer_dir
+    src = default_tokenizer_dir()
+    if Tokenizer.from_dir(src).vocab_size > vocab:
+        return False
+    for name in TOKENIZER_FILES:
+        data = (src / name).read_bytes()
+        tmp = os.path.join(out_dir, f"{name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(out_dir, name))
+    return True
 
 
 # ---- values ------------------------------------------------------------------------
@@ -224,6 +254,7 @@ def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool 
     if n > 1:
         _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
                     {"metadata": {"total_size": total}, "weight_map": byname})
+    write_tokenizer(out_dir, cfg.vocab)
     _write_json(os.path.join(out_dir, "config.json"),
                 to_nested_dict(cfg) if nested else to_flat_dict(cfg))
     return paths
@@ -269,8 +300,11 @@ def main(argv: list[str]) -> int:
             print(f"  {pct:3d}%  {done / 1e9:.2f} of {tot / 1e9:.2f} GB", flush=True)
 
     paths = make_checkpoint(a.out_dir, cfg, a.seed, nested, int(a.shard_gb * 1e9), progress)
+    has_tok = os.path.exists(os.path.join(a.out_dir, TOKENIZER_FILES[0]))
     print(f"wrote {a.out_dir}: {len(paths)} shard(s), {total / 1e9:.3f} GB, "
-          f"dims {a.dims}, seed {a.seed}, config {'nested' if nested else 'flat'}")
+          f"dims {a.dims}, seed {a.seed}, config {'nested' if nested else 'flat'}, "
+          f"{'with our tokenizer (usable as --tok)' if has_tok else 'no tokenizer (vocabulary too small)'}")
+    print("random weights: the output is not language (a demo of the machinery)")
     return 0
 
 
