@@ -13,7 +13,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint, CheckpointError, require_tensors
 from .config import ModelConfig
-from .names import (LM_HEAD, PREFIX, TensorDef, expert_tensors, layer_tensors,
+from .names import (TensorDef, expert_tensors, layer_tensors,
                     model_tensors)
 from .weights import (MXFP4, DenseWeights, ExpertWeights, KDAWeights, LayerWeights,
                       MLAWeights, ModelTables, MoEWeights, fold_phi)
@@ -182,10 +182,10 @@ class ResidentWeights:
         pass
 
     def trunk_nbytes(self) -> int:
-        return sum(_deep_nbytes(lw) for lw in self._layers)
+        return sum(deep_nbytes(lw) for lw in self._layers)
 
     def tables_nbytes(self) -> int:
-        return _deep_nbytes(self.tables)
+        return deep_nbytes(self.tables)
 
 
 class CheckpointExperts:
@@ -205,19 +205,19 @@ class CheckpointExperts:
         ex = self._resident.get(key)
         if ex is None:
             ex = self.binder.expert(layer, expert)
-            self.bytes_read += _deep_nbytes(ex)
+            self.bytes_read += deep_nbytes(ex)
             self._resident[key] = ex
         return ex
 
 
-def _deep_nbytes(obj) -> int:
+def deep_nbytes(obj) -> int:
     if isinstance(obj, np.ndarray):
         return obj.nbytes
     if obj is None or isinstance(obj, (int, float, str)):
         return 0
     if hasattr(obj, "__dataclass_fields__"):
-        return sum(_deep_nbytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+        return sum(deep_nbytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
     return 0
 
 
-__all__ = ["Binder", "BindError", "ResidentWeights", "CheckpointExperts", "PREFIX", "LM_HEAD"]
+__all__ = ["Binder", "BindError", "ResidentWeights", "CheckpointExperts", "deep_nbytes"]

@@ -4,7 +4,6 @@ would plot."""
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,21 +12,20 @@ from typing import Callable, Iterable
 import numpy as np
 
 from . import kernels as K
-from .bind import Binder, CheckpointExperts, ResidentWeights
+from .bind import Binder, CheckpointExperts, ResidentWeights, deep_nbytes
 from .checkpoint import Checkpoint
 from .config import ConfigError, ModelConfig, load_config
+from .memory import ModelFigures, Plan
 from .model import Model, greedy
+from .names import expert_tensors, layer_tensors, model_tensors
 from .sampler import Sampler
 from .state import SequenceState
+from .telemetry import peak_rss_bytes  # noqa: F401  (re-exported for callers)
+from .trunk import StreamedTrunk, TrunkManifest
 
 MAX_PROMPT = 32768
 MAX_GEN = 4096
 MAX_POSITIONS = 36864
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set from the OS (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def physical_cores() -> int:
@@ -55,6 +53,19 @@ def default_threads() -> int:
 
 
 @dataclass
+class ModelSetup:
+    """Everything known before the large allocations: config, shard index, the packed
+    trunk's manifest and the sizes the memory planner needs."""
+    cfg: ModelConfig
+    ck: Checkpoint
+    binder: Binder
+    n_layers: int
+    manifest: TrunkManifest | None
+    figures: ModelFigures
+    index_seconds: float
+
+
+@dataclass
 class LoadedModel:
     cfg: ModelConfig
     ck: Checkpoint
@@ -64,6 +75,12 @@ class LoadedModel:
     bind_seconds: float
     trunk_bytes: int
     table_bytes: int
+    trunk: StreamedTrunk | None = None
+
+    def close(self) -> None:
+        if self.trunk is not None:
+            self.trunk.close()
+        self.ck.close()
 
 
 def read_config(model_dir: str, config_path: str | None = None) -> tuple[ModelConfig, str]:
@@ -75,20 +92,64 @@ def read_config(model_dir: str, config_path: str | None = None) -> tuple[ModelCo
     return load_config(path), path
 
 
-def load_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None) -> LoadedModel:
-    """Shard index, completeness check, then the resident trunk.  Raises CheckpointError
-    (exit 1) with a message naming the file and tensor."""
+def _resident_layer_bytes(ck: Checkpoint, cfg: ModelConfig, L: int) -> int:
+    return sum(ck.info(t.name).nbytes for t in layer_tensors(cfg, L))
+
+
+def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
+               trunk_dir: str | None = None) -> ModelSetup:
+    """Index the shards, refuse a partial download, open and cross-check a packed trunk.
+    Raises CheckpointError / TrunkError (exit 1) naming the file."""
     nl = cfg.n_layers if n_layers is None else n_layers
     t0 = time.monotonic()
     ck = Checkpoint(model_dir)
-    t1 = time.monotonic()
-    binder = Binder(ck, cfg)
-    binder.require_complete(nl)
-    weights = ResidentWeights(binder, nl)
-    t2 = time.monotonic()
+    try:
+        binder = Binder(ck, cfg)
+        binder.require_complete(nl)
+        manifest = None
+        if trunk_dir:
+            manifest = TrunkManifest.load(trunk_dir)
+            manifest.check_against(ck, nl)
+            sizes = [manifest.layers[L].nbytes for L in range(cfg.n_layers)
+                     if L < len(manifest.layers)]
+        else:
+            sizes = [_resident_layer_bytes(ck, cfg, L) for L in range(cfg.n_layers)]
+        moe = next((L for L in range(cfg.n_layers) if not cfg.is_dense(L)), None)
+        expert_bytes = 0 if moe is None else \
+            sum(ck.info(t.name).nbytes for t in expert_tensors(cfg, moe, 0))
+        tables = sum(ck.info(t.name).nbytes for t in model_tensors(cfg) if t.kind == "M")
+        figures = ModelFigures.for_config(cfg, sizes, expert_bytes, table_bytes=tables)
+    except BaseException:
+        ck.close()
+        raise
+    return ModelSetup(cfg, ck, binder, nl, manifest, figures, time.monotonic() - t0)
+
+
+def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
+               n_layers: int | None = None, plan: Plan | None = None,
+               on_trunk_read: Callable[[int, int, float], None] | None = None) -> LoadedModel:
+    """Bind the model tables and the trunk (resident, or streamed when the setup has a
+    packed trunk and `plan` chose its pinned set and ring)."""
+    setup = model_dir if isinstance(model_dir, ModelSetup) else \
+        open_model(model_dir, cfg, n_layers)
+    cfg, ck, binder, nl = setup.cfg, setup.ck, setup.binder, setup.n_layers
+    t0 = time.monotonic()
+    tables = binder.tables()
+    trunk = None
+    if setup.manifest is not None:
+        tp = plan.trunk_plan if plan is not None and plan.trunk_plan is not None else None
+        pinned = set(tp.pinned) if tp else set()
+        ring = tp.ring_slots if tp else 2
+        trunk = weights = StreamedTrunk(setup.manifest, binder, tables, nl, pinned, ring,
+                                        on_read=on_trunk_read)
+        trunk_bytes = 0
+    else:
+        weights = ResidentWeights(binder, nl)
+        trunk_bytes = weights.trunk_nbytes()
     experts = CheckpointExperts(binder)
-    return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts, t1 - t0, t2 - t1,
-                       weights.trunk_nbytes(), weights.tables_nbytes())
+    return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,
+                       setup.index_seconds, time.monotonic() - t0, trunk_bytes,
+                       deep_nbytes(tables), trunk)
 
 
 class Cancel:

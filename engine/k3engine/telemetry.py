@@ -1,0 +1,63 @@
+"""Structured run telemetry (SYSTEM §7.5): one event schema for the CLI's --events JSON
+lines and the app's plots.  Every event carries "ev" and "t" (monotonic seconds since the
+engine started); RSS comes from the OS, never from an estimate."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from typing import Callable
+
+_T0 = time.monotonic()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """Resident set now (/proc/self/statm field 2 x page size)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        import psutil
+        return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set from getrusage (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+Sink = Callable[[dict], None]
+
+
+class Events:
+    """Fan-out of events to any number of sinks; a sink that raises is dropped (telemetry
+    must never stop the engine)."""
+
+    def __init__(self, *sinks: Sink):
+        self.sinks = [s for s in sinks if s is not None]
+
+    def emit(self, ev: str, **fields) -> None:
+        if not self.sinks:
+            return
+        e = {"ev": ev, "t": round(time.monotonic() - _T0, 6), **fields}
+        for s in list(self.sinks):
+            try:
+                s(e)
+            except Exception:
+                self.sinks.remove(s)
+
+
+class JsonLinesSink:
+    """--events PATH: one JSON object per line, flushed per event."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "w", encoding="utf-8")
+
+    def __call__(self, e: dict) -> None:
+        self.f.write(json.dumps(e, separators=(",", ":")) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
