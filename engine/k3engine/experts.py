@@ -1,0 +1,914 @@
+"""The routed-expert cache (SYSTEM §4): fixed slots of packed MXFP4 bytes, LRU replacement,
+batch prefetch with parallel O_DIRECT reads, and the request trace.
+
+Three layers, each usable alone:
+
+* `resolve_expert` finds one expert's bytes on disk (§1.6): shard, run, the offset of each
+  of its six tensors inside the run, with the geometry checks.
+* `LRUPolicy` is the slot table and the replacement decision (§4.2) with no I/O at all, so
+  `k3 sim-cache` replays a trace through exactly the decisions the engine makes.
+* `ExpertCache` owns the arena and the reads.  The forward pass calls `batches(layer,
+  experts)`; each yielded group is resident at once and stays protected until the next
+  group is requested.  A group's missing experts are read in parallel (§4.4) in disk-offset
+  order by a small pool of I/O threads (`os.preadv` releases the GIL), into 4096-aligned
+  slots through the widened O_DIRECT window of §1.7.
+
+A slot is registered to its key only after its read returned every byte; a failed read
+leaves the slot EMPTY and is retried once, a second failure is an `ExpertLoadError` (a drop:
+the token in flight is never emitted, the run exits 4, §4.9).
+
+`ResidentExperts` gives any `.expert(L, e)` source the same `batches()` interface.
+"""
+from __future__ import annotations
+
+import errno
+import heapq
+import os
+import sys
+import threading
+import time
+from array import array
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .bind import BindError
+from .checkpoint import Checkpoint, CheckpointError
+from .config import ModelConfig
+from .diskio import ALIGN, PREAD_MAX, AlignedBuffer, align_up, pread_into
+from .names import EXPERT_MATRICES, expert_tensors, layer_prefix
+from .weights import MXFP4, ExpertWeights
+
+__all__ = [
+    "ExpertLoadError", "ExpertCacheError", "RunTensor", "ExpertRun", "resolve_expert",
+    "slot_bytes_for", "EMPTY", "INFLIGHT", "LRUPolicy", "CacheCounters", "RequestTrace",
+    "ExpertCache", "ResidentExperts",
+]
+
+GROUP = 32                       # MXFP4: one E8M0 scale per 32 elements
+DEFAULT_IO_THREADS = 16          # queue depth 16 is what lets NVMe reach its rated rate
+TOKENS_DIVISOR = 1472            # requests per decode token on the real model (92 x 16)
+
+EMPTY, INFLIGHT = -1, -2         # slot states besides "holds key >= 0" (§4.2)
+
+
+class ExpertLoadError(RuntimeError):
+    """An expert that could not be made resident (missing tensor, geometry, a short read
+    twice, no evictable slot): a drop.  The token in flight must not be emitted."""
+
+    def __init__(self, layer: int, expert: int, reason: str):
+        super().__init__(f"layer {layer} expert {expert} failed to load; {reason}")
+        self.layer, self.expert, self.reason = layer, expert, reason
+
+
+class ExpertCacheError(RuntimeError):
+    """The cache cannot be built as asked (budget below top-k + 1 slots, no experts)."""
+
+
+# ---------------------------------------------------------------------------------------
+# One expert's bytes (§1.6)
+
+@dataclass(frozen=True)
+class RunTensor:
+    key: str                   # "w1.weight_packed", ...
+    name: str
+    shape: tuple[int, int]
+    file_offset: int           # absolute offset in the shard
+    nbytes: int
+    offset: int                # where the tensor begins inside the run (the slot payload)
+
+
+@dataclass(frozen=True)
+class ExpertRun:
+    layer: int
+    expert: int
+    shard: int
+    path: str
+    offset: int                # absolute offset of the run's first byte
+    nbytes: int                # payload bytes (sum of the six tensors)
+    contiguous: bool           # one gap-free run; otherwise six reads in canonical order
+    tensors: tuple[RunTensor, ...]   # canonical order: w1.p, w1.s, w2.p, w2.s, w3.p, w3.s
+
+    def window(self) -> tuple[int, int, int]:
+        """The O_DIRECT read (§1.7): (aligned file offset, aligned length, payload pad)."""
+        lo = self.offset - self.offset % ALIGN
+        return lo, align_up(self.offset + self.nbytes) - lo, self.offset - lo
+
+
+def _canonical(cfg: ModelConfig | None, L: int, e: int) -> list[tuple[str, str, tuple | None]]:
+    """(key, name, shape the config implies or None) of the six tensors, in order."""
+    if cfg is not None:
+        return [(t.key, t.name, t.shape) for t in expert_tensors(cfg, L, e)]
+    p = f"{layer_prefix(L)}block_sparse_moe.experts.{e}."
+    return [(f"{m}.{k}", f"{p}{m}.{k}", None)
+            for m in EXPERT_MATRICES for k in ("weight_packed", "weight_scale")]
+
+
+def resolve_expert(ck: Checkpoint, cfg: ModelConfig | None, L: int, e: int) -> ExpertRun:
+    """Where routed expert e of layer L lives, from the headers (never assumed order).
+
+    Checks (§1.6): all six exist, U8 rank 2, packed and scale rows agree, group size 32,
+    all in one shard; with a config, every shape must also be the one it implies (without
+    one the geometry comes from the headers alone, as for the synthetic cache fixture).
+    Raises CheckpointError (a missing tensor) or BindError (geometry), naming the tensor."""
+    want = _canonical(cfg, L, e)
+    infos = [ck.info(name) for _, name, _ in want]      # "missing tensor NAME in DIR"
+    first = infos[0]
+    where = f"layer {L} expert {e}"
+
+    def bad(info, problem: str) -> BindError:
+        return BindError(f"{info.path}: {info.name} {problem} ({where})", info.path, info.name)
+
+    for i in range(0, 6, 2):
+        p, s = infos[i], infos[i + 1]
+        for t in (p, s):
+            if t.dtype != "U8" or len(t.shape) != 2:
+                raise bad(t, f"is {t.dtype} {list(t.shape)}, expected U8 of rank 2")
+        if p.shape[0] != s.shape[0]:
+            raise bad(s, f"has {s.shape[0]} rows but {p.name} has {p.shape[0]}")
+        if s.shape[1] * GROUP != p.shape[1] * 2:
+            g = f"{p.shape[1] * 2 / s.shape[1]:g}" if s.shape[1] else "infinite"
+            raise bad(s, f"{list(s.shape)} for {list(p.shape)} packed implies group size "
+                         f"{g}, not {GROUP}")
+        for t in (p, s):
+            if t.shard != first.shard:
+                raise bad(t, f"is in {t.path}, not in {first.path} with {first.name}")
+    for (_, _, shape), t in zip(want, infos):
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise bad(t, f"is {list(t.shape)}, the config implies {list(shape)}")
+
+    lo = min(t.offset for t in infos)
+    hi = max(t.offset + t.nbytes for t in infos)
+    own = sum(t.nbytes for t in infos)
+    contiguous = hi - lo == own
+    tensors, at = [], 0
+    for (key, _, _), t in zip(want, infos):
+        tensors.append(RunTensor(key, t.name, tuple(t.shape), t.offset, t.nbytes,
+                                 t.offset - lo if contiguous else at))
+        at += t.nbytes
+    return ExpertRun(L, e, first.shard, first.path, lo, own, contiguous, tuple(tensors))
+
+
+def slot_bytes_for(expert_nbytes: int) -> int:
+    """§4.1: room for the widened O_DIRECT window, and a stride that keeps every slot
+    4096-aligned whatever the expert size."""
+    return align_up(expert_nbytes + 2 * ALIGN)
+
+
+# ---------------------------------------------------------------------------------------
+# The replacement policy (§4.2): pure bookkeeping, shared with `k3 sim-cache`
+
+class LRUPolicy:
+    """Slot table and LRU victim choice, exactly as the reference's LRU: an EMPTY slot (the
+    lowest-numbered) before any live one; otherwise the least recently used slot that is
+    not INFLIGHT, pinned or in use.  "Used" means published or hit (each stamps the slot).
+
+    Keys are any non-negative ints.  No I/O: the caller reserves (the slot becomes
+    INFLIGHT), reads, then publishes or releases.
+    """
+
+    def __init__(self, nslot: int):
+        if nslot < 1:
+            raise ValueError("a cache needs at least one slot")
+        self.nslot = nslot
+        self.key_of: list[int] = [EMPTY] * nslot
+        self.slot_of: dict[int, int] = {}         # published keys only
+        self.inflight_of: dict[int, int] = {}
+        self._free = list(range(nslot))           # heap of EMPTY slots
+        self._lru: OrderedDict[int, None] = OrderedDict()   # published slots, oldest first
+        self._pinned: set[int] = set()
+        self._in_use: dict[int, int] = {}         # slot -> holders
+
+    # -- queries --------------------------------------------------------------------
+    def lookup(self, key: int) -> int:
+        """The slot holding key, or -1 (INFLIGHT keys are not resident)."""
+        return self.slot_of.get(key, -1)
+
+    def inflight(self, key: int) -> bool:
+        return key in self.inflight_of
+
+    @property
+    def resident(self) -> int:
+        return len(self.slot_of)
+
+    @property
+    def pinned(self) -> int:
+        return len(self._pinned)
+
+    def state(self, slot: int) -> int:
+        return self.key_of[slot]
+
+    def is_pinned(self, slot: int) -> bool:
+        return slot in self._pinned
+
+    def evictable(self, slot: int) -> bool:
+        return (self.key_of[slot] >= 0 and slot not in self._pinned
+                and slot not in self._in_use)
+
+    def free_capacity(self) -> int:
+        """Slots a new group may occupy at once: all but pinned, in-use or INFLIGHT."""
+        held = self._pinned | set(self._in_use) | set(self.inflight_of.values())
+        return self.nslot - len(held)
+
+    # -- transitions ----------------------------------------------------------------
+    def touch(self, slot: int) -> None:
+        self._lru.move_to_end(slot)
+
+    def pick_victim(self) -> int:
+        if self._free:
+            return self._free[0]
+        for slot in self._lru:
+            if slot not in self._pinned and slot not in self._in_use:
+                return slot
+        return -1
+
+    def reserve(self, key: int) -> tuple[int, int]:
+        """Take a slot for key and mark it INFLIGHT.  Returns (slot, evicted key) — the
+        evicted key is EMPTY when the slot was free — or (-1, EMPTY) if every slot is
+        pinned, in use or in flight."""
+        if key in self.slot_of or key in self.inflight_of:
+            raise ValueError(f"key {key} is already resident or in flight")
+        slot = self.pick_victim()
+        if slot < 0:
+            return -1, EMPTY
+        old = self.key_of[slot]
+        if old == EMPTY:
+            heapq.heappop(self._free)
+        else:
+            del self._lru[slot]
+            del self.slot_of[old]
+        self.key_of[slot] = INFLIGHT
+        self.inflight_of[key] = slot
+        return slot, old
+
+    def publish(self, key: int, slot: int) -> None:
+        """The read returned every byte: key is resident in slot, most recently used."""
+        self._check_inflight(key, slot)
+        del self.inflight_of[key]
+        self.key_of[slot] = key
+        self.slot_of[key] = slot
+        self._lru[slot] = None
+
+    def release(self, key: int, slot: int) -> None:
+        """The read failed: the slot goes back EMPTY and can never be served as a hit."""
+        self._check_inflight(key, slot)
+        del self.inflight_of[key]
+        self.key_of[slot] = EMPTY
+        heapq.heappush(self._free, slot)
+
+    def _check_inflight(self, key: int, slot: int) -> None:
+        if self.inflight_of.get(key) != slot or self.key_of[slot] != INFLIGHT:
+            raise ValueError(f"slot {slot} is not in flight for key {key}")
+
+    def protect(self, slot: int) -> None:
+        """In use by the current group: never a victim until unprotected."""
+        self._in_use[slot] = self._in_use.get(slot, 0) + 1
+
+    def unprotect(self, slot: int) -> None:
+        n = self._in_use.get(slot, 0) - 1
+        if n > 0:
+            self._in_use[slot] = n
+        else:
+            self._in_use.pop(slot, None)
+
+    def pin(self, key: int, on: bool = True) -> bool:
+        """Pin (or unpin) a resident key's slot; False if key is not resident."""
+        slot = self.slot_of.get(key, -1)
+        if slot < 0:
+            return False
+        (self._pinned.add if on else self._pinned.discard)(slot)
+        return True
+
+    def access(self, key: int) -> bool:
+        """One request with an instantaneous read (trace replay): True on a hit."""
+        slot = self.slot_of.get(key, -1)
+        if slot >= 0:
+            self._lru.move_to_end(slot)
+            return True
+        slot, _ = self.reserve(key)
+        if slot < 0:
+            raise RuntimeError("every slot is pinned or in use")
+        self.publish(key, slot)
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# Counters (§4.7), histogram and trace (§4.8)
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefetch_reads: int = 0      # hits whose bytes the batch prefetch read this window
+    bytes_read: int = 0
+    load_seconds: float = 0.0    # wall time of the read phases
+
+    @property
+    def requests(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def raw_hit_rate(self) -> float:
+        """hits / requests, in %: flattering, it counts what the prefetch just read."""
+        return 100.0 * self.hits / self.requests if self.requests else 0.0
+
+    @property
+    def true_hit_rate(self) -> float:
+        """Experts served from RAM without touching the disk in this window, in %."""
+        n = self.requests
+        return 100.0 * max(0, self.hits - self.prefetch_reads) / n if n else 0.0
+
+    @property
+    def retention(self) -> float:
+        """Share of requests whose expert was not evicted to make room, in %."""
+        n = self.requests
+        return 100.0 * max(0, n - self.evictions) / n if n else 0.0
+
+
+class RequestTrace:
+    """Every request the model made, in order, for the whole run (never reset): the
+    trace is independent of cache contents, so it can be replayed at any capacity."""
+
+    def __init__(self, n_layers: int = 0, n_experts: int = 0):
+        self.n_layers, self.n_experts = n_layers, n_experts
+        self.pairs = array("i")                 # layer, expert, layer, expert, ...
+
+    def record(self, layer: int, expert: int) -> None:
+        self.pairs.append(layer)
+        self.pairs.append(expert)
+
+    @property
+    def requests(self) -> int:
+        return len(self.pairs) // 2
+
+    def histogram(self) -> dict[tuple[int, int], int]:
+        """(layer, expert) -> requests, non-zero only, ordered by layer then expert."""
+        pairs = np.frombuffer(self.pairs, np.int32).reshape(-1, 2)
+        if not len(pairs):
+            return {}
+        keys, counts = np.unique(pairs, axis=0, return_counts=True)
+        return {(int(L), int(e)): int(n) for (L, e), n in zip(keys, counts)}
+
+    def dump(self, directory) -> list[str]:
+        """Write DIR/expert_hist.json and DIR/expert_trace.bin (§6.8); the directory must
+        exist.  Returns the lines to print."""
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(errno.ENOENT, "cache trace directory does not exist",
+                                    directory)
+        hist = self.histogram()
+        n_layers = self.n_layers or max((L + 1 for L, _ in hist), default=0)
+        n_experts = self.n_experts or max((e + 1 for _, e in hist), default=0)
+        counts = ",".join(f'"{L},{e}":{n}' for (L, e), n in hist.items())
+        hpath = os.path.join(directory, "expert_hist.json")
+        with open(hpath, "w") as f:
+            f.write(f'{{"n_layers":{n_layers},"n_experts":{n_experts},"counts":{{{counts}}}}}\n')
+        tpath = os.path.join(directory, "expert_trace.bin")
+        data = np.frombuffer(self.pairs, np.int32).astype("<i4", copy=False)
+        with open(tpath, "wb") as f:
+            f.write(data.tobytes())
+        return [f"wrote {hpath}: {len(hist)} experts",
+                f"wrote {tpath}: {self.requests} requests ({data.nbytes / 1024:.1f} KB)"]
+
+
+# ---------------------------------------------------------------------------------------
+# Reads
+
+class _DirectRefused(Exception):
+    """The filesystem accepted O_DIRECT at open but refuses it on read (EINVAL)."""
+
+
+def _pread_direct(fd: int, buf: memoryview, length: int, offset: int) -> int:
+    """§1.7: fill buf[:length] from an aligned offset; the last window of a shard may run
+    past EOF, which is a short count, not an error."""
+    got = 0
+    while got < length:
+        try:
+            r = os.preadv(fd, [buf[got:got + min(length - got, PREAD_MAX)]], offset + got)
+        except OSError as e:
+            if got:
+                break           # unaligned remainder after EOF
+            if e.errno == errno.EINVAL:
+                raise _DirectRefused() from e
+            raise
+        if r <= 0:
+            break
+        got += r
+    return got
+
+
+@dataclass
+class _Read:
+    key: int
+    run: ExpertRun
+    slot: int
+    got: int = -1
+    pad: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.got == self.run.nbytes
+
+
+# ---------------------------------------------------------------------------------------
+# The cache
+
+class ExpertCache:
+    """Routed experts in a fixed arena of `cache_bytes // slot_bytes` slots (§4).
+
+    `cfg` supplies the key space (n_layers x n_experts), top-k, the MoE layers and the
+    expected shapes; without one (synthetic fixtures) pass n_layers, n_experts, topk and
+    optionally moe_layers.  `direct=False` forces buffered reads; `prefetch=False` turns
+    the parallel batch reads off (A/B, K3_NOPREFETCH); `fail_reads(layer, expert)`
+    returning True makes that read attempt short (tests); `log` receives warnings.
+
+    One consumer thread calls `batches`/`expert`; counters may be read from any thread.
+    """
+
+    def __init__(self, ck: Checkpoint, cfg: ModelConfig | None, cache_bytes: int, *,
+                 n_layers: int | None = None, n_experts: int | None = None,
+                 topk: int | None = None, moe_layers: list[int] | None = None,
+                 io_threads: int = DEFAULT_IO_THREADS, direct: bool = True,
+                 prefetch: bool = True,
+                 fail_reads: Callable[[int, int], bool] | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.ck, self.cfg = ck, cfg
+        if cfg is not None:
+            n_layers = cfg.n_layers if n_layers is None else n_layers
+            n_experts = cfg.n_experts if n_experts is None else n_experts
+            topk = cfg.topk if topk is None else topk
+            if moe_layers is None:
+                moe_layers = [L for L in range(n_layers) if not cfg.is_dense(L)]
+        if n_layers is None or n_experts is None or topk is None:
+            raise ValueError("ExpertCache needs a config or n_layers, n_experts and topk")
+        self.n_layers, self.n_experts, self.topk = n_layers, n_experts, topk
+        self.moe_layers = list(range(n_layers)) if moe_layers is None else list(moe_layers)
+        if not self.moe_layers:
+            raise ExpertCacheError("the model has no routed-expert layers")
+        self.direct, self.prefetch = direct, prefetch
+        self._fail_reads = fail_reads
+        self._log = log or (lambda msg: print(f"k3: {msg}", file=sys.stderr, flush=True))
+
+        # §4.1: the slot size comes from the checkpoint, not from arithmetic.
+        probe = resolve_expert(ck, cfg, self.moe_layers[0], 0)
+        self.expert_bytes = probe.nbytes
+        self.slot_bytes = slot_bytes_for(probe.nbytes)
+        self.nslot = int(cache_bytes // self.slot_bytes)
+        if self.nslot < topk + 1:
+            raise ExpertCacheError(
+                f"budget {cache_bytes / 1e9:.2f} GB gives {self.nslot} slots of "
+                f"{self.slot_bytes / 1e6:.2f} MB, but top-{topk} needs at least {topk + 1}")
+
+        self.policy = LRUPolicy(self.nslot)
+        self.arena = AlignedBuffer(self.nslot * self.slot_bytes)
+        self._weights: list[ExpertWeights | None] = [None] * self.nslot
+        self._serial: deque[int] = deque()        # slots handed out by expert(), newest last
+        self._cv = threading.Condition()
+        self._io_lock = threading.Lock()
+        self._direct_fd: dict[int, int] = {}
+        self._plain_fd: dict[int, int] = {}
+        self.io_mode: dict[int, str] = {}         # shard -> "direct" | "buffered"
+        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="k3-expert-io")
+        self.io_threads = max(1, io_threads)
+
+        self.step = CacheCounters()               # reset at every decode step
+        self.total = CacheCounters()              # the whole run
+        self.drops = 0
+        self.trace = RequestTrace(n_layers, n_experts)
+
+    # -- public interface -------------------------------------------------------------
+
+    def key(self, layer: int, expert: int) -> int:
+        return layer * self.n_experts + expert
+
+    def batches(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Yield `experts` in request order as groups that are resident together: all at
+        once when they fit, else groups sized to the slots that can be freed.  A group's
+        experts stay protected until the next group is requested or the iterator ends.
+        Raises ExpertLoadError on a drop."""
+        held: list[int] = []
+        try:
+            i = 0
+            while i < len(experts):
+                self._unhold(held)
+                group = self._next_group(layer, experts, i)
+                held = self._fetch_group(layer, group)
+                yield [(e, self._weights[s]) for e, s in zip(group, held)]
+                i += len(group)
+        finally:
+            self._unhold(held)
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        """One request (§4.3).  The result stays protected until top-k more single gets
+        or the next batches() group."""
+        with self._cv:
+            self.trace.record(layer, expert)
+            slot = self._serve(layer, expert, attempts=2)
+            self.policy.protect(slot)
+            self._serial.append(slot)
+            while len(self._serial) > min(self.topk, self.nslot - 1):
+                self.policy.unprotect(self._serial.popleft())
+            return self._weights[slot]
+
+    def pin(self, layer: int, expert: int, on: bool = True) -> bool:
+        """Keep a resident expert's slot out of replacement (or release it)."""
+        with self._cv:
+            return self.policy.pin(self.key(layer, expert), on)
+
+    def resident(self, layer: int, expert: int) -> bool:
+        return self.policy.lookup(self.key(layer, expert)) >= 0
+
+    @property
+    def bytes_read(self) -> int:
+        """Expert bytes read from disk over the whole run."""
+        return self.total.bytes_read
+
+    def reset_step(self) -> None:
+        """Start a new per-step window (hits and prefetch_reads reset together, §4.7)."""
+        self.step = CacheCounters()
+
+    def dump_trace(self, directory) -> list[str]:
+        return self.trace.dump(directory)
+
+    # -- reports ---------------------------------------------------------------------
+
+    def init_line(self) -> str:
+        pool = len(self.moe_layers) * self.n_experts
+        return (f"expert cache: {self.nslot} slots x {self.slot_bytes / 1e6:.2f} MB = "
+                f"{self.nslot * self.slot_bytes / 1e9:.2f} GB ({100.0 * self.nslot / pool:.2f}% "
+                f"of the {pool * self.expert_bytes / 1e12:.2f} TB expert pool)")
+
+    def report_lines(self, label: str = "final step",
+                     counters: CacheCounters | None = None) -> list[str]:
+        """The end-of-run cache report (§4.11); by default the last step's counters."""
+        c = self.step if counters is None else counters
+        lines = [
+            f"cache [{label}]",
+            f"  slots        : {self.nslot} of {self.slot_bytes / 1e6:.2f} MB = "
+            f"{self.nslot * self.slot_bytes / 1e9:.2f} GB arena ({self.policy.resident} "
+            f"resident, {self.policy.pinned} pinned)",
+            f"  requests     : {c.requests}  hits {c.hits} ({c.raw_hit_rate:.2f}%)  misses "
+            f"{c.misses}  evictions {c.evictions}",
+        ]
+        if c.prefetch_reads:
+            lines += [f"  of those hits : {c.prefetch_reads} came from the batch prefetch, "
+                      f"i.e. read from disk",
+                      f"                  this token; TRUE resident hit rate "
+                      f"{c.true_hit_rate:.2f}%"]
+        rate = c.bytes_read / 1e6 / c.load_seconds if c.load_seconds > 0 else 0.0
+        lines.append(f"  read from disk: {c.bytes_read / 1e9:.2f} GB in {c.load_seconds:.2f} s "
+                     f"({rate:.0f} MB/s while loading)")
+        return lines
+
+    # -- groups -----------------------------------------------------------------------
+
+    def _next_group(self, layer: int, experts: list[int], start: int) -> list[int]:
+        """The longest run of experts[start:] that fits the slots a group may occupy: a
+        pinned resident expert needs none, every other distinct expert one."""
+        with self._cv:
+            self._release_serial()
+            room = self.policy.free_capacity()
+            group, need = [], set()
+            for e in experts[start:]:
+                k = self.key(layer, e)
+                if k not in need and not self.policy.is_pinned(self.policy.lookup(k)):
+                    if len(need) == room:
+                        break
+                    need.add(k)
+                group.append(e)
+            if not group:
+                self.drops += 1
+                raise ExpertLoadError(layer, experts[start],
+                                      f"no evictable slot: all {self.nslot} slots are pinned")
+            return group
+
+    def _fetch_group(self, layer: int, group: list[int]) -> list[int]:
+        """Make a group resident and serve its requests: protect the resident members,
+        reserve and read the missing ones in parallel (§4.4), publish, then serve each
+        request in order (the prefetched ones hit).  Returns one protected slot per
+        request; the caller unprotects them."""
+        held: list[int] = []
+        try:
+            with self._cv:
+                for e in group:                # in-use protection before any victim
+                    s = self.policy.lookup(self.key(layer, e))
+                    if s >= 0:
+                        self.policy.protect(s)
+                        held.append(s)
+                reads = self._reserve_group(layer, group) if self.prefetch else []
+            self._read_parallel(reads)
+            with self._cv:
+                fresh, failed = set(), set()
+                for r in reads:
+                    if self._finish(r, "prefetch"):
+                        fresh.add(r.key)
+                        self.policy.protect(r.slot)
+                        held.append(r.slot)
+                    else:
+                        failed.add(r.key)
+                slots: list[int] = []
+                try:
+                    for e in group:
+                        self.trace.record(layer, e)
+                        s = self._serve(layer, e, 1 if self.key(layer, e) in failed else 2,
+                                        fresh)
+                        self.policy.protect(s)
+                        slots.append(s)
+                except BaseException:
+                    self._unhold_locked(slots)
+                    raise
+                return slots
+        finally:
+            self._unhold(held)
+
+    def _reserve_group(self, layer: int, group: list[int]) -> list[_Read]:
+        """Phase 1 (§4.4), under the lock: a slot for every distinct missing expert, in
+        disk-offset order.  An expert that does not resolve is left to the serving path,
+        which reports it."""
+        reads: list[_Read] = []
+        seen = set()
+        for e in group:
+            k = self.key(layer, e)
+            if k in seen or not self._in_range(layer, e):
+                continue
+            seen.add(k)
+            if self.policy.lookup(k) >= 0 or self.policy.inflight(k):
+                continue
+            try:
+                run = resolve_expert(self.ck, self.cfg, layer, e)
+            except CheckpointError:
+                continue
+            if run.nbytes + 2 * ALIGN > self.slot_bytes:
+                continue
+            slot = self._reserve(k)
+            if slot < 0:
+                break
+            reads.append(_Read(k, run, slot))
+        reads.sort(key=lambda r: (r.run.shard, r.run.offset))
+        return reads
+
+    def _unhold(self, slots: list[int]) -> None:
+        with self._cv:
+            self._unhold_locked(slots)
+
+    def _unhold_locked(self, slots: list[int]) -> None:
+        for s in slots:
+            self.policy.unprotect(s)
+        slots.clear()
+
+    def _release_serial(self) -> None:
+        while self._serial:
+            self.policy.unprotect(self._serial.popleft())
+
+    # -- one request -------------------------------------------------------------------
+
+    def _in_range(self, layer: int, expert: int) -> bool:
+        return 0 <= layer < self.n_layers and 0 <= expert < self.n_experts
+
+    def _serve(self, layer: int, expert: int, attempts: int,
+               prefetched: set[int] | None = None) -> int:
+        """Under the lock: the slot holding the expert, loading it on a miss with up to
+        `attempts` reads.  Counts the hit or miss, and as a prefetch read the first hit on
+        a key in `prefetched` (read from disk by this group's batch, so prefetch_reads
+        never exceeds hits); raises ExpertLoadError on a drop."""
+        if not self._in_range(layer, expert):
+            self.drops += 1
+            raise ExpertLoadError(layer, expert, f"out of range ({self.n_layers} layers, "
+                                                 f"{self.n_experts} experts)")
+        k = self.key(layer, expert)
+        while self.policy.inflight(k):             # another reader has it: wait, re-check
+            self._cv.wait()
+        slot = self.policy.lookup(k)
+        if slot >= 0:
+            self._count(hits=1)
+            if prefetched and k in prefetched:
+                prefetched.discard(k)
+                self._count(prefetch_reads=1)
+            self.policy.touch(slot)
+            return slot
+        self._count(misses=1)
+        try:
+            run = resolve_expert(self.ck, self.cfg, layer, expert)
+        except CheckpointError as e:
+            self.drops += 1
+            raise ExpertLoadError(layer, expert, str(e)) from e
+        if run.nbytes + 2 * ALIGN > self.slot_bytes:
+            self.drops += 1
+            raise ExpertLoadError(layer, expert, f"{run.nbytes} bytes do not fit a slot of "
+                                                 f"{self.slot_bytes}")
+        last = ""
+        for _ in range(attempts):
+            slot = self._reserve(k)
+            if slot < 0:
+                self.drops += 1
+                raise ExpertLoadError(layer, expert, f"no evictable slot: all {self.nslot} "
+                                                     f"slots are pinned or in use")
+            r = _Read(k, run, slot)
+            self._cv.release()
+            try:
+                t0 = time.monotonic()
+                self._read_one(r)
+                dt = time.monotonic() - t0
+            finally:
+                self._cv.acquire()
+            self._count(load_seconds=dt)
+            if self._finish(r, "load"):
+                return slot
+            last = r.error
+        self.drops += 1
+        raise ExpertLoadError(layer, expert, f"{last}, twice; the slot was left empty")
+
+    def _reserve(self, key: int) -> int:
+        slot, old = self.policy.reserve(key)
+        if slot < 0:
+            return -1
+        if old >= 0:
+            self._count(evictions=1)
+        self._weights[slot] = None
+        return slot
+
+    def _finish(self, r: _Read, what: str) -> bool:
+        """Phase 3: publish a full read, release anything else to EMPTY (§4.2)."""
+        if r.ok:
+            self._weights[r.slot] = self._views(r.slot, r.run, r.pad)
+            self.policy.publish(r.key, r.slot)
+            self._count(bytes_read=r.run.nbytes)
+        else:
+            if not r.error:
+                r.error = f"short read (got {max(r.got, 0)} of {r.run.nbytes} bytes)"
+            self.policy.release(r.key, r.slot)
+            self._log(f"{what} of layer {r.run.layer} expert {r.run.expert} failed: "
+                      f"{r.error}; slot {r.slot} left empty")
+        self._cv.notify_all()
+        return r.ok
+
+    def _count(self, **delta) -> None:
+        for c in (self.step, self.total):
+            for name, v in delta.items():
+                setattr(c, name, getattr(c, name) + v)
+
+    def _views(self, slot: int, run: ExpertRun, pad: int) -> ExpertWeights:
+        """Zero-copy, read-only NumPy views of the slot's six tensors."""
+        buf = self.arena.view[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        arrs = {}
+        for t in run.tensors:
+            a = np.frombuffer(buf, np.uint8, t.nbytes, pad + t.offset).reshape(t.shape)
+            a.flags.writeable = False
+            arrs[t.key] = a
+        m = {x: MXFP4(arrs[f"{x}.weight_packed"], arrs[f"{x}.weight_scale"])
+             for x in EXPERT_MATRICES}
+        return ExpertWeights(w1=m["w1"], w3=m["w3"], w2=m["w2"])
+
+    # -- I/O ---------------------------------------------------------------------------
+
+    def _read_parallel(self, reads: list[_Read]) -> None:
+        """Phase 2: every read into its own reserved slot, concurrently, issued in
+        disk-offset order; the wall time of the whole phase is load time."""
+        if not reads:
+            return
+        t0 = time.monotonic()
+        if len(reads) == 1:
+            self._read_one(reads[0])
+        else:
+            list(self._pool.map(self._read_one, reads))
+        dt = time.monotonic() - t0
+        with self._cv:
+            self._count(load_seconds=dt)
+
+    def _read_one(self, r: _Read) -> None:
+        """Read r.run into its slot; sets r.got (payload bytes obtained) and r.pad."""
+        run = r.run
+        buf = self.arena.view[r.slot * self.slot_bytes:(r.slot + 1) * self.slot_bytes]
+        short = bool(self._fail_reads and self._fail_reads(run.layer, run.expert))
+        try:
+            if not run.contiguous:
+                r.got, r.pad = self._read_pieces(run, buf, short), 0
+                return
+            fd, direct = self._shard_fd(run.shard)
+            if direct:
+                lo, length, pad = run.window()
+                if short:
+                    length = (length // 2) // ALIGN * ALIGN
+                try:
+                    got = _pread_direct(fd, buf, length, lo)
+                    r.got = run.nbytes if got >= pad + run.nbytes else max(0, got - pad)
+                    r.pad = pad
+                    return
+                except _DirectRefused:
+                    self._refuse_direct(run.shard)
+            want = run.nbytes // 2 if short else run.nbytes
+            r.got, r.pad = pread_into(self._plain(run.shard), buf[:want], run.offset), 0
+        except OSError as e:
+            r.got, r.error = -1, f"read error ({e.strerror or e})"
+        except Exception as e:                   # never leave a reservation unanswered
+            r.got, r.error = -1, f"read error ({type(e).__name__}: {e})"
+
+    def _read_pieces(self, run: ExpertRun, buf: memoryview, short: bool) -> int:
+        """A non-contiguous expert: six buffered reads into the canonical layout."""
+        fd, total = self._plain(run.shard), 0
+        for i, t in enumerate(run.tensors):
+            want = t.nbytes // 2 if short and i == len(run.tensors) - 1 else t.nbytes
+            got = pread_into(fd, buf[t.offset:t.offset + want], t.file_offset)
+            total += got
+            if got < t.nbytes:
+                break
+        return total
+
+    def _shard_fd(self, shard: int) -> tuple[int, bool]:
+        """The shard's read descriptor: O_DIRECT when allowed and accepted, else buffered
+        (the choice is remembered per shard)."""
+        with self._io_lock:
+            mode = self.io_mode.get(shard)
+            if mode is None:
+                mode = "buffered"
+                if self.direct and hasattr(os, "O_DIRECT"):
+                    try:
+                        self._direct_fd[shard] = os.open(self.ck.shards[shard],
+                                                         os.O_RDONLY | os.O_DIRECT)
+                        mode = "direct"
+                    except OSError as e:
+                        self._log(f"{self.ck.shards[shard]}: O_DIRECT refused "
+                                  f"({e.strerror}); buffered expert reads")
+                self.io_mode[shard] = mode
+            if mode == "direct":
+                return self._direct_fd[shard], True
+        return self._plain(shard), False
+
+    def _plain(self, shard: int) -> int:
+        with self._io_lock:
+            fd = self._plain_fd.get(shard)
+            if fd is None:
+                fd = self._plain_fd[shard] = os.open(self.ck.shards[shard], os.O_RDONLY)
+            return fd
+
+    def _refuse_direct(self, shard: int) -> None:
+        with self._io_lock:
+            if self.io_mode.get(shard) == "direct":
+                self.io_mode[shard] = "buffered"
+                self._log(f"{self.ck.shards[shard]}: O_DIRECT reads refused (EINVAL); "
+                          f"buffered expert reads")
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the I/O threads and close descriptors.  The arena is unmapped once no
+        expert view refers to it any more."""
+        self._pool.shutdown(wait=True)
+        with self._io_lock:
+            for fd in list(self._direct_fd.values()) + list(self._plain_fd.values()):
+                os.close(fd)
+            self._direct_fd.clear()
+            self._plain_fd.clear()
+        self._weights = [None] * self.nslot
+        try:
+            self.arena.close()
+        except BufferError:
+            pass                                 # views still alive; freed with them
+
+    def __enter__(self) -> "ExpertCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------
+
+class ResidentExperts:
+    """`batches()` for any source with `.expert(L, e)` (e.g. the unbounded resident
+    `CheckpointExperts`): one group holding every requested expert.  Requests are
+    logged like the cache's, so `--dump-cache-trace` works on this path too."""
+
+    def __init__(self, source, n_layers: int = 0, n_experts: int = 0):
+        self.source = source
+        self.trace = RequestTrace(n_layers, n_experts)
+
+    def batches(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        group = []
+        for e in experts:
+            self.trace.record(layer, e)
+            group.append((e, self.source.expert(layer, e)))
+        yield group
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        self.trace.record(layer, expert)
+        return self.source.expert(layer, expert)
+
+    def dump_trace(self, directory) -> list[str]:
+        return self.trace.dump(directory)
+
+    def __getattr__(self, name):               # bytes_read etc. of the wrapped source
+        if name == "source":
+            raise AttributeError(name)
+        return getattr(self.source, name)
