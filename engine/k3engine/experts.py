@@ -458,7 +458,8 @@ class ExpertCache:
         probe = resolve_expert(ck, cfg, self.moe_layers[0], 0)
         self.expert_bytes = probe.nbytes
         self.slot_bytes = slot_bytes_for(probe.nbytes)
-        self.nslot = int(cache_bytes // self.slot_bytes)
+        # never more slots than experts: a large budget on a small model allocates no more
+        self.nslot = min(int(cache_bytes // self.slot_bytes), len(self.moe_layers) * n_experts)
         if self.nslot < topk + 1:
             raise ExpertCacheError(
                 f"budget {cache_bytes / 1e9:.2f} GB gives {self.nslot} slots of "

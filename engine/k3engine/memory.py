@@ -178,7 +178,9 @@ class ModelFigures:
         return align_up(self.expert_bytes + 2 * ALIGN)
 
     def expert_slots(self, cache_gb: float) -> int:
-        return max(0, int(cache_gb * 1e9)) // self.expert_slot_bytes
+        """Slots a budget buys; never more than the whole expert pool (a budget larger
+        than the pool is not allocated on a small model)."""
+        return min(max(0, int(cache_gb * 1e9)) // self.expert_slot_bytes, self.expert_pool)
 
     @property
     def expert_pool(self) -> int:
@@ -767,13 +769,15 @@ def plan(figures: ModelFigures, preset: str | None = None,
         # The budget, as the reference counts it -- unless even one ring slot exceeds it,
         # where the slot is what gets allocated and the plan must not understate.
         w_trunk = max(budget, tplan.total_bytes)
+        if tplan.n_pinned == NL:                  # all pinned: the budget's rest is unused
+            w_trunk = tplan.total_bytes
     else:
         w_trunk = figures.trunk_bytes(NL)
 
     terms = dict(
         trunk_bytes=w_trunk,
         model_table_bytes=figures.model_table_bytes(ultra),
-        expert_cache_bytes=int(c_gb * 1e9),
+        expert_cache_bytes=min(int(c_gb * 1e9), figures.expert_pool * figures.expert_slot_bytes),
         recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
         buffer_bytes=figures.buffer_bytes(positions),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
