@@ -1,0 +1,1053 @@
+"""Tier 0: the Cython kernels bit for bit against independent exact-order references.
+
+Every test here guards one silent-failure trap of ARCHITECTURE §8 (the trap number is in
+each docstring).  The references below are written from the specification only, never
+from the kernel source:
+
+* matvec (§5.3): float64, sixteen explicit lanes over full blocks of 16, the fixed tree
+  b[l] = (a[l]+a[l+4]) + (a[l+8]+a[l+12]), acc = (b0+b1) + (b2+b3), then the tail ascending;
+* MXFP4 matvec (§5.6): per 32-group eight lanes (element e -> lane e mod 8, ascending),
+  b[l] = s[l]+s[l+4], sub = (b0+b1)+(b2+b3), acc += sub * 2^(b-127), groups with scale
+  255 skipped, y = f32(acc);
+* float32 chains with NumPy float32 scalars/arrays, one rounding per operation;
+* expf / tanhf from the C library through ctypes (never NumPy's float32 transcendentals).
+
+Loops run over the reduction index explicitly; they are vectorised only over independent
+outputs (rows, channels), which cannot change any rounding.  Comparisons are on bit
+patterns (`.view(np.uint32)`).  Each test prints "[gate] ..." lines saying what it compared.
+Several tests also print a *witness*: a plausible wrong variant and how many values it
+gets wrong, proving that the test would notice the trap.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import ctypes.util
+import sysconfig
+
+import numpy as np
+import pytest
+
+from conftest import REPO, load_fixture, tens
+from k3engine import kernels as K
+
+# ---- plumbing ---------------------------------------------------------------------------
+
+_libm = ctypes.CDLL(ctypes.util.find_library("m"))
+_expf = _libm.expf
+_expf.restype, _expf.argtypes = ctypes.c_float, [ctypes.c_float]
+_tanhf = _libm.tanhf
+_tanhf.restype, _tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
+
+F1 = np.float32(1.0)
+PAR_MIN_WORK = 1 << 15   # the kernels go parallel at this many multiply-adds
+
+
+def c_expf(x) -> np.float32:
+    """glibc expf of a float32 value."""
+    return np.float32(_expf(float(x)))
+
+
+def c_tanhf(x) -> np.float32:
+    return np.float32(_tanhf(float(x)))
+
+
+def c_sigmoid(x) -> np.float32:
+    """sigma(x) = 1 / (1 + expf(-x)) in float32, a real division (§0.3)."""
+    x = np.float32(x)
+    with np.errstate(over="ignore"):
+        return F1 / (F1 + c_expf(-x))
+
+
+def bits(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_bitwise(name: str, got, want) -> None:
+    g, w = bits(got).reshape(-1), bits(want).reshape(-1)
+    assert g.shape == w.shape, f"{name}: shapes {g.shape} vs {w.shape}"
+    bad = np.flatnonzero(g != w)
+    print(f"[gate] {name}: {g.size} values bit-compared, {bad.size} differ")
+    if bad.size:
+        i = int(bad[0])
+        gf, wf = g.view(np.float32)[i], w.view(np.float32)[i]
+        raise AssertionError(f"{name}: {bad.size}/{g.size} values differ; first at flat "
+                             f"index {i}: got {gf!r} (0x{g[i]:08x}) want {wf!r} (0x{w[i]:08x})")
+
+
+def n_diff(a, b) -> int:
+    return int(np.count_nonzero(bits(a).reshape(-1) != bits(b).reshape(-1)))
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    prev = K.get_num_threads()
+    K.set_num_threads(n)
+    try:
+        yield
+    finally:
+        K.set_num_threads(prev)
+
+
+@contextlib.contextmanager
+def simd(on: bool):
+    prev = K.simd_active()
+    K.set_simd(on)
+    try:
+        yield
+    finally:
+        K.set_simd(prev)
+
+
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def rand_f32(r, shape, scale=1.0) -> np.ndarray:
+    return (r.standard_normal(shape) * scale).astype(np.float32)
+
+
+def adversarial_f32(r, shape) -> np.ndarray:
+    """Values spread over 2^+-40 with random signs (wide dynamic range, no structure)."""
+    mant = r.uniform(1.0, 2.0, shape)
+    expo = r.integers(-40, 41, shape)
+    sign = r.choice([-1.0, 1.0], shape)
+    return (sign * np.ldexp(mant, expo)).astype(np.float32)
+
+
+def cancelling_matvec(r, rows, n):
+    """Order-revealing data: half of the inputs form pairs (i, j) with W[:, j] = -W[:, i] =
+    +-2^24..2^60 and x[j] = x[i], so the exact sum is the sum of the small terms, but a double
+    accumulator holding a huge partial sum absorbs the small terms that arrive meanwhile:
+    which ones are lost depends on the summation ORDER.  Every W value is BF16-exact."""
+    W = rand_f32(r, (rows, n), 0.05)
+    x = r.uniform(0.5, 1.0, n).astype(np.float32)
+    pairs = r.permutation(n)[: (n // 4) * 2].reshape(-1, 2)
+    x[pairs[:, 1]] = x[pairs[:, 0]]
+    big = np.ldexp(r.choice([-1.0, 1.0], (rows, len(pairs))),
+                   r.integers(24, 61, (rows, len(pairs)))).astype(np.float32)
+    W[:, pairs[:, 0]], W[:, pairs[:, 1]] = big, -big
+    W = (W.view(np.uint32) & 0xFFFF0000).view(np.float32)       # truncate to BF16-exact
+    return np.ascontiguousarray(W), x
+
+
+def cancelling_mxfp4(r, rows, n):
+    """Order-revealing MXFP4 data: inside each 32-group, pairs of elements in different lanes
+    (e mod 8) get opposite codes and the same huge x, so they cancel exactly while absorbing
+    the small terms around them."""
+    codes = r.integers(0, 16, (rows, n), dtype=np.uint16).astype(np.uint8)
+    x = rand_f32(r, n)
+    for g in range(n // 32):
+        perm = 32 * g + r.permutation(32)[:8].reshape(4, 2)
+        for i, j in perm:
+            if i % 8 == j % 8:
+                continue
+            mag = r.integers(1, 8, rows).astype(np.uint8)
+            sign = r.integers(0, 2, rows).astype(np.uint8) * 8
+            codes[:, i], codes[:, j] = mag | sign, mag | (sign ^ 8)
+            x[i] = x[j] = np.float32(np.ldexp(1.0, int(r.integers(40, 70))))
+    P = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    S = r.integers(118, 125, (rows, n // 32), dtype=np.uint16).astype(np.uint8)
+    return np.ascontiguousarray(P), S, x
+
+
+def random_bf16(r, shape) -> np.ndarray:
+    """Random BF16 bit patterns, exponent 0xFF (inf/NaN) excluded (SF self-test recipe)."""
+    b = r.integers(0, 1 << 16, shape, dtype=np.uint32).astype(np.uint16)
+    bad = ((b >> 7) & 0xFF) == 0xFF
+    while bad.any():
+        b[bad] = r.integers(0, 1 << 16, int(bad.sum()), dtype=np.uint32).astype(np.uint16)
+        bad = ((b >> 7) & 0xFF) == 0xFF
+    return b
+
+
+def widen_bf16(b: np.ndarray) -> np.ndarray:
+    """BF16 -> float32 by a 16-bit shift (§5.5), done here independently of the kernels."""
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def mv(W, X) -> np.ndarray:
+    """Kernel matvec, allocating the output.  X is [T, n]."""
+    X = np.ascontiguousarray(X, np.float32)
+    Y = np.empty((X.shape[0], W.shape[0]), np.float32)
+    K.matvec(W, X, Y)
+    return Y
+
+
+def mv4(P, S, X) -> np.ndarray:
+    X = np.ascontiguousarray(X, np.float32)
+    Y = np.empty((X.shape[0], P.shape[0]), np.float32)
+    K.mxfp4_matvec(P, S, X, Y)
+    return Y
+
+
+# ---- independent references -------------------------------------------------------------
+
+def ref_matvec(W32: np.ndarray, x32: np.ndarray) -> np.ndarray:
+    """§5.3 exact order for one input vector; W32 [R, n] float32 values, x32 [n].  Returns
+    float32 [R].  Lanes are explicit; the work is vectorised over rows only."""
+    WT = np.ascontiguousarray(W32.astype(np.float64).T)     # WT[i] = column i (all rows)
+    x = x32.astype(np.float64)
+    R, n = W32.shape
+    nfull = n - n % 16
+    a = [np.zeros(R) for _ in range(16)]
+    for c in range(0, nfull, 16):
+        for l in range(16):                                  # noqa: E741
+            a[l] = a[l] + WT[c + l] * x[c + l]               # exact product, one rounding
+    b = [(a[l] + a[l + 4]) + (a[l + 8] + a[l + 12]) for l in range(4)]
+    acc = (b[0] + b[1]) + (b[2] + b[3])
+    for i in range(nfull, n):                                # the tail, ascending
+        acc = acc + WT[i] * x[i]
+    with np.errstate(over="ignore"):
+        return acc.astype(np.float32)
+
+
+def ref_matvec_seq(W32, x32) -> np.ndarray:
+    """Wrong-on-purpose variant: one sequential double accumulator (the router's order)."""
+    WT = np.ascontiguousarray(W32.astype(np.float64).T)
+    x = x32.astype(np.float64)
+    acc = np.zeros(W32.shape[0])
+    for i in range(W32.shape[1]):
+        acc = acc + WT[i] * x[i]
+    with np.errstate(over="ignore"):
+        return acc.astype(np.float32)
+
+
+def ref_matvec_4lane(W32, x32) -> np.ndarray:
+    """Wrong-on-purpose variant: the pre-1.0 kernel (lane i mod 4, (a0+a1)+(a2+a3))."""
+    WT = np.ascontiguousarray(W32.astype(np.float64).T)
+    x = x32.astype(np.float64)
+    a = [np.zeros(W32.shape[0]) for _ in range(4)]
+    for i in range(W32.shape[1]):
+        a[i % 4] = a[i % 4] + WT[i] * x[i]
+    with np.errstate(over="ignore"):
+        return ((a[0] + a[1]) + (a[2] + a[3])).astype(np.float32)
+
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float64)
+
+
+def mxfp4_codes(packed: np.ndarray, low_is_even: bool = True) -> np.ndarray:
+    """4-bit codes in element order.  §5.6: byte j holds element 2j in its LOW nibble."""
+    lo, hi = packed & 15, packed >> 4
+    codes = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+    codes[:, 0::2], codes[:, 1::2] = (lo, hi) if low_is_even else (hi, lo)
+    return codes
+
+
+def ref_mxfp4_dequant(packed, scales, low_is_even=True) -> np.ndarray:
+    vals = E2M1[mxfp4_codes(packed, low_is_even)]
+    sc = np.repeat(scales.astype(np.int64), 32, axis=1)
+    with np.errstate(over="ignore"):
+        out = (vals * np.ldexp(1.0, sc - 127)).astype(np.float32)
+    out[sc == 255] = 0.0
+    return out
+
+
+def ref_mxfp4_matvec(packed, scales, x32) -> np.ndarray:
+    """§5.6 exact order for one input vector.  Returns float32 [rows]."""
+    vals = E2M1[mxfp4_codes(packed)]                         # [R, n] float64, exact
+    VT = np.ascontiguousarray(vals.T)
+    x = x32.astype(np.float64)
+    R, n = vals.shape
+    acc = np.zeros(R)
+    for g in range(n // 32):
+        s = [np.zeros(R) for _ in range(8)]
+        for e in range(32):                                  # ascending element order
+            s[e % 8] = s[e % 8] + VT[32 * g + e] * x[32 * g + e]
+        b = [s[l] + s[l + 4] for l in range(4)]
+        sub = (b[0] + b[1]) + (b[2] + b[3])
+        sb = scales[:, g].astype(np.int64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc = np.where(sb == 255, acc, acc + sub * np.ldexp(1.0, sb - 127))
+    with np.errstate(over="ignore"):
+        return acc.astype(np.float32)
+
+
+def ref_mxfp4_matvec_seq(packed, scales, x32) -> np.ndarray:
+    """Wrong-on-purpose variant: one sequential double sum per group."""
+    vals = E2M1[mxfp4_codes(packed)]
+    VT = np.ascontiguousarray(vals.T)
+    x = x32.astype(np.float64)
+    acc = np.zeros(vals.shape[0])
+    for g in range(vals.shape[1] // 32):
+        sub = np.zeros(vals.shape[0])
+        for e in range(32):
+            sub = sub + VT[32 * g + e] * x[32 * g + e]
+        sb = scales[:, g].astype(np.int64)
+        acc = np.where(sb == 255, acc, acc + sub * np.ldexp(1.0, sb - 127))
+    return acc.astype(np.float32)
+
+
+def ref_rmsnorm(X32, w32, eps32, gain_first=True) -> np.ndarray:
+    """§4.1: s = sequential double sum of squares; r = f32(1/sqrt(s/n + f64(eps)));
+    y = f32(f32(w*x)*r) (SF, gain first) or, with gain_first=False, f32(w*f32(x*r)) (REF)."""
+    T, n = X32.shape
+    XT = np.ascontiguousarray(X32.astype(np.float64).T)
+    s = np.zeros(T)
+    for i in range(n):
+        s = s + XT[i] * XT[i]
+    r = (1.0 / np.sqrt(s / n + float(np.float32(eps32)))).astype(np.float32)[:, None]
+    if gain_first:
+        return (w32[None, :] * X32) * r          # float32 array ops: one rounding each
+    return w32[None, :] * (X32 * r)
+
+
+def ref_kda_recurrence(S, Q, Kk, V, A, B, q_scale):
+    """§4.4 steps 1-4 in float32, each product rounded before the add (no FMA).
+    Loops over the reduction index i; vectorised over the value channel j only."""
+    S = S.copy()
+    H, D, _ = S.shape
+    T = Q.shape[0]
+    O = np.zeros((T, H * D), np.float32)
+    qs = np.float32(q_scale)
+    for t in range(T):
+        for h in range(H):
+            sl = slice(h * D, (h + 1) * D)
+            q, k, v, a = Q[t, sl] * qs, Kk[t, sl], V[t, sl], A[t, sl]
+            beta = B[t, h]
+            Sh = S[h]
+            for i in range(D):                                   # 1. decay rows
+                Sh[i] = Sh[i] * a[i]
+            u = np.zeros(D, np.float32)                          # 2. u = S^T k
+            for i in range(D):
+                u = u + k[i] * Sh[i]
+            for i in range(D):                                   # 3. delta write
+                kb = k[i] * beta
+                Sh[i] = Sh[i] + kb * (v - u)
+            o = np.zeros(D, np.float32)                          # 4. o = S^T q, updated S
+            for i in range(D):
+                o = o + q[i] * Sh[i]
+            O[t, sl] = o
+    return S, O
+
+
+def ref_kda_recurrence_fma(S, Q, Kk, V, A, B, q_scale):
+    """Wrong-on-purpose variant: the two f32 dot products contracted into FMAs
+    (product not rounded before the add).  Only used as a witness."""
+    S = S.copy()
+    H, D, _ = S.shape
+    O = np.zeros((Q.shape[0], H * D), np.float32)
+    qs = np.float32(q_scale)
+
+    def fma(acc, x, y):
+        return (acc.astype(np.float64) + np.float64(x) * y.astype(np.float64)).astype(np.float32)
+
+    for t in range(Q.shape[0]):
+        for h in range(H):
+            sl = slice(h * D, (h + 1) * D)
+            q, k, v, a = Q[t, sl] * qs, Kk[t, sl], V[t, sl], A[t, sl]
+            Sh = S[h]
+            for i in range(D):
+                Sh[i] = Sh[i] * a[i]
+            u = np.zeros(D, np.float32)
+            for i in range(D):
+                u = fma(u, k[i], Sh[i])
+            for i in range(D):
+                Sh[i] = Sh[i] + (k[i] * B[t, h]) * (v - u)
+            o = np.zeros(D, np.float32)
+            for i in range(D):
+                o = fma(o, q[i], Sh[i])
+            O[t, sl] = o
+    return S, O
+
+
+def random_kda_inputs(r, T, H, D):
+    Q = rand_f32(r, (T, H * D))
+    Kk = rand_f32(r, (T, H * D))
+    for t in range(T):                       # L2-normalised keys like the real layer
+        for h in range(H):
+            sl = slice(h * D, (h + 1) * D)
+            Kk[t, sl] /= np.float32(np.sqrt(np.sum(Kk[t, sl].astype(np.float64) ** 2)))
+    V = rand_f32(r, (T, H * D))
+    A = r.uniform(0.005, 0.999, (T, H * D)).astype(np.float32)
+    B = r.uniform(0.05, 0.95, (T, H)).astype(np.float32)
+    S0 = rand_f32(r, (H, D, D), 0.5)
+    return S0, Q, Kk, V, A, B
+
+
+# ---- 1. matvec order and BF16 widening ----------------------------------------------------
+
+@pytest.mark.parametrize("rows,n", [(129, 257), (64, 16), (33, 15), (300, 7168 + 5)])
+def test_matvec_f32_exact_order(rows, n):
+    """Trap #38 (float64 reductions in the 16-lane order of §5.3): the f32 matvec equals the
+    independent exact-order reference bitwise, including a non-multiple-of-16 tail, on random
+    data, wide-range data and order-revealing cancelling data (on which a sequential double
+    sum, the pre-1.0 4-lane kernel or a float32 sum give different bits)."""
+    r = rng(1000 + n)
+    for label, (W, x) in (("random", (rand_f32(r, (rows, n)), rand_f32(r, n))),
+                          ("wide-range", (adversarial_f32(r, (rows, n)), adversarial_f32(r, n))),
+                          ("cancelling", cancelling_matvec(r, rows, n))):
+        want = ref_matvec(W, x)
+        assert_bitwise(f"matvec f32 {rows}x{n} {label} vs exact-order ref",
+                       mv(W, x[None])[0], want)
+    if n >= 32:
+        seq, four = n_diff(ref_matvec_seq(W, x), want), n_diff(ref_matvec_4lane(W, x), want)
+        f32acc = n_diff((W * x[None]).sum(axis=1, dtype=np.float32), want)
+        print(f"[gate]   witness on cancelling data: sequential double differs in {seq}/{rows} "
+              f"rows, 4-lane (pre-1.0) in {four}/{rows}, float32 accumulation in {f32acc}/{rows}")
+        assert seq > 0 and four > 0 and f32acc > 0, "data no longer discriminates the order"
+
+
+def test_matvec_bf16_equals_f32_bitwise():
+    """Traps #37 (BF16 widening is a 16-bit shift, no rounding) and #38: SF's self-test, 129x257
+    random BF16 bit patterns without exponent 0xFF; the bf16 matvec must equal the f32 matvec
+    on the widened values bit for bit, and both must equal the exact-order reference."""
+    r = rng(37)
+    Wb = random_bf16(r, (129, 257))
+    Wf = widen_bf16(Wb)
+    X = rand_f32(r, (3, 257))
+    yb, yf = mv(Wb, X), mv(Wf, X)
+    assert_bitwise("matvec bf16 vs f32 129x257 (random bf16 patterns)", yb, yf)
+    want = np.stack([ref_matvec(Wf, X[t]) for t in range(3)])
+    assert_bitwise("matvec bf16 129x257 vs exact-order ref", yb, want)
+    print(f"[gate]   patterns include {int(np.sum(((Wb >> 7) & 0xFF) == 0))} zero/subnormal "
+          f"weights; {int(np.sum(~np.isfinite(want)))} outputs overflow float32 (as in the ref)")
+    Wc, x = cancelling_matvec(r, 129, 257)
+    Wcb = (Wc.view(np.uint32) >> 16).astype(np.uint16)
+    assert_bitwise("matvec bf16 vs f32 129x257 (cancelling data)", mv(Wcb, x[None]), mv(Wc, x[None]))
+
+
+# ---- 2. MXFP4 --------------------------------------------------------------------------------
+
+def _mxfp4_fixture():
+    fx = load_fixture("mxfp4.json")
+    P = tens(fx, "packed", np.float64).astype(np.uint8)
+    S = tens(fx, "scales", np.float64).astype(np.uint8)
+    return fx, np.ascontiguousarray(P), np.ascontiguousarray(S)
+
+
+def test_mxfp4_fixture_dequant_and_swapped_nibble_witness():
+    """Trap #35 (low nibble = even element, E2M1 sign in bit 3, E8M0 = 2^(b-127), groups of
+    32 along the input): K.mxfp4_dequant equals `expected` exactly on real checkpoint bytes;
+    our own swapped-nibble decode reproduces `first64` and differs from `expected`."""
+    fx, P, S = _mxfp4_fixture()
+    assert P.shape == (fx["rows"], fx["packed_cols"]) and S.shape == (fx["rows"], fx["scale_cols"])
+    assert np.array_equal(np.asarray(fx["e2m1_lut"], np.float64), E2M1)
+    want = tens(fx, "expected")
+    got = K.mxfp4_dequant(P, S)
+    bad = int(np.count_nonzero(got != want))           # -0.0 == 0.0 on purpose
+    print(f"[gate] mxfp4 fixture dequant: {want.size} values, {bad} differ "
+          f"(scales {int(S.min())}..{int(S.max())})")
+    assert got.shape == want.shape and bad == 0
+    ours = ref_mxfp4_dequant(P, S)
+    assert np.array_equal(ours, want), "the test's own decoder disagrees with the fixture"
+    swapped = ref_mxfp4_dequant(P, S, low_is_even=False).reshape(-1)[:64]
+    first64 = np.asarray(fx["expected_swapped_nibbles"]["first64"], np.float32)
+    n_sw = int(np.count_nonzero(swapped != want.reshape(-1)[:64]))
+    print(f"[gate] mxfp4 swapped-nibble decode: first 64 equal first64: "
+          f"{np.array_equal(swapped, first64)}; differs from expected in {n_sw}/64")
+    assert np.array_equal(swapped, first64)
+    assert n_sw > 0
+
+
+def test_mxfp4_matvec_fixture_bytes():
+    """Traps #35/#38: the fused MXFP4 matvec on the real fixture bytes agrees with
+    dequantise-then-K.matvec within 1e-6 relative (§5.7) and equals the independent
+    exact-order reference of §5.6 bitwise (random x, plus adversarial x)."""
+    _, P, S = _mxfp4_fixture()
+    r = rng(35)
+    for label, X in (("random", rand_f32(r, (2, P.shape[1] * 2))),
+                     ("adversarial", adversarial_f32(r, (2, P.shape[1] * 2)))):
+        y = mv4(P, S, X)
+        yd = mv(K.mxfp4_dequant(P, S), X)
+        rel = float(np.max(np.abs(y.astype(np.float64) - yd)) / np.max(np.abs(yd)))
+        print(f"[gate] mxfp4 fused vs dequant+matvec ({label} x, 64x3584, T=2): "
+              f"max|d|/max|y| = {rel:.2e}, {n_diff(y, yd)} of {y.size} outputs not bitwise equal")
+        assert rel < 1e-6
+        want = np.stack([ref_mxfp4_matvec(P, S, X[t]) for t in range(2)])
+        assert_bitwise(f"mxfp4 matvec ({label} x) vs exact-order ref", y, want)
+
+
+
+def test_mxfp4_matvec_exact_order_cancelling():
+    """Trap #38 for MXFP4 (§5.6 order: 8 lanes per group, then the group scale, groups
+    ascending): bitwise equal to the exact-order reference on order-revealing data (opposite
+    codes times the same huge x in different lanes); a sequential in-group sum differs."""
+    r = rng(356)
+    P, S, x = cancelling_mxfp4(r, 96, 1024)
+    y = mv4(P, S, x[None])[0]
+    want = ref_mxfp4_matvec(P, S, x)
+    assert_bitwise("mxfp4 matvec 96x1024 cancelling vs exact-order ref", y, want)
+    seq = ref_mxfp4_matvec_seq(P, S, x)
+    yd = mv(K.mxfp4_dequant(P, S), x[None])[0]
+    print(f"[gate]   witness: sequential in-group order differs in {n_diff(seq, want)}/96 rows; "
+          f"dequantise+16-lane matvec in {n_diff(yd, want)}/96")
+    assert n_diff(seq, want) > 0
+
+
+def test_mxfp4_scale_255_group_contributes_zero():
+    """Trap #36 (E8M0 byte 255 = NaN in OCP -> the whole group contributes zero), with the
+    neighbouring edge scales 0 (2^-127, float32 subnormal) and 254 (2^127) in the same rows."""
+    r = rng(36)
+    rows, n = 8, 4 * 32
+    P = r.integers(0, 256, (rows, n // 2), dtype=np.uint16).astype(np.uint8)
+    S = np.array([[120, 255, 127, 124]] * 4 + [[0, 255, 1, 127]] * 2 + [[254, 255, 253, 127]] * 2,
+                 np.uint8)
+    x = rand_f32(r, n)
+    x[:96] *= np.float32(2.0 ** -20)          # keep the 2^126..2^127-scaled groups finite
+    y = mv4(P, S, x[None])[0]
+    # the same rows with group 1 replaced by zero nibbles and an ordinary scale
+    Pz, Sz = P.copy(), S.copy()
+    Pz[:, 16:32], Sz[:, 1] = 0, 127
+    yz = mv4(Pz, Sz, x[None])[0]
+    assert_bitwise("mxfp4 matvec: scale-255 group == zero group", y, yz)
+    assert np.all(np.isfinite(y)), "a 255 group leaked inf/NaN (decoded as 2^128?)"
+    assert_bitwise("mxfp4 matvec with scales 0/254/255 vs exact-order ref", y,
+                   ref_mxfp4_matvec(P, S, x))
+    dq = K.mxfp4_dequant(P, S)
+    assert np.all(dq[:, 32:64] == 0.0), "dequant of a 255 group is not zero"
+    ours = ref_mxfp4_dequant(P, S)
+    same = np.array_equal(dq, ours) and np.array_equal(np.isinf(dq), np.isinf(ours))
+    print(f"[gate] mxfp4 dequant with scales 0/254/255: equal to the exact decode: {same}; "
+          f"scale-0 group has {int(np.sum((dq[4:6, :32] != 0) & (np.abs(dq[4:6, :32]) < 1.2e-38)))} "
+          f"subnormals; scale-254 group has {int(np.sum(np.isinf(dq[6:, :32])))} infinities "
+          f"(|E2M1| >= 2 overflows float32 at 2^127)")
+    assert same
+    # scale 0 is 2^-127 exactly (not flushed): 0.5 * 2^-127 = 2^-128 must survive
+    one = np.zeros((1, 16), np.uint8)
+    one[0, 0] = 1                                  # element 0 = +0.5, rest +0
+    assert K.mxfp4_dequant(one, np.zeros((1, 1), np.uint8))[0, 0] == np.float32(2.0 ** -128)
+    assert K.mxfp4_dequant(one, np.full((1, 1), 254, np.uint8))[0, 0] == np.float32(2.0 ** 126)
+
+
+# ---- 3. SIMD vs scalar -----------------------------------------------------------------------
+
+def test_simd_and_scalar_row_kernels_bitwise_identical():
+    """Traps #37/#38 (the AVX2 paths must keep the exact lane partition and tree): f32, bf16
+    and MXFP4 matvec give identical bits with K.set_simd(True) and K.set_simd(False) on
+    300x(7168+5) (MXFP4 300x7168 with scales 0/254/255 mixed in), including order-revealing
+    cancelling rows, and every tail length 0..15; the scalar path equals the reference."""
+    if not K.simd_active():
+        with simd(True):
+            if not K.simd_active():
+                pytest.skip("AVX2 path unavailable on this CPU/build: only the scalar path "
+                            "exists, nothing to compare it with")
+    r = rng(4242)
+    n = 7168 + 5
+    Wc, xc = cancelling_matvec(r, 300, n)
+    W = np.concatenate([rand_f32(r, (150, n)), Wc[:150]])
+    Wb = (W.view(np.uint32) >> 16).astype(np.uint16)     # rows 150.. : the cancelling rows
+    Wb[:150] = random_bf16(r, (150, n))                  # rows ..149: random BF16 patterns
+    X = np.stack([rand_f32(r, n), adversarial_f32(r, n), xc])
+    P = r.integers(0, 256, (300, 7168 // 2), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(118, 125, (300, 7168 // 32), dtype=np.uint16).astype(np.uint8)
+    S[::7, ::5] = 255
+    S[1::7, ::3] = 0
+    S[2::11, 1::4] = 254
+    Pc, Sc, x4c = cancelling_mxfp4(r, 300, 7168)
+    P[150:], S[150:] = Pc[150:], Sc[150:]
+    X4 = np.stack([rand_f32(r, 7168), adversarial_f32(r, 7168), x4c])
+    X4[:2] *= np.float32(2.0 ** -12)
+    out = {}
+    for on in (False, True):
+        with simd(on):
+            assert K.simd_active() == on
+            out[on] = (mv(W, X), mv(Wb, X), mv4(P, S, X4))
+    for name, a, b in zip(("f32 300x7173", "bf16 300x7173", "mxfp4 300x7168"),
+                          out[False], out[True]):
+        assert_bitwise(f"SIMD vs scalar {name} (T=3: random, wide-range, cancelling x)", b, a)
+    assert_bitwise("scalar f32 matvec, cancelling x, vs exact-order ref", out[False][0][2],
+                   ref_matvec(W, X[2]))
+    assert_bitwise("scalar mxfp4 matvec, cancelling x, vs exact-order ref", out[False][2][2],
+                   ref_mxfp4_matvec(P, S, X4[2]))
+    for m in range(16, 32):                  # every tail length 0..15, on both paths
+        Wm, xm = cancelling_matvec(r, 17, m)
+        with simd(False):
+            a = mv(Wm, xm[None])
+        with simd(True):
+            b = mv(Wm, xm[None])
+        assert n_diff(a, b) == 0 and n_diff(a[0], ref_matvec(Wm, xm)) == 0, f"width {m}"
+    print("[gate] SIMD vs scalar vs ref, widths 16..31 (all tail lengths): all equal")
+
+
+# ---- 4. thread-count independence ------------------------------------------------------------
+
+def test_results_independent_of_thread_count():
+    """§5.1 (never split one reduction across threads; thread count must not change bits):
+    matvec, MXFP4 matvec, kda_recurrence and mla_attention at 1 and 2 threads, on shapes
+    above the parallel threshold (>= 2^15 multiply-adds)."""
+    r = rng(5)
+    W = rand_f32(r, (512, 1029))
+    Wb = random_bf16(r, (512, 1029))
+    X = rand_f32(r, (3, 1029))
+    P = r.integers(0, 256, (512, 512), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(118, 125, (512, 32), dtype=np.uint16).astype(np.uint8)
+    X4 = rand_f32(r, (3, 1024))
+    H, D, T = 8, 32, 4
+    assert H * D * D * T * 4 >= PAR_MIN_WORK
+    S0, Q, Kk, V, A, B = random_kda_inputs(r, T, H, D)
+    Hm, dn, dr, dv, Tm, past = 8, 32, 16, 32, 8, 24
+    assert Tm * Hm * (past + Tm) * (dn + dv) >= PAR_MIN_WORK
+    Qm = rand_f32(r, (Tm, Hm * (dn + dr)), 0.3)
+    KV = rand_f32(r, (past + Tm + 3, Hm * (dn + dv)))
+    R = rand_f32(r, (past + Tm + 3, dr))
+
+    def run():
+        Skda, Okda = S0.copy(), np.empty((T, H * D), np.float32)
+        K.kda_recurrence(Skda, Q, Kk, V, A, B, K.kda_q_scale(D), Okda)
+        Om = np.empty((Tm, Hm * dv), np.float32)
+        K.mla_attention(Qm, KV, R, past, Hm, dn, dv, Om)
+        return {"matvec f32 512x1029": mv(W, X), "matvec bf16 512x1029": mv(Wb, X),
+                "mxfp4 512x1024": mv4(P, S, X4), "kda_recurrence out": Okda,
+                "kda_recurrence state": Skda, "mla_attention": Om}
+
+    with threads(1):
+        one = run()
+    with threads(2):
+        two = run()
+    for name in one:
+        assert_bitwise(f"threads 1 vs 2: {name}", two[name], one[name])
+
+
+# ---- 5. C-library transcendentals -------------------------------------------------------------
+
+def _sweep(r) -> np.ndarray:
+    grid = np.linspace(-110.0, 110.0, 8801)
+    mags = np.ldexp(1.0, np.arange(-30, 8))
+    rand = r.standard_normal(6000) * r.choice([0.1, 1.0, 5.0, 20.0], 6000)
+    special = [0.0, -0.0, 88.72, -88.72, 103.97, -103.97, 16.6, -16.6, np.inf, -np.inf]
+    return np.concatenate([grid, mags, -mags, rand, special]).astype(np.float32)
+
+
+def test_sigmoid_uses_libm_expf():
+    """Trap #39 (C-library expf, real divide): K.sigmoid (in place, 2-D float32) equals
+    f32(1) / (f32(1) + glibc expf(-x)) bitwise on a sweep of ~15,000 values."""
+    xs = _sweep(rng(39))
+    want = np.array([c_sigmoid(v) for v in xs], np.float32)
+    got = xs.copy().reshape(1, -1)
+    K.sigmoid(got)
+    assert_bitwise("sigmoid vs 1/(1+libm expf(-x))", got[0], want)
+    with np.errstate(over="ignore"):
+        npy = F1 / (F1 + np.exp(-xs))                      # NumPy's float32 exp
+        recip = (F1 / (F1 + np.exp(-xs.astype(np.float64)))).astype(np.float32)
+    print(f"[gate]   witness: NumPy float32 exp differs in {n_diff(npy, want)}, "
+          f"float64-then-round in {n_diff(recip, want)} of {xs.size} values")
+
+
+def test_situ_glu_uses_libm_tanhf_expf():
+    """Traps #39 and #28: SiTU-GLU against a ctypes-libm reference bitwise:
+    a = f32(f32(b1 * tanhf(g / b1)) * sigma(g)) (sigma of the UNCAPPED gate, true division),
+    c = f32(b2 * tanhf(u / b2)), y = f32(a * c)."""
+    r = rng(28)
+    n = 12000
+    mag = 2.0 ** r.uniform(-10, 11, (2, n))       # log-uniform 1e-3 .. 2e3
+    G, U = (mag * r.choice([-1.0, 1.0], (2, n))).astype(np.float32)
+    G[:96], U[:96] = np.repeat([0.1, 1, 4, 25, 100, 1000], 16), np.tile([-1000, 1000], 48)
+    b1, b2 = np.float32(4.0), np.float32(25.0)
+    want = np.empty(n, np.float32)
+    for i in range(n):
+        a = b1 * c_tanhf(G[i] / b1)
+        a = a * c_sigmoid(G[i])
+        c = b2 * c_tanhf(U[i] / b2)
+        want[i] = a * c
+    got = np.empty((1, n), np.float32)
+    K.situ_glu(G[None].copy(), U[None].copy(), b1, b2, got)
+    assert_bitwise("situ_glu vs libm tanhf/expf reference", got[0], want)
+    assert np.max(np.abs(got)) <= b1 * b2 + 0.01
+    capped = np.array([(b1 * c_tanhf(g / b1)) * c_sigmoid(b1 * c_tanhf(g / b1)) *
+                       (b2 * c_tanhf(u / b2)) for g, u in zip(G[:2000], U[:2000])], np.float32)
+    with np.errstate(over="ignore"):
+        npy = ((b1 * np.tanh(G / b1)) * (F1 / (F1 + np.exp(-G)))) * (b2 * np.tanh(U / b2))
+    print(f"[gate]   witness: sigma of the CAPPED gate differs in {n_diff(capped, want[:2000])}/2000; "
+          f"NumPy float32 tanh/exp differs in {n_diff(npy, want)}/{n}")
+    assert n_diff(capped, want[:2000]) > 0
+
+
+# ---- 6. batch independence -------------------------------------------------------------------
+
+def test_batch_of_seven_equals_seven_single_tokens():
+    """Trap #45 (per-token arithmetic independent of the batch size T): matvec (f32, bf16)
+    and MXFP4 matvec of T=7 rows equal seven calls with T=1, bitwise, at 2 threads."""
+    r = rng(45)
+    n = 1029
+    W, Wb = rand_f32(r, (300, n)), random_bf16(r, (300, n))
+    X = rand_f32(r, (7, n))
+    P = r.integers(0, 256, (300, 512), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(118, 125, (300, 32), dtype=np.uint16).astype(np.uint8)
+    X4 = rand_f32(r, (7, 1024))
+    with threads(2):
+        for name, f, XX in (("f32", lambda x: mv(W, x), X), ("bf16", lambda x: mv(Wb, x), X),
+                            ("mxfp4", lambda x: mv4(P, S, x), X4)):
+            batch = f(XX)
+            single = np.concatenate([f(XX[t:t + 1]) for t in range(7)])
+            assert_bitwise(f"{name} matvec T=7 vs 7 x T=1", batch, single)
+
+
+# ---- 7. router -------------------------------------------------------------------------------
+
+def ref_route(s, bias, k, renorm, scale):
+    """§4.7.1 selection and weights.  Selection: repeatedly the lowest index with the strictly
+    greatest f32(s + bias) among those not taken; weights from the UNBIASED s."""
+    sel = (s + bias).astype(np.float32)
+    taken, idx = np.zeros(len(s), bool), []
+    for _ in range(k):
+        best = -1
+        for e in range(len(s)):
+            if not taken[e] and (best < 0 or sel[e] > sel[best]):
+                best = e
+        taken[best] = True
+        idx.append(best)
+    w = s[idx].astype(np.float32)
+    if renorm and k > 1:
+        tot = 0.0
+        for j in range(k):
+            tot += float(w[j])
+        inv = np.float32(1.0 / (tot + 1e-20))
+        w = w * inv
+    return np.array(idx, np.int32), (w * np.float32(scale)).astype(np.float32)
+
+
+def route(s, bias, k, renorm=True, scale=1.0):
+    idx, w = np.empty(k, np.int32), np.empty(k, np.float32)
+    K.route_scores(np.asarray(s, np.float32), np.asarray(bias, np.float32), k, renorm,
+                   np.float32(scale), idx, w)
+    return idx, w
+
+
+def test_router_ties_lowest_index_and_descending_order():
+    """Trap #41 (ties -> lowest index; selection order = descending biased score, which fixes
+    the MoE accumulation order)."""
+    idx, _ = route([0.3, 0.6, 0.6, 0.2, 0.6, 0.1, 0.6, 0.5], np.zeros(8), 3)
+    print(f"[gate] router plain ties: idx {idx.tolist()} (want [1, 2, 4])")
+    assert idx.tolist() == [1, 2, 4]
+    # ties created by the bias only: s + bias == 0.75 exactly at 5, 2, 6
+    s = np.array([0.5, 0.25, 0.5, 0.125, 0.0625, 0.25, 0.625, 0.9375], np.float32)
+    b = np.array([0.0, 0.0, 0.25, 0.0, 0.0, 0.5, 0.125, -0.5], np.float32)
+    idx, w = route(s, b, 3)
+    print(f"[gate] router bias-made ties: idx {idx.tolist()} (want [2, 5, 6])")
+    assert idx.tolist() == [2, 5, 6]
+    wi, ww = ref_route(s, b, 3, True, 1.0)
+    assert_bitwise("router bias-made ties weights", w, ww)
+    r = rng(41)
+    for trial in range(200):
+        N = int(r.integers(8, 97))
+        k = int(r.integers(2, min(N, 16) + 1))
+        s = r.uniform(0, 1, N).astype(np.float32)
+        s[r.integers(0, N, N // 4)] = s[0]              # plenty of exact ties
+        bias = np.linspace(-0.15, 0.15, N).astype(np.float32) * (trial % 2)
+        idx, w = route(s, bias, k, True, 2.5)
+        ridx, rw = ref_route(s, bias, k, True, 2.5)
+        sel = (s + bias).astype(np.float32)
+        assert idx.tolist() == ridx.tolist(), f"trial {trial}: {idx} vs {ridx}"
+        assert idx.tolist() == np.argsort(-sel, kind="stable")[:k].tolist()
+        assert n_diff(w, rw) == 0, f"trial {trial}: weights {w} vs {rw}"
+    print("[gate] router: 200 random trials with ties: order == stable descending sort, "
+          "weights bitwise equal to the reference")
+
+
+def test_router_k1_does_not_renormalise():
+    """Trap #42 (renormalise only when k > 1, as SF): with k = 1 and renorm on, the weight is
+    f32(s * scale), not 1.0 * scale."""
+    s = np.array([0.2, 0.7, 0.4], np.float32)
+    idx, w = route(s, np.zeros(3), 1, True, 2.5)
+    print(f"[gate] router k=1 renorm on: idx {idx.tolist()}, weight {w[0]!r} "
+          f"(want {np.float32(0.7) * np.float32(2.5)!r}, not 2.5)")
+    assert idx.tolist() == [1] and bits(w[0]) == bits(np.float32(0.7) * np.float32(2.5))
+    _, w2 = route(s, np.zeros(3), 2, True, 1.0)
+    _, rw2 = ref_route(s, np.zeros(3), 2, True, 1.0)
+    assert_bitwise("router k=2 renormalised weights", w2, rw2)
+
+
+def test_router_weights_from_unbiased_scores():
+    """Trap #24 (routing bias only selects; weights are the unbiased sigmoids, renormalised and
+    scaled): the bias flips the selection, the weights still come from s."""
+    s = np.array([0.60, 0.55, 0.50, 0.45], np.float32)
+    b = np.array([0.00, 0.00, 0.20, 0.18], np.float32)
+    idx, w = route(s, b, 2, True, 1.0)
+    ridx, rw = ref_route(s, b, 2, True, 1.0)
+    biased = (s + b).astype(np.float32)[idx]
+    wrong = (biased * np.float32(1.0 / (float(biased[0]) + float(biased[1]) + 1e-20)))
+    print(f"[gate] router bias flips selection: idx {idx.tolist()} (unbiased top-2 would be "
+          f"[0, 1]); weights {w.tolist()} vs biased-score weights {wrong.tolist()}")
+    assert idx.tolist() == [2, 3] == ridx.tolist()
+    assert_bitwise("router weights from unbiased scores", w, rw)
+    assert n_diff(w, wrong) == 2
+
+
+def test_router_logits_sequential_double():
+    """Trap #38 (router logits: ONE sequential double accumulator, i ascending, not the
+    16-lane matvec): K.router scores equal sigma(f32(sequential double sum)) bitwise for f32
+    and bf16 gates, on cancelling data where the 16-lane order would change the scores."""
+    r = rng(380)
+    N, E = 64, 704
+    W, x = cancelling_matvec(r, N, E)
+    x = np.ascontiguousarray(x)
+    want = np.array([c_sigmoid(v) for v in ref_matvec_seq(W, x)], np.float32)
+    idx, w = np.empty(4, np.int32), np.empty(4, np.float32)
+    got = K.router(W, x, np.zeros(N, np.float32), 4, True, 1.0, idx, w)
+    assert_bitwise("router scores (f32 gate, cancelling) vs sequential-double ref", got, want)
+    lane16 = np.array([c_sigmoid(v) for v in ref_matvec(W, x)], np.float32)
+    print(f"[gate]   witness: 16-lane logits would change {n_diff(lane16, want)}/{N} scores")
+    assert n_diff(lane16, want) > 0
+    Wb = (W.view(np.uint32) >> 16).astype(np.uint16)          # W is BF16-exact
+    got_b = K.router(Wb, x, np.zeros(N, np.float32), 4, True, 1.0, idx, w)
+    assert_bitwise("router scores (bf16 gate) vs sequential-double ref", got_b, want)
+    ridx, rw = ref_route(want, np.zeros(N, np.float32), 4, True, 1.0)
+    assert idx.tolist() == ridx.tolist() and n_diff(w, rw) == 0
+
+
+# ---- 8. KDA decay ---------------------------------------------------------------------------
+
+def ref_kda_decay(Z, A_log, dt_bias, g_min, a_index):
+    """§4.4 decay with libm expf; a_index(c) says which A_log entry channel c uses."""
+    T, P = Z.shape
+    G, Al = np.empty((T, P), np.float32), np.empty((T, P), np.float32)
+    gm = np.float32(g_min)
+    for c in range(P):
+        e = c_expf(A_log[a_index(c)])
+        for t in range(T):
+            u = e * (Z[t, c] + dt_bias[c])
+            G[t, c] = gm * c_sigmoid(u)
+            Al[t, c] = c_expf(G[t, c])
+    return G, Al
+
+
+def kernel_decay(Z, A_log, dt_bias, g_min=-5.0):
+    G, Al = np.empty_like(Z), np.empty_like(Z)
+    K.kda_decay(Z, A_log, dt_bias, np.float32(g_min), G, Al)
+    return G, Al
+
+
+def test_kda_decay_saturates_to_exactly_one():
+    """Trap #8 (alpha = 1.0 exactly is legal saturation when sigma(u) underflows): very
+    negative u gives alpha == 1.0 and finite g <= 0, no NaN."""
+    H, D = 2, 8
+    Z = np.array([[-1e4] * 8 + [-200.0] * 4 + [-90.0, -40.0, -20.0, -17.0]], np.float32)
+    A_log = np.array([0.0, 0.5], np.float32)
+    G, Al = kernel_decay(Z, A_log, np.zeros(H * D, np.float32))
+    print(f"[gate] kda_decay very negative u: alpha {sorted(set(Al[0].tolist()))}, "
+          f"g range [{G.min()!r}, {G.max()!r}]")
+    assert np.all(Al == np.float32(1.0)) and np.all(np.isfinite(G)) and np.all(G <= 0)
+    Gr, Ar = ref_kda_decay(Z, A_log, np.zeros(H * D, np.float32), -5.0, lambda c: c // D)
+    assert_bitwise("kda_decay saturated g vs libm ref", G, Gr)
+    assert_bitwise("kda_decay saturated alpha vs libm ref", Al, Ar)
+
+
+def test_kda_decay_A_log_indexed_per_head():
+    """Trap #5 (A_log per HEAD: exp(A_log[h]) scales all D channels of head h; dt_bias per
+    channel, added before scaling, #7): bitwise against a libm reference; a per-channel index
+    (A_log[c mod H]) or the checkpoint's D-long padded vector indexed by d would differ."""
+    r = rng(5)
+    H, D, T = 4, 16, 3
+    A_log = np.linspace(-0.4, 1.2, H).astype(np.float32)
+    Z = rand_f32(r, (T, H * D))
+    dt = rand_f32(r, H * D, 0.5)
+    G, Al = kernel_decay(Z, A_log, dt)
+    Gr, Ar = ref_kda_decay(Z, A_log, dt, -5.0, lambda c: c // D)
+    assert_bitwise("kda_decay g vs per-head libm ref", G, Gr)
+    assert_bitwise("kda_decay alpha vs per-head libm ref", Al, Ar)
+    Gw, _ = ref_kda_decay(Z, A_log, dt, -5.0, lambda c: c % H)
+    padded = np.concatenate([A_log, np.zeros(D - H, np.float32)])
+    Gp, _ = ref_kda_decay(Z, padded, dt, -5.0, lambda c: c % D)
+    print(f"[gate]   witness: A_log[c mod H] differs in {n_diff(Gw, G)}/{G.size} g values; "
+          f"padded A_log[d] in {n_diff(Gp, G)}/{G.size}")
+    assert n_diff(Gw, G) > G.size // 2 and n_diff(Gp, G) > G.size // 2
+
+
+# ---- 9. RMSNorm gains ------------------------------------------------------------------------
+
+def test_rmsnorm_gain_applied_gain_first():
+    """Trap #16 (every norm gain applied; SF order y = f32(f32(w*x)*r)): random gains, bitwise
+    against the reference; the REF order w*(x*r) and a gain-less norm are shown to differ."""
+    r = rng(16)
+    for n in (128, 7168, 133):
+        X = rand_f32(r, (5, n), 3.0)
+        w = (1.0 + rand_f32(r, n, 0.3)).astype(np.float32)
+        eps = np.float32(1e-5)
+        Y = np.empty_like(X)
+        K.rmsnorm(X, w, eps, Y)
+        want = ref_rmsnorm(X, w, eps)
+        assert_bitwise(f"rmsnorm {5}x{n} random gains vs gain-first ref", Y, want)
+        other = ref_rmsnorm(X, w, eps, gain_first=False)
+        nogain = ref_rmsnorm(X, np.ones(n, np.float32), eps)
+        print(f"[gate]   witness: REF order w*(x*r) differs in {n_diff(other, want)}/{Y.size}, "
+              f"gain ignored in {n_diff(nogain, want)}/{Y.size}")
+        assert n_diff(other, want) > 0 and n_diff(nogain, want) > Y.size // 2
+    Yi = X.copy()
+    K.rmsnorm(Yi, w, eps, Yi)                              # documented in-place use
+    assert_bitwise("rmsnorm in place", Yi, want)
+
+
+# ---- 10. no FMA in float32 chains ------------------------------------------------------------
+
+@pytest.mark.parametrize("T,H,D", [(8, 4, 16), (4, 8, 32), (3, 2, 128), (5, 3, 17), (3, 2, 33)])
+def test_kda_recurrence_no_fma_bitwise(T, H, D):
+    """Trap #40 (no FMA contraction in float32 chains) and #14 (decay -> read -> write ->
+    output from the updated S): K.kda_recurrence equals a NumPy float32 step-by-step
+    reference (each product rounded before the add) bitwise; an FMA-contracted variant
+    differs."""
+    r = rng(40 + D)
+    S0, Q, Kk, V, A, B = random_kda_inputs(r, T, H, D)
+    qs = K.kda_q_scale(D)
+    assert bits(qs) == bits(F1 / np.sqrt(np.float32(D)))
+    S, O = S0.copy(), np.empty((T, H * D), np.float32)
+    K.kda_recurrence(S, Q, Kk, V, A, B, qs, O)
+    Sr, Or = ref_kda_recurrence(S0, Q, Kk, V, A, B, qs)
+    assert_bitwise(f"kda_recurrence out T={T} H={H} D={D}", O, Or)
+    assert_bitwise(f"kda_recurrence state T={T} H={H} D={D}", S, Sr)
+    # odd D matters: GCC vectorises these dot products in pairs (product, then ordered adds)
+    # and only the odd trailing element would be fused if contraction were on (-march=native)
+    Sf, Of = ref_kda_recurrence_fma(S0, Q, Kk, V, A, B, qs)
+    print(f"[gate]   witness: FMA-contracted dot products differ in {n_diff(Of, Or)}/{O.size} "
+          f"outputs, {n_diff(Sf, Sr)}/{S.size} state values")
+    assert n_diff(Of, Or) > 0
+
+
+def ref_shortconv(X, w, hist):
+    """§4.4 ShortConv + SiLU, float32: acc = w[K-1]*x_t, then + w[j]*hist[j] oldest -> newest,
+    each product rounded; history keeps the raw input; silu(acc) = acc * sigma(acc) (libm)."""
+    T, C = X.shape
+    Kt = w.shape[1]
+    hist = hist.copy()
+    Y = np.empty_like(X)
+    for t in range(T):
+        acc = w[:, Kt - 1] * X[t]
+        for j in range(Kt - 1):
+            acc = acc + w[:, j] * hist[:, j]
+        hist = np.concatenate([hist[:, 1:], X[t][:, None]], axis=1)
+        Y[t] = acc * np.array([c_sigmoid(a) for a in acc], np.float32)
+    return Y, hist
+
+
+def ref_attnres(V, phi, eps):
+    """§4.8 for one token: V [n_sources, E] (snapshots oldest -> newest, running sum last)."""
+    n, E = V.shape
+    Vd = V.astype(np.float64)
+    q = np.zeros(n)
+    for i in range(E):
+        q = q + Vd[:, i] * Vd[:, i]
+    r = (1.0 / np.sqrt(q / E + float(np.float32(eps)))).astype(np.float32)
+    vr = (V * r[:, None]).astype(np.float64)                  # f32(v * r), then widened
+    dot = np.zeros(n)
+    for i in range(E):
+        dot = dot + vr[:, i] * float(phi[i])
+    sc = dot.astype(np.float32)
+    mx = sc[0]
+    for s in range(1, n):
+        if sc[s] > mx:
+            mx = sc[s]
+    e = [c_expf(sc[s] - mx) for s in range(n)]
+    Z = 0.0
+    for s in range(n):
+        Z += float(e[s])
+    p = [np.float32(float(e[s]) / Z) for s in range(n)]
+    out = np.zeros(E, np.float32)
+    for s in range(n):
+        out = out + p[s] * V[s]
+    return out
+
+
+def ref_mla(Q, KV, R, n_past, H, dn, dv):
+    """§4.5 attention over the cache: one double accumulator (nope then rope terms),
+    sc = f32(f32(d) * kappa), kappa = f32(1/sqrtf(dn+dr)); libm softmax with a double
+    normaliser; value sum in float32, positions ascending from 0."""
+    T, dr = Q.shape[0], R.shape[1]
+    dq, dkv = dn + dr, dn + dv
+    kappa = F1 / np.sqrt(np.float32(dq))
+    O = np.empty((T, H * dv), np.float32)
+    for t in range(T):
+        p = n_past + t
+        for h in range(H):
+            q = Q[t, h * dq:(h + 1) * dq].astype(np.float64)
+            keys = KV[:p + 1, h * dkv:h * dkv + dn].astype(np.float64)
+            rope = R[:p + 1].astype(np.float64)
+            d = np.zeros(p + 1)
+            for i in range(dn):
+                d = d + q[i] * keys[:, i]
+            for i in range(dr):
+                d = d + q[dn + i] * rope[:, i]
+            sc = d.astype(np.float32) * kappa
+            mx = np.max(sc)
+            e = [c_expf(sc[s] - mx) for s in range(p + 1)]
+            Z = 0.0
+            for s in range(p + 1):
+                Z += float(e[s])
+            o = np.zeros(dv, np.float32)
+            for s in range(p + 1):
+                o = o + np.float32(float(e[s]) / Z) * KV[s, h * dkv + dn:(h + 1) * dkv]
+            O[t, h * dv:(h + 1) * dv] = o
+    return O
+
+
+def test_float32_chains_shortconv_axpy_bitwise():
+    """Trap #40 (no FMA in float32 chains) and #11 (ShortConv: current tap first, history
+    oldest -> newest, raw history carried): K.shortconv and K.axpy against float32 references
+    with every product rounded before the add, bitwise; the carried history is compared too."""
+    r = rng(400)
+    T, C, Kt = 6, 67, 4
+    X, w = rand_f32(r, (T, C), 2.0), rand_f32(r, (C, Kt), 0.6)
+    hist0 = rand_f32(r, (C, Kt - 1), 2.0)
+    hist, Y = hist0.copy(), np.empty_like(X)
+    K.shortconv(X, w, hist, Y)
+    Yr, hr = ref_shortconv(X, w, hist0)
+    assert_bitwise("shortconv out (T=6, C=67, K=4, carried history)", Y, Yr)
+    assert_bitwise("shortconv history after", hist, hr)
+    acc, d = rand_f32(r, 1031), rand_f32(r, 1031)
+    wj = np.float32(0.3711)
+    want = acc + wj * d                                   # two float32 roundings
+    got = acc.copy()
+    K.axpy(got, wj, d)
+    assert_bitwise("axpy acc + f32(w*d) (MoE aggregate)", got, want)
+    fused = (acc.astype(np.float64) + np.float64(wj) * d.astype(np.float64)).astype(np.float32)
+    print(f"[gate]   witness: a fused w*d+acc differs in {n_diff(fused, want)}/{want.size}")
+    assert n_diff(fused, want) > 0
+
+
+def test_attnres_and_mla_exact_order():
+    """Traps #38/#40 for the two attention-like kernels (double scores and normalisers,
+    float32 value sums, libm expf), #30 (AttnRes values are the raw sources) and #18/#21
+    (MLA scale 1/sqrt(dn+dr), causal): bitwise against the references, odd widths."""
+    r = rng(318)
+    n_snap, T, E = 4, 3, 133
+    stack = rand_f32(r, (n_snap, T, E), 2.0)
+    run = rand_f32(r, (T, E), 3.0)
+    phi = rand_f32(r, E, 0.2)
+    out = np.empty((T, E), np.float32)
+    K.attnres(stack, n_snap, run, phi, np.float32(1e-5), out)
+    want = np.stack([ref_attnres(np.concatenate([stack[:, t], run[t][None]]), phi, 1e-5)
+                     for t in range(T)])
+    assert_bitwise(f"attnres {n_snap}+1 sources, T={T}, E={E}", out, want)
+    H, dn, dr, dv, Tm, past = 3, 23, 7, 13, 5, 4
+    Q = rand_f32(r, (Tm, H * (dn + dr)), 0.5)
+    KV = rand_f32(r, (past + Tm + 2, H * (dn + dv)))
+    R = rand_f32(r, (past + Tm + 2, dr))
+    O = np.empty((Tm, H * dv), np.float32)
+    K.mla_attention(Q, KV, R, past, H, dn, dv, O)
+    assert_bitwise(f"mla_attention T={Tm} past={past} H={H} dn={dn} dr={dr} dv={dv}", O,
+                   ref_mla(Q, KV, R, past, H, dn, dv))
+
+
+# ---- 11. build flags -------------------------------------------------------------------------
+
+def test_build_flags_no_contraction_no_fast_math():
+    """Trap #40 (and §5.4): setup.py compiles with -ffp-contract=off and never with
+    -ffast-math, -Ofast, -funsafe-math-optimizations or -fassociative-math; the Python
+    build's own CFLAGS (prepended by setuptools) do not enable them either."""
+    text = (REPO / "setup.py").read_text()
+    tree = ast.parse(text)
+    args = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "compile_args"
+                                                for t in node.targets):
+            args = ast.literal_eval(node.value)
+    print(f"[gate] setup.py compile_args = {args}")
+    assert args is not None, "setup.py no longer defines compile_args as a literal list"
+    assert "-ffp-contract=off" in args
+    docstring = ast.get_docstring(tree, clean=False)
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+               and isinstance(n.value, str) and n.value != docstring]
+    forbidden = ("-ffast-math", "-Ofast", "-funsafe-math-optimizations", "-fassociative-math",
+                 "-ffp-contract=fast", "-ffp-contract=on")
+    for flag in forbidden:
+        assert flag not in args, flag
+        hits = [v for v in strings if flag in v.split()]
+        assert not hits, f"{flag} appears in a setup.py string: {hits}"
+    print(f"[gate] no fast-math/contraction flag in any of the {len(strings)} string literals "
+          f"of setup.py (docstring excluded)")
+    cflags = " ".join(str(sysconfig.get_config_var(v) or "") for v in ("CFLAGS", "OPT", "CCSHARED"))
+    print(f"[gate] interpreter CFLAGS/OPT checked for fast-math flags: {cflags.split()[:8]} ...")
+    for flag in forbidden:
+        assert flag not in cflags.split(), f"python's build flags contain {flag}"
