@@ -83,7 +83,7 @@ def test_gen_zero_incremental_is_prefill_only(tiny, tmp_path):
     (("--ids", "1"), "the first argument must be the model directory, got '--ids'"),
     (("{m}", "--bogus"), "unknown option --bogus"),
     (("{m}", "--ids"), "unknown option --ids"),
-    (("{m}",), "one of --ids or --ids-file is required"),
+    (("{m}",), "one of --ids, --prompt or --prompt-file is required"),
     (("{m}", "--ids", "1,x"), "bad --ids: 'x' is not a non-negative whole number"),
     (("{m}", "--ids", "1", "--ids-file", "f"), "mutually exclusive"),
     (("{m}", "--ids", "1", "--gen", "4097"), "--gen 4097 is out of range (0..4096)"),

@@ -42,6 +42,7 @@ def prompt_ids(seed: int = 20240917) -> list[int]:
 
 def engine_logits(d: str, ids: list[int]) -> np.ndarray:
     from k3engine.bind import Binder, CheckpointExperts, ResidentWeights
+    from k3engine.experts import ResidentExperts
     from k3engine.checkpoint import Checkpoint
     from k3engine.config import load_config
     from k3engine.model import Model
@@ -49,7 +50,7 @@ def engine_logits(d: str, ids: list[int]) -> np.ndarray:
     cfg = load_config(os.path.join(d, "config.json"))
     ck = Checkpoint(d)
     b = Binder(ck, cfg)
-    m = Model(cfg, ResidentWeights(b, cfg.n_layers), CheckpointExperts(b))
+    m = Model(cfg, ResidentWeights(b, cfg.n_layers), ResidentExperts(CheckpointExperts(b)))
     st = m.new_state(capacity=len(ids))
     out = np.asarray(m.forward(ids, st, all_logits=True))
     assert out.shape == (len(ids), cfg.vocab), f"engine logits shape {out.shape}"

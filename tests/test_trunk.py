@@ -13,6 +13,7 @@ from engine_helpers import GOLDEN_SEED, golden_prompt, greedy_incremental, make_
 from k3engine.bind import Binder, CheckpointExperts
 from k3engine.checkpoint import Checkpoint
 from k3engine.config import load_config
+from k3engine.experts import ResidentExperts
 from k3engine.model import Model
 from k3engine.trunk import (TRUNK_BIN, TRUNK_JSON, PackCancelled, StreamedTrunk, TrunkError,
                             TrunkManifest, TrunkMismatchError, pack_trunk)
@@ -46,7 +47,8 @@ def run_streamed(tiny, trunk_dir, pinned, ring):
     m.check_against(ck, cfg.n_layers)
     st = StreamedTrunk(m, b, b.tables(), cfg.n_layers, pinned, ring)
     try:
-        ids, _ = greedy_incremental(_LM(Model(cfg, st, CheckpointExperts(b))), golden_prompt(), N)
+        ids, _ = greedy_incremental(_LM(Model(cfg, st, ResidentExperts(CheckpointExperts(b)))),
+                                    golden_prompt(), N)
         return ids, st
     finally:
         st.close()

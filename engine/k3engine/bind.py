@@ -197,9 +197,6 @@ class CheckpointExperts:
         self._resident: dict[tuple[int, int], ExpertWeights] = {}
         self.bytes_read = 0
 
-    def batches(self, layer: int, experts: list[int]):
-        yield [(e, self.expert(layer, e)) for e in experts]
-
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         ex = self._resident.get(key)

@@ -14,6 +14,7 @@ import numpy as np
 from . import kernels as K
 from .bind import Binder, CheckpointExperts, ResidentWeights, deep_nbytes
 from .checkpoint import Checkpoint
+from .experts import ExpertCache, ExpertLoadError, ResidentExperts
 from .config import ConfigError, ModelConfig, load_config
 from .memory import ModelFigures, Plan
 from .model import Model, greedy
@@ -70,7 +71,7 @@ class LoadedModel:
     cfg: ModelConfig
     ck: Checkpoint
     model: Model
-    experts: CheckpointExperts
+    experts: ExpertCache | ResidentExperts
     index_seconds: float
     bind_seconds: float
     trunk_bytes: int
@@ -127,9 +128,11 @@ def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
 
 def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                n_layers: int | None = None, plan: Plan | None = None,
-               on_trunk_read: Callable[[int, int, float], None] | None = None) -> LoadedModel:
+               on_trunk_read: Callable[[int, int, float], None] | None = None,
+               cache_bytes: int | None = None) -> LoadedModel:
     """Bind the model tables and the trunk (resident, or streamed when the setup has a
-    packed trunk and `plan` chose its pinned set and ring)."""
+    packed trunk and `plan` chose its pinned set and ring).  Routed experts come from a
+    bounded cache of `cache_bytes`, or are read once and kept when it is None."""
     setup = model_dir if isinstance(model_dir, ModelSetup) else \
         open_model(model_dir, cfg, n_layers)
     cfg, ck, binder, nl = setup.cfg, setup.ck, setup.binder, setup.n_layers
@@ -146,7 +149,8 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
     else:
         weights = ResidentWeights(binder, nl)
         trunk_bytes = weights.trunk_nbytes()
-    experts = CheckpointExperts(binder)
+    experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl) if cache_bytes else \
+        ResidentExperts(CheckpointExperts(binder), cfg.n_layers, cfg.n_experts)
     return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,
                        setup.index_seconds, time.monotonic() - t0, trunk_bytes,
                        deep_nbytes(tables), trunk)
@@ -184,6 +188,7 @@ class RunResult:
     layers_completed: int = 0
     stopped_at: int = -1
     interrupted: bool = False
+    expert_drop: str | None = None     # a routed expert failed: the token was not emitted
     state: SequenceState | None = None
 
     @property
@@ -202,7 +207,8 @@ class RunResult:
 def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool,
              on_step: Callable[[Step], None] | None = None, stop_ids: Iterable[int] = (),
              sampler: Sampler | None = None, cancel: Cancel | None = None,
-             state: SequenceState | None = None, prior_ids: Iterable[int] = ()) -> RunResult:
+             state: SequenceState | None = None, prior_ids: Iterable[int] = (),
+             on_step_start: Callable[[int], None] | None = None) -> RunResult:
     """The decode loop of SYSTEM §6.4.  Incremental: step 0 feeds everything not yet cached
     (a resumed state's pending token plus the new prompt), later steps one token with the
     carried state.  Otherwise every step recomputes the whole sequence from a fresh state
@@ -220,13 +226,20 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
         if cancel:
             res.interrupted = True
             break
+        if on_step_start:
+            on_step_start(g)                  # e.g. open a new per-step counter window
         before = lm.experts.bytes_read
         t0 = time.monotonic()
-        if incremental:
-            logits = model.forward(seq[state.n_cached:], state)
-        else:
-            state.reset()
-            logits = model.forward(seq, state)
+        try:
+            if incremental:
+                logits = model.forward(seq[state.n_cached:], state)
+            else:
+                state.reset()
+                logits = model.forward(seq, state)
+        except ExpertLoadError as e:          # never emit a token computed without an expert
+            res.expert_drop = str(e)
+            res.layers_completed = model.layers_completed
+            break
         emitted = []
         if len(res.generated_ids) < gen:
             emitted = [sampler.sample(logits) if sampler else greedy(logits)]

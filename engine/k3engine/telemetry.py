@@ -38,10 +38,12 @@ class Events:
     def __init__(self, *sinks: Sink):
         self.sinks = [s for s in sinks if s is not None]
 
-    def emit(self, ev: str, **fields) -> None:
+    def emit(self, kind: str, /, **fields) -> None:
         if not self.sinks:
             return
-        e = {"ev": ev, "t": round(time.monotonic() - _T0, 6), **fields}
+        fields.pop("ev", None)                  # producers may pass their own copy
+        fields.pop("t", None)
+        e = {"ev": kind, "t": round(time.monotonic() - _T0, 6), **fields}
         for s in list(self.sinks):
             try:
                 s(e)

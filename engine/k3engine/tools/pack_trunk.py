@@ -1,0 +1,38 @@
+"""`k3 pack-trunk <model_dir> <trunk_dir> [--layers N]`: copy every layer's trunk run into
+trunk.bin + trunk.json (SYSTEM §2.2), once, so the trunk can stream layer by layer."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..checkpoint import CheckpointError
+from ..config import ConfigError
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="k3 pack-trunk", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("trunk_dir")
+    ap.add_argument("--layers", type=int, default=None, help="layers to pack (default: all)")
+    a = ap.parse_args(argv)
+    from ..trunk import pack_trunk
+    t0 = time.monotonic()
+    last = [-1]
+
+    def progress(layers_done: int, done: int, total: int) -> None:
+        if layers_done != last[0] and layers_done % 10 == 0 and layers_done:
+            last[0] = layers_done
+            dt = time.monotonic() - t0
+            print(f"packed {layers_done} layers, {done / 1e9:.2f} GB, {dt:.0f} s "
+                  f"({done / 1e6 / max(dt, 1e-9):.0f} MB/s)", flush=True)
+    try:
+        m = pack_trunk(a.model_dir, a.trunk_dir, a.layers, progress)
+    except (CheckpointError, ConfigError) as e:
+        print(f"k3 pack-trunk: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote trunk.bin: {m.total_bytes() / 1e9:.2f} GB across {len(m.layers)} layers "
+          f"in {time.monotonic() - t0:.1f} s")
+    print(f"largest layer run: {max(x.nbytes for x in m.layers) / 1e9:.3f} GB  <- the "
+          f"streaming slot size")
+    return 0
