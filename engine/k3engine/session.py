@@ -126,6 +126,16 @@ def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
     return ModelSetup(cfg, ck, binder, nl, manifest, figures, time.monotonic() - t0)
 
 
+def _injected_failure() -> Callable[[int, int], bool] | None:
+    """K3_FAIL_EXPERT=L,E (E may be *) makes every read of that expert of layer L fail:
+    the fault injection behind the exit-4 tests (a failed expert is never skipped)."""
+    spec = os.environ.get("K3_FAIL_EXPERT")
+    if not spec:
+        return None
+    layer, expert = spec.split(",")
+    return lambda L, e: L == int(layer) and expert in ("*", str(e))
+
+
 def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                n_layers: int | None = None, plan: Plan | None = None,
                on_trunk_read: Callable[[int, int, float], None] | None = None,
@@ -149,8 +159,9 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
     else:
         weights = ResidentWeights(binder, nl)
         trunk_bytes = weights.trunk_nbytes()
-    experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl) if cache_bytes else \
-        ResidentExperts(CheckpointExperts(binder), cfg.n_layers, cfg.n_experts)
+    experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl, fail_reads=_injected_failure()) \
+        if cache_bytes else ResidentExperts(CheckpointExperts(binder), cfg.n_layers,
+                                            cfg.n_experts)
     return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,
                        setup.index_seconds, time.monotonic() - t0, trunk_bytes,
                        deep_nbytes(tables), trunk)
