@@ -17,12 +17,13 @@ from cython.parallel cimport prange, parallel
 import numpy as np
 
 cdef extern from "k3dot.h" nogil:
-    double k3_dot_f32(const float *w, const float *x, long n)
-    double k3_dot_bf16(const uint16_t *w, const float *x, long n)
-    double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const float *x, long n)
+    double k3_dot_f32(const float *w, const double *x, long n)
+    double k3_dot_bf16(const uint16_t *w, const double *x, long n)
+    double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const double *x, long n)
     float k3_bf16_to_f32(uint16_t b)
     void k3_set_simd(int on)
     int k3_avx2()
+    void k3_e8m0_init()
     const double K3_E2M1[16]
 
 cdef float F1 = 1.0
@@ -30,6 +31,9 @@ cdef float F0 = 0.0
 cdef float L2_EPS = 1e-6          # float32 constant, widened where used (§4.1)
 DEF MAX_SOURCES = 256             # AttnRes sources per aggregation (real K3: 9)
 DEF MAX_TOPK = 64                 # reference ceiling (config rule 5)
+
+k3_e8m0_init()                    # scale tables and the CPU probe, once, before any thread
+k3_avx2()
 
 cdef int _nthreads = 1
 cdef long PAR_MIN_WORK = 1 << 15  # below this many MACs a parallel region costs more than it saves
@@ -85,16 +89,22 @@ cdef _check_mv(long wout, long win, const float[:, ::1] X, float[:, ::1] Y):
                          f"Y [{Y.shape[0]},{Y.shape[1]}]")
 
 
+cdef double[:, ::1] _widened(const float[:, ::1] X):
+    """The inputs widened to double once per call (exact), not once per output row."""
+    return np.asarray(X, dtype=np.float64)
+
+
 cdef _matvec_f32(const float[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
     _check_mv(W.shape[0], W.shape[1], X, Y)
     cdef Py_ssize_t o, t, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
     cdef int nt = _threads_for(nout * n * T)
     if nout == 0 or T == 0:
         return
+    cdef double[:, ::1] Xd = _widened(X)
     with nogil:
         for o in prange(nout, num_threads=nt, schedule="static"):
             for t in range(T):
-                Y[t, o] = <float>k3_dot_f32(&W[o, 0], &X[t, 0], n)
+                Y[t, o] = <float>k3_dot_f32(&W[o, 0], &Xd[t, 0], n)
 
 
 cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
@@ -103,10 +113,11 @@ cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1]
     cdef int nt = _threads_for(nout * n * T)
     if nout == 0 or T == 0:
         return
+    cdef double[:, ::1] Xd = _widened(X)
     with nogil:
         for o in prange(nout, num_threads=nt, schedule="static"):
             for t in range(T):
-                Y[t, o] = <float>k3_dot_bf16(&W[o, 0], &X[t, 0], n)
+                Y[t, o] = <float>k3_dot_bf16(&W[o, 0], &Xd[t, 0], n)
 
 
 def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
@@ -120,10 +131,11 @@ def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
     cdef int nt = _threads_for(nout * n * T)
     if nout == 0 or T == 0:
         return
+    cdef double[:, ::1] Xd = _widened(X)
     with nogil:
         for o in prange(nout, num_threads=nt, schedule="static"):
             for t in range(T):
-                Y[t, o] = <float>k3_dot_mxfp4(&P[o, 0], &S[o, 0], &X[t, 0], n)
+                Y[t, o] = <float>k3_dot_mxfp4(&P[o, 0], &S[o, 0], &Xd[t, 0], n)
 
 
 def mxfp4_dequant(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S):

@@ -38,23 +38,25 @@ static inline double k3_tree16(const double *a) {
     return (b0 + b1) + (b2 + b3);
 }
 
-static double k3_dot_f32_scalar(const float *w, const float *x, long n) {
+/* x arrives already widened to double (exact): the caller converts each input vector once
+ * per call instead of once per output row. */
+static double k3_dot_f32_scalar(const float *w, const double *x, long n) {
     double a[16] = {0};
     long nfull = n & ~15L, i;
     for (i = 0; i < nfull; i += 16)
-        for (int l = 0; l < 16; l++) a[l] += (double)w[i + l] * (double)x[i + l];
+        for (int l = 0; l < 16; l++) a[l] += (double)w[i + l] * x[i + l];
     double acc = k3_tree16(a);
-    for (; i < n; i++) acc += (double)w[i] * (double)x[i];
+    for (; i < n; i++) acc += (double)w[i] * x[i];
     return acc;
 }
 
-static double k3_dot_bf16_scalar(const uint16_t *w, const float *x, long n) {
+static double k3_dot_bf16_scalar(const uint16_t *w, const double *x, long n) {
     double a[16] = {0};
     long nfull = n & ~15L, i;
     for (i = 0; i < nfull; i += 16)
-        for (int l = 0; l < 16; l++) a[l] += (double)k3_bf16_to_f32(w[i + l]) * (double)x[i + l];
+        for (int l = 0; l < 16; l++) a[l] += (double)k3_bf16_to_f32(w[i + l]) * x[i + l];
     double acc = k3_tree16(a);
-    for (; i < n; i++) acc += (double)k3_bf16_to_f32(w[i]) * (double)x[i];
+    for (; i < n; i++) acc += (double)k3_bf16_to_f32(w[i]) * x[i];
     return acc;
 }
 
@@ -71,49 +73,44 @@ static inline double k3_tree16_avx(__m256d v0, __m256d v1, __m256d v2, __m256d v
 }
 
 __attribute__((target("avx2")))
-static double k3_dot_f32_avx2(const float *w, const float *x, long n) {
-    __m256d v0 = _mm256_setzero_pd(), v1 = v0, v2 = v0, v3 = v0;
+static inline void k3_madd16_avx(__m256 w0, __m256 w1, const double *x, __m256d *v) {
+    v[0] = _mm256_add_pd(v[0], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w0)),
+                                             _mm256_loadu_pd(x)));
+    v[1] = _mm256_add_pd(v[1], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w0, 1)),
+                                             _mm256_loadu_pd(x + 4)));
+    v[2] = _mm256_add_pd(v[2], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w1)),
+                                             _mm256_loadu_pd(x + 8)));
+    v[3] = _mm256_add_pd(v[3], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w1, 1)),
+                                             _mm256_loadu_pd(x + 12)));
+}
+
+__attribute__((target("avx2")))
+static double k3_dot_f32_avx2(const float *w, const double *x, long n) {
+    __m256d v[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
     long nfull = n & ~15L, i;
-    for (i = 0; i < nfull; i += 16) {
-        __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
-        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        v0 = _mm256_add_pd(v0, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w0)),
-                                             _mm256_cvtps_pd(_mm256_castps256_ps128(x0))));
-        v1 = _mm256_add_pd(v1, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w0, 1)),
-                                             _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1))));
-        v2 = _mm256_add_pd(v2, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w1)),
-                                             _mm256_cvtps_pd(_mm256_castps256_ps128(x1))));
-        v3 = _mm256_add_pd(v3, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w1, 1)),
-                                             _mm256_cvtps_pd(_mm256_extractf128_ps(x1, 1))));
-    }
-    double acc = k3_tree16_avx(v0, v1, v2, v3);
-    for (; i < n; i++) acc += (double)w[i] * (double)x[i];
+    for (i = 0; i < nfull; i += 16)
+        k3_madd16_avx(_mm256_loadu_ps(w + i), _mm256_loadu_ps(w + i + 8), x + i, v);
+    double acc = k3_tree16_avx(v[0], v[1], v[2], v[3]);
+    for (; i < n; i++) acc += (double)w[i] * x[i];
     return acc;
 }
 
 __attribute__((target("avx2")))
-static double k3_dot_bf16_avx2(const uint16_t *w, const float *x, long n) {
-    __m256d v0 = _mm256_setzero_pd(), v1 = v0, v2 = v0, v3 = v0;
+static double k3_dot_bf16_avx2(const uint16_t *w, const double *x, long n) {
+    __m256d v[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
     long nfull = n & ~15L, i;
     for (i = 0; i < nfull; i += 16) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i));
         /* widen 16 bf16 to 16 f32 by placing each in the top half of a 32-bit lane */
         __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw));
         __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1));
-        __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-        __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
-        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        v0 = _mm256_add_pd(v0, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w0)),
-                                             _mm256_cvtps_pd(_mm256_castps256_ps128(x0))));
-        v1 = _mm256_add_pd(v1, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w0, 1)),
-                                             _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1))));
-        v2 = _mm256_add_pd(v2, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w1)),
-                                             _mm256_cvtps_pd(_mm256_castps256_ps128(x1))));
-        v3 = _mm256_add_pd(v3, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w1, 1)),
-                                             _mm256_cvtps_pd(_mm256_extractf128_ps(x1, 1))));
+        k3_madd16_avx(_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                      _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), x + i, v);
     }
-    double acc = k3_tree16_avx(v0, v1, v2, v3);
-    for (; i < n; i++) acc += (double)k3_bf16_to_f32(w[i]) * (double)x[i];
+    double acc = k3_tree16_avx(v[0], v[1], v[2], v[3]);
+    for (; i < n; i++) acc += (double)k3_bf16_to_f32(w[i]) * x[i];
     return acc;
 }
 #endif
@@ -125,22 +122,35 @@ static const double K3_E2M1[16] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 
 /* packed: n/2 bytes, element 2j in the LOW nibble of byte j; scales: n/32 E8M0 bytes.
  * Scale byte 255 (NaN in the OCP spec) makes its whole group contribute zero (trap #36). */
+/* 2^(b-127) and 0.5 * 2^(b-127) for every E8M0 byte (255 is skipped before lookup). */
+static double K3_E8M0[256], K3_E8M0_HALF[256];
+static int k3_e8m0_ready = 0;
+
+static void k3_e8m0_init(void) {
+    if (k3_e8m0_ready) return;
+    for (int b = 0; b < 256; b++) {
+        K3_E8M0[b] = ldexp(1.0, b - 127);
+        K3_E8M0_HALF[b] = ldexp(0.5, b - 127);
+    }
+    k3_e8m0_ready = 1;
+}
+
 static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
-                                  const float *x, long n) {
+                                  const double *x, long n) {
     double acc = 0.0;
     long ngroups = n / 32;
     for (long g = 0; g < ngroups; g++) {
         uint8_t sb = scales[g];
         if (sb == 255) continue;
         const uint8_t *p = packed + g * 16;
-        const float *xg = x + g * 32;
+        const double *xg = x + g * 32;
         double s[8] = {0};
         for (int e = 0; e < 32; e++) {
             uint8_t code = (e & 1) ? (p[e >> 1] >> 4) : (p[e >> 1] & 15);
-            s[e & 7] += K3_E2M1[code] * (double)xg[e];
+            s[e & 7] += K3_E2M1[code] * xg[e];
         }
         double b0 = s[0] + s[4], b1 = s[1] + s[5], b2 = s[2] + s[6], b3 = s[3] + s[7];
-        acc += ((b0 + b1) + (b2 + b3)) * ldexp(1.0, (int)sb - 127);
+        acc += ((b0 + b1) + (b2 + b3)) * K3_E8M0[sb];
     }
     return acc;
 }
@@ -151,7 +161,7 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
  * power-of-two rescaling, so the bits equal the scalar path. */
 __attribute__((target("avx2")))
 static double k3_dot_mxfp4_avx2(const uint8_t *packed, const uint8_t *scales,
-                                const float *x, long n) {
+                                const double *x, long n) {
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i mask = _mm_set1_epi8(15);
     double acc = 0.0;
@@ -163,32 +173,28 @@ static double k3_dot_mxfp4_avx2(const uint8_t *packed, const uint8_t *scales,
         __m128i lo = _mm_and_si128(bytes, mask);
         __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
         /* interleave back to element order: e0=lo0, e1=hi0, e2=lo1, ... */
-        __m128i e0_15 = _mm_unpacklo_epi8(lo, hi);
-        __m128i e16_31 = _mm_unpackhi_epi8(lo, hi);
-        __m128i d0_15 = _mm_shuffle_epi8(lut, e0_15);
-        __m128i d16_31 = _mm_shuffle_epi8(lut, e16_31);
-        const float *xg = x + g * 32;
-        /* elements e..e+3 go to lanes (e&7)..: vector A holds lanes 0-3, B lanes 4-7 */
+        __m128i d0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));   /* elements 0-15 */
+        __m128i d1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));   /* elements 16-31 */
+        const double *xg = x + g * 32;
+        /* element e goes to lane e%8: A holds lanes 0-3, B lanes 4-7; per lane the terms
+         * arrive in ascending element order (e, e+8, e+16, e+24) as in the scalar form */
         __m256d A = _mm256_setzero_pd(), B = _mm256_setzero_pd();
-        __m128i parts[2] = {d0_15, d16_31};
+        __m128i parts[2] = {d0, d1};
         for (int h = 0; h < 2; h++) {
-            __m256i w32a = _mm256_cvtepi8_epi32(parts[h]);                       /* 8 codes */
-            __m256i w32b = _mm256_cvtepi8_epi32(_mm_srli_si128(parts[h], 8));    /* next 8 */
-            __m256 wfa = _mm256_cvtepi32_ps(w32a), wfb = _mm256_cvtepi32_ps(w32b);
-            __m256 xa = _mm256_loadu_ps(xg + 16 * h), xb = _mm256_loadu_ps(xg + 16 * h + 8);
-            A = _mm256_add_pd(A, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(wfa)),
-                                               _mm256_cvtps_pd(_mm256_castps256_ps128(xa))));
-            B = _mm256_add_pd(B, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(wfa, 1)),
-                                               _mm256_cvtps_pd(_mm256_extractf128_ps(xa, 1))));
-            A = _mm256_add_pd(A, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(wfb)),
-                                               _mm256_cvtps_pd(_mm256_castps256_ps128(xb))));
-            B = _mm256_add_pd(B, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(wfb, 1)),
-                                               _mm256_cvtps_pd(_mm256_extractf128_ps(xb, 1))));
+            __m128i c = parts[h];
+            for (int q = 0; q < 2; q++) {         /* 8 codes at a time */
+                __m128i c8 = q ? _mm_srli_si128(c, 8) : c;
+                __m128i c4a = _mm_cvtepi8_epi32(c8);
+                __m128i c4b = _mm_cvtepi8_epi32(_mm_srli_si128(c8, 4));
+                const double *xq = xg + 16 * h + 8 * q;
+                A = _mm256_add_pd(A, _mm256_mul_pd(_mm256_cvtepi32_pd(c4a), _mm256_loadu_pd(xq)));
+                B = _mm256_add_pd(B, _mm256_mul_pd(_mm256_cvtepi32_pd(c4b), _mm256_loadu_pd(xq + 4)));
+            }
         }
         __m256d b = _mm256_add_pd(A, B);           /* b[l] = s[l] + s[l+4] */
-        double t[4];
-        _mm256_storeu_pd(t, b);
-        acc += ((t[0] + t[1]) + (t[2] + t[3])) * ldexp(0.5, (int)sb - 127);
+        __m256d hs = _mm256_hadd_pd(b, b);         /* [b0+b1, b0+b1, b2+b3, b2+b3] */
+        __m128d sub = _mm_add_sd(_mm256_castpd256_pd128(hs), _mm256_extractf128_pd(hs, 1));
+        acc += _mm_cvtsd_f64(sub) * K3_E8M0_HALF[sb];
     }
     return acc;
 }
@@ -212,21 +218,21 @@ static inline int k3_avx2(void) {
 
 static void k3_set_simd(int on) { k3_use_avx2 = on ? -1 : 0; if (on) (void)k3_avx2(); }
 
-static inline double k3_dot_f32(const float *w, const float *x, long n) {
+static inline double k3_dot_f32(const float *w, const double *x, long n) {
 #if K3_HAVE_AVX2_PATH
     if (k3_avx2()) return k3_dot_f32_avx2(w, x, n);
 #endif
     return k3_dot_f32_scalar(w, x, n);
 }
 
-static inline double k3_dot_bf16(const uint16_t *w, const float *x, long n) {
+static inline double k3_dot_bf16(const uint16_t *w, const double *x, long n) {
 #if K3_HAVE_AVX2_PATH
     if (k3_avx2()) return k3_dot_bf16_avx2(w, x, n);
 #endif
     return k3_dot_bf16_scalar(w, x, n);
 }
 
-static inline double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const float *x, long n) {
+static inline double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const double *x, long n) {
 #if K3_HAVE_AVX2_PATH
     if (k3_avx2()) return k3_dot_mxfp4_avx2(p, s, x, n);
 #endif
