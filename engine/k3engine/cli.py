@@ -75,6 +75,9 @@ diagnostics
   --dump-cache-trace DIR  expert_hist.json + expert_trace.bin (DIR must exist)
   --events PATH         structured telemetry, one JSON object per line
   --stream-tokens       print @K3TOKEN <id> as each id is committed
+  --spec N              n-gram speculative decoding, up to N (<= 8) drafts per sweep;
+                        same ids as greedy (needs --incremental)
+  --tf-check            teacher-forced agreement over the --ids in one pass
 
 exit codes
   0  success (also --help, --version, --list-presets, chat /exit or end of input)
@@ -108,11 +111,13 @@ FLAGS = {
     "--no-think": ("no_think", False), "--thinking-effort": ("effort", True),
     "--out": ("out", True), "--dump-logits": ("dump_logits", True),
     "--dump-cache-trace": ("dump_cache_trace", True), "--events": ("events", True),
-    "--stream-tokens": ("stream_tokens", False),
+    "--stream-tokens": ("stream_tokens", False), "--spec": ("spec", True),
+    "--tf-check": ("tf_check", False),
 }
 MEMORY_FLAGS = ("--preset", "--trunk-gb", "--cache-gb")
 CHAT_ONLY = ("--system", "--history", "--no-think", "--thinking-effort")
-NOT_IN_CHAT = ("--load-state", "--save-state", "--dump-logits", "--dump-cache-trace", "--out")
+NOT_IN_CHAT = ("--load-state", "--save-state", "--dump-logits", "--dump-cache-trace", "--out",
+               "--spec", "--tf-check")
 MAX_STOP_IDS = 8
 
 
@@ -155,6 +160,8 @@ class Options:
     dump_cache_trace: str | None = None
     events: str | None = None
     stream_tokens: bool = False
+    spec: str = "0"
+    tf_check: bool = False
 
     @property
     def gen_n(self) -> int:
@@ -255,6 +262,9 @@ def validate(o: Options) -> None:
     if o.threads is not None:
         strict_int("--threads", o.threads, 1)
     strict_int("--trunk-ring", o.trunk_ring, 1, 8)
+    if strict_int("--spec", o.spec, 0) and not o.incremental:
+        print("k3: --spec needs --incremental; ignored", file=sys.stderr)
+        o.spec = "0"
     if o.temperature is not None and not strict_float("--temperature", o.temperature) > 0:
         raise UsageError("--temperature must be > 0")
     if o.top_p is not None and not 0 < strict_float("--top-p", o.top_p) <= 1:
@@ -478,6 +488,11 @@ def run(o: Options, events: Events) -> int:
     p = prepare(o, events, positions_extra=len(prior))
     lm, cfg, tok = p.lm, p.cfg, p.tok
     gen = o.gen_n
+    if o.tf_check:
+        return tf_check(o, p)
+    if int(o.spec):
+        print(f"speculative decode: up to {min(int(o.spec), 8)} drafted tokens per sweep, "
+              f"n-gram lookup, verified batched")
     state = None
     if o.load_state:
         from .statefile import load_state
@@ -521,8 +536,33 @@ def run(o: Options, events: Events) -> int:
     sampler.new_turn(1)                      # batch mode: one stream, turn 1
     with Interrupts(cancel):
         res = generate(lm, p.ids, gen, o.incremental, on_step, o.stop_ids, sampler, cancel,
-                       state, prior, on_step_start=lambda g: lm.experts.reset_step())
+                       state, prior, on_step_start=lambda g: lm.experts.reset_step(),
+                       spec=int(o.spec))
     return finish(o, lm, p, res, events)
+
+
+def tf_check(o: Options, p: Prepared) -> int:
+    """--tf-check (SYSTEM §6.11): one teacher-forced pass, per-position agreement."""
+    ids = p.ids
+    if len(ids) < 2:
+        raise UsageError("--tf-check needs at least 2 ids")
+    t0 = time.monotonic()
+    from .model import greedy
+    logits = p.lm.model.forward(ids, p.lm.model.new_state(len(ids)), all_logits=True)
+    pred = [greedy(row) for row in logits[:-1]]
+    n, m = len(pred), sum(a == b for a, b in zip(pred, ids[1:]))
+    print(f"teacher-forced agreement: {m}/{n} positions ({100 * m / n:.1f}%) in "
+          f"{time.monotonic() - t0:.1f} s")
+    bad = [f"[{i} p={a} a={b}]" for i, (a, b) in enumerate(zip(pred, ids[1:])) if a != b]
+    if bad:
+        print("mismatches: " + " ".join(bad))
+    try:
+        write_atomic(o.out, (f'{{"tf_positions":{n},"tf_matches":{m},'
+                             f'"tf_agreement":{m / n:.4f}}}\n').encode())
+    except OSError:
+        pass                                   # silently skipped, as the reference does
+    p.lm.close()
+    return EXIT_OK
 
 
 def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
@@ -552,6 +592,10 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
         print(f"prefill only: {res.state.n_cached if res.state else 0} positions cached, "
               f"0 tokens generated")
     print(f"generated ids: {','.join(str(i) for i in res.generated_ids)}")
+    sp = res.spec
+    if sp.rounds:
+        print(f"speculative decode: {sp.rounds} sweeps, {sp.drafted} drafted, {sp.accepted} "
+              f"accepted ({100 * sp.accepted / max(sp.drafted, 1):.1f}%)")
     text = None
     if p.tok is not None and n:
         text = p.tok.decode(res.generated_ids)
@@ -580,8 +624,11 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
                   lm_head_bytes_read=0, ultra_low_memory=False, stopped_at=res.stopped_at,
                   interrupted=res.interrupted, generated_text=text)
     code = EXIT_OK
+    extra = (f',"spec_rounds":{sp.rounds},"spec_drafted":{sp.drafted},'
+             f'"spec_accepted":{sp.accepted}}}\n').encode() if int(o.spec) else b""
     try:
-        write_atomic(o.out, out_line(values))
+        line = out_line(values)
+        write_atomic(o.out, line[:-2] + extra if extra else line)
         print(f"wrote {o.out}")
     except OSError as e:
         print(f"cannot write {o.out}: {e.strerror}", file=sys.stderr)

@@ -20,6 +20,7 @@ from .memory import ModelFigures, Plan
 from .model import Model, greedy
 from .names import expert_tensors, layer_tensors, model_tensors
 from .sampler import Sampler
+from .speculative import SpecCounters, spec_step
 from .state import SequenceState
 from .telemetry import peak_rss_bytes  # noqa: F401  (re-exported for callers)
 from .trunk import StreamedTrunk, TrunkManifest
@@ -200,6 +201,7 @@ class RunResult:
     stopped_at: int = -1
     interrupted: bool = False
     expert_drop: str | None = None     # a routed expert failed: the token was not emitted
+    spec: SpecCounters = field(default_factory=SpecCounters)
     state: SequenceState | None = None
 
     @property
@@ -219,12 +221,13 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
              on_step: Callable[[Step], None] | None = None, stop_ids: Iterable[int] = (),
              sampler: Sampler | None = None, cancel: Cancel | None = None,
              state: SequenceState | None = None, prior_ids: Iterable[int] = (),
-             on_step_start: Callable[[int], None] | None = None) -> RunResult:
+             on_step_start: Callable[[int], None] | None = None, spec: int = 0) -> RunResult:
     """The decode loop of SYSTEM §6.4.  Incremental: step 0 feeds everything not yet cached
     (a resumed state's pending token plus the new prompt), later steps one token with the
     carried state.  Otherwise every step recomputes the whole sequence from a fresh state
     (the reference's default); both give the same ids by construction (§4.10).  `cancel`
-    is checked at the top of each step, so the step in flight always completes."""
+    is checked at the top of each step, so the step in flight always completes.  `spec`
+    > 0 (incremental, greedy) verifies n-gram drafts in one sweep: same ids, fewer steps."""
     model = lm.model
     res = RunResult(list(prompt_ids), list(prior_ids))
     seq = res.prior_ids + res.prompt_ids
@@ -241,8 +244,12 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
             on_step_start(g)                  # e.g. open a new per-step counter window
         before = lm.experts.bytes_read
         t0 = time.monotonic()
+        left = gen - len(res.generated_ids)
+        emitted = []
         try:
-            if incremental:
+            if incremental and spec and g > 0 and left > 1 and (sampler is None or not sampler.sampling):
+                emitted, logits = spec_step(model, seq, state, min(spec, left - 1), res.spec)
+            elif incremental:
                 logits = model.forward(seq[state.n_cached:], state)
             else:
                 state.reset()
@@ -251,21 +258,22 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
             res.expert_drop = str(e)
             res.layers_completed = model.layers_completed
             break
-        emitted = []
-        if len(res.generated_ids) < gen:
+        if not emitted and left > 0:
             emitted = [sampler.sample(logits) if sampler else greedy(logits)]
+        hit = next((n for n, i in enumerate(emitted) if i in stops), None)
+        if hit is not None:                       # a sweep that ran past a stop id is cut there
+            emitted = emitted[:hit + 1]
+            res.stopped_at = emitted[-1]
         step = Step(g, emitted, time.monotonic() - t0, lm.experts.bytes_read - before,
                     logits if g == 0 else None)
         res.steps.append(step)
         res.layers_completed = model.layers_completed
-        for i in emitted:
-            seq.append(i)
-            res.generated_ids.append(i)
+        seq += emitted
+        res.generated_ids += emitted
         if on_step:
             on_step(step)
         g += 1
-        if any(i in stops for i in emitted):
-            res.stopped_at = next(i for i in emitted if i in stops)
+        if hit is not None:
             break
     return res
 

@@ -104,3 +104,19 @@ def grown(state: SequenceState, capacity: int) -> SequenceState:
                          (old.conv_v, dst.conv_v)):
                 b[...] = a
     return new
+
+
+def snapshot(state: SequenceState) -> list[np.ndarray]:
+    """Copies of the recurrent state (KDA matrices and conv histories): all a rejected
+    speculative draft needs restored.  MLA rows of rejected positions are simply
+    overwritten by the replay."""
+    return [a.copy() for st in state.layers if isinstance(st, KDAState)
+            for a in (st.S, st.conv_q, st.conv_k, st.conv_v)]
+
+
+def restore(state: SequenceState, snap: list[np.ndarray]) -> None:
+    it = iter(snap)
+    for st in state.layers:
+        if isinstance(st, KDAState):
+            for a in (st.S, st.conv_q, st.conv_k, st.conv_v):
+                a[...] = next(it)
