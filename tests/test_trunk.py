@@ -156,3 +156,15 @@ def test_short_read_on_a_ring_layer_fails_loudly(tmp_path, packed, tiny):
             st.layer(0)
         assert st.binds == 0 and st.bytes_read == 0             # nothing counted
         st.close()
+
+
+def test_sharded_checkpoint_packs_and_streams(tmp_path):
+    """Shard boundaries never split a layer's trunk run (the generator keeps each run in
+    one shard, as the released checkpoint does), so a many-shard checkpoint packs."""
+    from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
+    d = str(tmp_path / "sharded")
+    shards = make_checkpoint(d, dims_config("tiny"), seed=GOLDEN_SEED, shard_bytes=300_000)
+    pack_trunk(d, str(tmp_path / "t"))
+    ids, _ = run_streamed(d, str(tmp_path / "t"), set(), 2)
+    print(f"[gate] {len(shards)}-shard checkpoint packed and streamed: {ids}")
+    assert len(shards) > 5 and ids == GOLDEN["generated_ids"][:N]

@@ -193,12 +193,13 @@ class Generator:
 # ---- layout ------------------------------------------------------------------------
 
 def tensor_units(cfg: ModelConfig) -> list[list[TensorDef]]:
-    """Tensors grouped into units a shard boundary may not split (one expert's six
-    tensors stay together, contiguous, in the released order)."""
+    """Tensors grouped into units a shard boundary may not split: a layer's whole trunk
+    (one contiguous run, so it packs as one read, SYSTEM §2.1) and each expert's six
+    tensors (contiguous, in the released order)."""
     model = model_tensors(cfg)
     units = [[model[0]]]                                    # embedding first
     for L in range(cfg.n_layers):
-        units += [[t] for t in layer_tensors(cfg, L)]
+        units.append(layer_tensors(cfg, L))
         if not cfg.is_dense(L):
             units += [expert_tensors(cfg, L, e) for e in range(cfg.n_experts)]
     units += [[t] for t in model[1:]]
