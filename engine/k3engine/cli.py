@@ -51,7 +51,7 @@ prompt (exactly one outside chat)
   --tok DIR             tiktoken.model + tokenizer_config.json
   --config PATH         config file (default <model_dir>/config.json)
 memory
-  --preset NAME         ultra, laptop, desktop, workstation, server, max, auto
+  --preset NAME         laptop, desktop, workstation, server, max, auto (ultra: not yet)
   --trunk DIR           packed trunk (k3 pack-trunk): stream the trunk from it
   --trunk-gb X|auto     trunk budget, pinned layers + ring (default 16)
   --trunk-ring N        ring slots, 1..8 (default 2)
@@ -112,7 +112,7 @@ FLAGS = {
     "--out": ("out", True), "--dump-logits": ("dump_logits", True),
     "--dump-cache-trace": ("dump_cache_trace", True), "--events": ("events", True),
     "--stream-tokens": ("stream_tokens", False), "--spec": ("spec", True),
-    "--tf-check": ("tf_check", False),
+    "--tf-check": ("tf_check", False), "--ultra-low-memory": ("ultra", False),
 }
 MEMORY_FLAGS = ("--preset", "--trunk-gb", "--cache-gb")
 CHAT_ONLY = ("--system", "--history", "--no-think", "--thinking-effort")
@@ -162,6 +162,7 @@ class Options:
     stream_tokens: bool = False
     spec: str = "0"
     tf_check: bool = False
+    ultra: bool = False
 
     @property
     def gen_n(self) -> int:
@@ -225,6 +226,8 @@ def parse_args(argv: list[str]) -> Options:
             i += 2
         else:
             setattr(o, attr, True)
+            if a == "--ultra-low-memory":
+                o.memory.append((a, True))
             i += 1
     validate(o)
     return o
@@ -276,9 +279,13 @@ def validate(o: Options) -> None:
     if o.dump_cache_trace and not os.path.isdir(o.dump_cache_trace):
         raise UsageError(f"--dump-cache-trace {o.dump_cache_trace}: directory does not exist")
     try:
-        resolve_budgets(o.memory)
+        budgets = resolve_budgets(o.memory)
     except BudgetError as e:
         raise UsageError(str(e)) from None
+    if budgets.ultra:
+        raise UsageError("--preset ultra / --ultra-low-memory (embedding rows and lm_head "
+                         "streamed from disk) is not implemented in this build; use --preset "
+                         "laptop or explicit --trunk-gb/--cache-gb")
 
 
 def make_sampler(o: Options):
