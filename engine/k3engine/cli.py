@@ -29,13 +29,17 @@ SUBCOMMANDS = {
     "make-checkpoint": "k3engine.tools.make_checkpoint",
     "pack-trunk": "k3engine.tools.pack_trunk",
     "sim-cache": "k3engine.tools.sim_cache",
+    "doctor": "k3engine.tools.doctor",
+    "devbw": "k3engine.tools.devbw",
+    "budget": "k3engine.tools.budget",
 }
 
 USAGE = """\
 usage: k3 <model_dir> (--ids LIST | --ids-file PATH | --prompt TEXT | --prompt-file PATH)
           [--tok DIR] [--gen N] [--incremental] [--stop-id N]... [memory] [diagnostics]
        k3 <model_dir> --chat --tok DIR [--system TEXT] [--history PATH] [sampling]
-       k3 make-checkpoint | pack-trunk | sim-cache ...   (each has --help)
+       k3 make-checkpoint | pack-trunk | sim-cache | doctor | devbw | budget ...
+                                         (each has --help)
        k3 --help | --version | --list-presets
 """
 

@@ -274,16 +274,19 @@ class TrunkManifest:
 
     def check_against(self, ck: Checkpoint, n_layers: int) -> None:
         """Refuse a trunk packed from another checkpoint or revision (TrunkMismatchError)."""
+        jp = os.path.join(self.trunk_dir, TRUNK_JSON)
         if len(self.layers) < n_layers:
-            raise TrunkError(f"{os.path.join(self.trunk_dir, TRUNK_JSON)}: packed trunk has "
-                             f"{len(self.layers)} layers, need {n_layers}", self.trunk_dir)
+            raise TrunkError(f"{jp}: packed trunk has {len(self.layers)} layers, need "
+                             f"{n_layers}", self.trunk_dir)
+        want: dict[int, dict] = {L: {} for L in range(n_layers)}
+        for n in ck.names():                     # one pass over the index, not one per layer
+            L = _layer_of(n)
+            if L is not None and L < n_layers and _is_trunk_tensor(n, L):
+                i = ck.info(n)
+                want[L][n] = {"dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes}
         for L in range(n_layers):
-            want = {n: {"dtype": ck.info(n).dtype, "shape": list(ck.info(n).shape),
-                        "nbytes": ck.info(n).nbytes}
-                    for n in ck.names() if _layer_of(n) == L and _is_trunk_tensor(n, L)}
-            mism = _first_mismatch(self.layers[L].tensors, want)
+            mism = _first_mismatch(self.layers[L].tensors, want[L])
             if mism:
-                jp = os.path.join(self.trunk_dir, TRUNK_JSON)
                 raise TrunkMismatchError(f"{jp}: trunk does not belong to {ck.model_dir} "
                                          f"(layer {L}: {mism})", jp)
 

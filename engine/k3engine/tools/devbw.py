@@ -83,8 +83,8 @@ def measure(fd: int, offsets: list[int], block: int, qd: int, seconds: float) ->
     deadline = [0.0]
 
     def worker(t: int) -> None:
-        start.wait()
         try:
+            start.wait()
             for off in offsets[t::qd]:
                 if time.monotonic() >= deadline[0]:
                     break
@@ -92,6 +92,8 @@ def measure(fd: int, offsets: list[int], block: int, qd: int, seconds: float) ->
                 if got != block:
                     raise DevbwError(f"short read: {got} of {block} bytes at offset {off}")
                 done[t] += 1
+        except threading.BrokenBarrierError:
+            pass                        # the measurement was abandoned before it began
         except BaseException as e:      # reported by the caller, never lost in a thread
             errors.append(e)
 
@@ -105,6 +107,14 @@ def measure(fd: int, offsets: list[int], block: int, qd: int, seconds: float) ->
         for th in threads:
             th.join()
         elapsed = time.monotonic() - t0
+    except BaseException:
+        # Ctrl-C: let every worker finish its read in flight before the buffers it reads
+        # into are unmapped (an abandoned barrier releases any that had not started).
+        deadline[0] = 0.0
+        start.abort()
+        for th in threads:
+            th.join()
+        raise
     finally:
         for b in bufs:
             b.close()
@@ -217,7 +227,8 @@ def report_lines(r: FileResult) -> list[str]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="k3 devbw", description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="Exit codes: 0 every path measured, 1 a path could not be measured.")
+        epilog="Exit codes: 0 every path measured, 1 a path could not be measured, "
+               "130 interrupted.")
     ap.add_argument("paths", nargs="+", metavar="PATH_OR_DIR",
                     help="a file to read (never written) or a directory for a scratch file")
     ap.add_argument("--size-mb", type=int, default=DEFAULT_SCRATCH_MB,
@@ -246,6 +257,9 @@ def main(argv: list[str]) -> int:
             print(f"k3 devbw: {msg}", file=sys.stderr)
             status = 1
             continue
+        except KeyboardInterrupt:       # the scratch file is already removed
+            print("k3 devbw: interrupted", file=sys.stderr)
+            return 130
         print("\n".join(report_lines(r)), flush=True)
     return status
 
