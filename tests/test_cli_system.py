@@ -222,3 +222,16 @@ def test_chat_repl(demo, tmp_path):
     assert q.returncode == 0
     assert k3(demo, "--chat", "--tok", demo, "--ids", "1").returncode == 2
     assert k3(demo, "--chat", "--tok", demo, "--no-think", "--thinking-effort", "low").returncode == 2
+
+
+def test_first_touch_progress_events(tiny, trunk, tmp_path):
+    ev = tmp_path / "ev.jsonl"
+    p = k3(tiny, "--ids", PROMPT, "--gen", 2, "--incremental", "--trunk", trunk,
+           "--trunk-gb", "1", "--events", ev, "--out", tmp_path / "o.json")
+    assert p.returncode == 0, p.stderr
+    loads = [json.loads(x) for x in ev.read_text().splitlines() if '"ev":"load"' in x]
+    assert loads and all(e["phase"] == "pinned_first_touch" for e in loads)
+    done = [e["done_bytes"] for e in loads]
+    assert done == sorted(done) and done[-1] == loads[-1]["total_bytes"]
+    print(f"[gate] first-touch progress: {len(loads)} events, {done[-1]} of "
+          f"{loads[-1]['total_bytes']} pinned bytes")

@@ -441,9 +441,19 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
         for line in the_plan.trunk_plan.lines():
             print(line)
 
+    tp_plan = the_plan.trunk_plan
+    pinned = set(tp_plan.pinned) if tp_plan is not None else set()
+    pinned_total = sum(setup.manifest.layers[L].nbytes for L in pinned) if pinned else 0
+    first_touch = {"done": 0, "seen": set()}
+
     def on_read(L, nbytes, seconds):
-        events.emit("load", phase="trunk_layer", layer=L, done_bytes=nbytes, total_bytes=nbytes,
-                    seconds=seconds)
+        """Token 0 reads every pinned layer once (SYSTEM §3.7): report it as progress so
+        a slow first token never looks like a hang."""
+        if L in pinned and L not in first_touch["seen"]:
+            first_touch["seen"].add(L)
+            first_touch["done"] += nbytes
+            events.emit("load", phase="pinned_first_touch", layer=L,
+                        done_bytes=first_touch["done"], total_bytes=pinned_total)
     t0 = time.monotonic()
     lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
                     cache_bytes=int(the_plan.expert_cache_bytes))
