@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -57,7 +56,20 @@ LAYOUTS = {
     "preset auto": ["--trunk", "{t}", "--preset", "auto"],
     "2 threads, full recompute": ["--trunk", "{t}", "--trunk-gb", "0.001", "--threads", "2",
                                   "--no-incremental"],
+    "ultra (embedding and lm_head streamed)": ["--trunk", "{t}", "--preset", "ultra"],
+    "ultra, full recompute, one state slot": ["--trunk", "{t}", "--preset", "ultra",
+                                              "--no-incremental"],
 }
+
+
+def test_ultra_refusals(tiny, trunk):
+    p = k3(tiny, "--ids", "1", "--ultra-low-memory")
+    assert p.returncode == 2 and "needs --trunk" in p.stderr
+    p = k3(tiny, "--ids", "1", "--trunk", trunk, "--preset", "auto", "--ultra-low-memory")
+    assert p.returncode == 2 and "--ultra-low-memory" in p.stderr
+    p = k3(tiny, "--ids", "1", "--trunk", trunk, "--preset", "ultra", "--incremental",
+           "--spec", "2")
+    assert p.returncode == 2 and "--spec" in p.stderr
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -198,7 +210,11 @@ def test_second_sigint_kills(demo, tmp_path):
     proc = _spawn(demo, "--ids", long_prompt, "--gen", 4000, "--out", tmp_path / "o.json")
     _wait_for_step(proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    # the handler runs when the main thread is back in Python; only then is the default
+    # action restored, so wait for its message before the second signal
+    for line in proc.stderr:
+        if "Press Ctrl-C again" in line:
+            break
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGINT

@@ -55,7 +55,8 @@ prompt (exactly one outside chat)
   --tok DIR             tiktoken.model + tokenizer_config.json
   --config PATH         config file (default <model_dir>/config.json)
 memory
-  --preset NAME         laptop, desktop, workstation, server, max, auto (ultra: not yet)
+  --preset NAME         ultra, laptop, desktop, workstation, server, max, auto
+  --ultra-low-memory    stream the embedding rows and lm_head too (needs --trunk)
   --trunk DIR           packed trunk (k3 pack-trunk): stream the trunk from it
   --trunk-gb X|auto     trunk budget, pinned layers + ring (default 16)
   --trunk-ring N        ring slots, 1..8 (default 2)
@@ -286,10 +287,8 @@ def validate(o: Options) -> None:
         budgets = resolve_budgets(o.memory)
     except BudgetError as e:
         raise UsageError(str(e)) from None
-    if budgets.ultra:
-        raise UsageError("--preset ultra / --ultra-low-memory (embedding rows and lm_head "
-                         "streamed from disk) is not implemented in this build; use --preset "
-                         "laptop or explicit --trunk-gb/--cache-gb")
+    if budgets.ultra and int(o.spec):
+        raise UsageError("--ultra-low-memory cannot be combined with --spec")
 
 
 def make_sampler(o: Options):
@@ -419,7 +418,7 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
     from .memory import AUTO
     the_plan = plan(setup.figures, preset=AUTO if budgets.auto else budgets.preset,
                     trunk_gb=AUTO if budgets.auto else budgets.trunk_gb,
-                    cache_gb=budgets.cache_gb, trunk_ring=int(o.trunk_ring),
+                    cache_gb=budgets.cache_gb, trunk_ring=int(o.trunk_ring), ultra=budgets.ultra,
                     streamed=bool(o.trunk), incremental=o.incremental or o.chat,
                     positions=positions, available_bytes=probe, layers=nl)
     if the_plan.preset_line():
@@ -456,7 +455,7 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
                         done_bytes=first_touch["done"], total_bytes=pinned_total)
     t0 = time.monotonic()
     lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
-                    cache_bytes=int(the_plan.expert_cache_bytes))
+                    cache_bytes=int(the_plan.expert_cache_bytes), ultra=the_plan.ultra)
     if lm.trunk is not None:
         tp = lm.trunk
         events.emit("trunk_open", n_pinned=len(tp.pinned), pinned_layers=sorted(tp.pinned),
@@ -467,18 +466,35 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
     else:
         print(f"resident trunk: {human(lm.trunk_bytes)} in RAM (large matrices kept in the "
               f"checkpoint's bf16, widened inside the matvec)")
-    print(f"embedding, final norm and lm_head: {human(lm.table_bytes)} in {lm.bind_seconds:.1f} s")
+    if lm.ultra:
+        print(f"final norms: {human(lm.table_bytes)} resident; embedding and lm_head streamed "
+              f"in {lm.bind_seconds:.1f} s")
+    else:
+        print(f"embedding, final norm and lm_head: {human(lm.table_bytes)} in "
+              f"{lm.bind_seconds:.1f} s")
     print(f"peak RSS after loading weights: {human(peak_rss_bytes())}  (the plan above is a "
           f"forecast, this is measured)")
     print(lm.experts.init_line())
     events.emit("cache_open", nslot=lm.experts.nslot, slot_bytes=lm.experts.slot_bytes)
-    print(f"recurrent state for {nl} layers: {human(lm.model.new_state(0).nbytes())}")
+    one_slot = lm.ultra and not o.incremental
+    print(f"recurrent state: one {human(lm.model.new_state(0, True).nbytes())} slot, cleared "
+          f"and reused across {nl} layers" if one_slot else
+          f"recurrent state for {nl} layers: {human(lm.model.new_state(0).nbytes())}")
     return Prepared(cfg, nl, tok, ids, lm)
 
 
 class PlanRefused(Exception):
     def __init__(self, code: int):
         self.code = code
+
+
+def tables_read(lm) -> tuple[int, int, int, float]:
+    """(total, embedding, lm_head) bytes and seconds the streamed model tables read."""
+    st = lm.table_stream
+    if st is None:
+        return 0, 0, 0, 0.0
+    return st.embedding_bytes + st.lm_head_bytes, st.embedding_bytes, st.lm_head_bytes, \
+        st.read_seconds
 
 
 def step_event(lm, s: Step, trunk_before: tuple) -> dict:
@@ -493,7 +509,7 @@ def step_event(lm, s: Step, trunk_before: tuple) -> dict:
                 expert_requests=req, expert_hits=ex.hits, expert_misses=ex.misses,
                 expert_evictions=ex.evictions, expert_prefetch_reads=ex.prefetch_reads,
                 expert_bytes=ex.bytes_read, expert_read_s=ex.load_seconds,
-                model_table_bytes=0,
+                model_table_bytes=tables_read(lm)[0] - trunk_before[2],
                 true_resident_hit=ex.true_hit_rate / 100.0,
                 io_share_step=((t_s + ex.load_seconds) / s.seconds) if s.seconds > 0 else 0.0,
                 resident_experts=lm.experts.policy.resident, pinned_experts=lm.experts.policy.pinned)
@@ -533,7 +549,7 @@ def run(o: Options, events: Events) -> int:
     print(STEP_HEADER)
     print(RULE)
     cancel = Cancel()
-    trunk_before = [(0, 0.0)]
+    trunk_before = [(0, 0.0, 0)]
 
     def on_step(s: Step) -> None:
         ex = lm.experts.step
@@ -549,7 +565,8 @@ def run(o: Options, events: Events) -> int:
         for i in s.ids:
             events.emit("token", id=i, text_delta=stream.push(i) if stream else "")
         tr = lm.trunk
-        trunk_before[0] = (tr.bytes_read, tr.read_seconds) if tr else (0, 0.0)
+        trunk_before[0] = ((tr.bytes_read, tr.read_seconds) if tr else (0, 0.0)) + \
+            (tables_read(lm)[0],)
 
     from .tokenizer import StreamDecoder
     stream = StreamDecoder(tok) if tok else None
@@ -641,8 +658,9 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
                   layers_completed=res.layers_completed, expert_drops=drops, peak_rss_bytes=peak,
                   wall_seconds=res.wall_seconds, seconds_per_token=spt,
                   expert_bytes_read=lm.experts.total.bytes_read,
-                  trunk_bytes_read=tr.bytes_read if tr else 0, embedding_bytes_read=0,
-                  lm_head_bytes_read=0, ultra_low_memory=False, stopped_at=res.stopped_at,
+                  trunk_bytes_read=tr.bytes_read if tr else 0,
+                  embedding_bytes_read=tables_read(lm)[1], lm_head_bytes_read=tables_read(lm)[2],
+                  ultra_low_memory=lm.ultra, stopped_at=res.stopped_at,
                   interrupted=res.interrupted, generated_text=text)
     code = EXIT_OK
     extra = (f',"spec_rounds":{sp.rounds},"spec_drafted":{sp.drafted},'
@@ -657,11 +675,12 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     if o.dump_cache_trace:
         for path in lm.experts.dump_trace(o.dump_cache_trace):
             print(f"wrote {path}")
-    io_s = (tr.read_seconds if tr else 0.0) + lm.experts.total.load_seconds
+    table_s = tables_read(lm)[3]
+    io_s = (tr.read_seconds if tr else 0.0) + lm.experts.total.load_seconds + table_s
     if res.wall_seconds > 0:
         print(f"I/O share of wall clock: {100 * io_s / res.wall_seconds:.1f}%  (trunk "
               f"{tr.read_seconds if tr else 0.0:.1f} s + experts "
-              f"{lm.experts.total.load_seconds:.1f} s + model tables 0.0 s of "
+              f"{lm.experts.total.load_seconds:.1f} s + model tables {table_s:.1f} s of "
               f"{res.wall_seconds:.1f} s)")
         print(f"  both figures are WHOLE-RUN totals over {len(res.steps)} steps")
     if tr is not None:

@@ -92,3 +92,24 @@ def parallel_read(pool: ThreadPoolExecutor | None, fd: int, dest: memoryview, of
         if g < m:
             break
     return total
+
+
+def read_window(fd: int, direct: bool, buf: AlignedBuffer, offset: int, nbytes: int,
+                elem: int = 1) -> memoryview:
+    """Read [offset, offset + nbytes) into `buf` and return the payload (SYSTEM §1.7).
+    O_DIRECT needs offset, length and address on 4096 boundaries, so the read is widened
+    to the enclosing aligned window and the payload starts `pad` bytes in; a payload not
+    aligned to its element size is moved to the buffer start.  Raises OSError on a short
+    read (never a partially filled payload)."""
+    lo = offset - offset % ALIGN if direct else offset
+    hi = align_up(offset + nbytes) if direct else offset + nbytes
+    if hi - lo > buf.nbytes:
+        raise ValueError(f"read of {hi - lo} bytes does not fit a {buf.nbytes}-byte buffer")
+    got = pread_into(fd, buf.view[:hi - lo], lo)
+    pad = offset - lo
+    if got < pad + nbytes:
+        raise OSError(f"short read: got {max(0, got - pad)} of {nbytes} bytes at {offset}")
+    if pad % elem:
+        buf.view[:nbytes] = bytes(buf.view[pad:pad + nbytes])
+        pad = 0
+    return buf.view[pad:pad + nbytes]

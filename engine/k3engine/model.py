@@ -190,8 +190,8 @@ class Model:
         self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
         self.layers_completed = 0
 
-    def new_state(self, capacity: int) -> SequenceState:
-        return SequenceState(self.cfg, capacity, self.n_layers)
+    def new_state(self, capacity: int, shared_recurrent: bool = False) -> SequenceState:
+        return SequenceState(self.cfg, capacity, self.n_layers, shared_recurrent)
 
     def forward(self, ids, state: SequenceState, all_logits: bool = False) -> np.ndarray:
         """Run the new ids through the model, advancing `state`.  Returns the logits of
@@ -202,11 +202,13 @@ class Model:
         n_past = state.reserve(T)
         tables = self.weights.tables
         h = _f32(T, cfg.hidden)
-        K.embed(tables.embed, ids, h)                             # gather and widen
+        tables.embed_into(ids, h)                                 # gather and widen
         n_boundaries = -(-self.n_layers // cfg.attn_res_block)
         stack = AttnResStack(n_boundaries, T, cfg.hidden)
         self.layers_completed = 0
         for L in range(self.n_layers):
+            if state.shared_recurrent and cfg.is_kda(L):
+                state.layers[L].reset()                           # the one shared slot
             lw = self.weights.layer(L)
             try:
                 h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts, cfg)
@@ -216,8 +218,8 @@ class Model:
         state.n_cached = n_past + T
         o = stack.aggregate(h, tables.phi_out, cfg.rms_eps)       # one more before the norm
         rows = o if all_logits else o[T - 1:]
-        logits = mv(tables.lm_head, rmsnorm(np.ascontiguousarray(rows), tables.final_norm,
-                                            cfg.rms_eps))
+        logits = tables.project(rmsnorm(np.ascontiguousarray(rows), tables.final_norm,
+                                        cfg.rms_eps))
         return logits if all_logits else logits[0]
 
 

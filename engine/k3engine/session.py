@@ -24,6 +24,7 @@ from .speculative import SpecCounters, spec_step
 from .state import SequenceState
 from .telemetry import peak_rss_bytes  # noqa: F401  (re-exported for callers)
 from .trunk import StreamedTrunk, TrunkManifest
+from .ultra import StreamedTables
 
 MAX_PROMPT = 32768
 MAX_GEN = 4096
@@ -78,11 +79,19 @@ class LoadedModel:
     trunk_bytes: int
     table_bytes: int
     trunk: StreamedTrunk | None = None
+    ultra: bool = False
 
     def close(self) -> None:
         if self.trunk is not None:
             self.trunk.close()
+        if self.ultra:
+            self.model.weights.tables.close()
         self.ck.close()
+
+    @property
+    def table_stream(self):
+        """The streamed model tables (--ultra-low-memory), or None."""
+        return self.model.weights.tables if self.ultra else None
 
 
 def read_config(model_dir: str, config_path: str | None = None) -> tuple[ModelConfig, str]:
@@ -140,15 +149,18 @@ def _injected_failure() -> Callable[[int, int], bool] | None:
 def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                n_layers: int | None = None, plan: Plan | None = None,
                on_trunk_read: Callable[[int, int, float], None] | None = None,
-               cache_bytes: int | None = None) -> LoadedModel:
+               cache_bytes: int | None = None, ultra: bool = False) -> LoadedModel:
     """Bind the model tables and the trunk (resident, or streamed when the setup has a
     packed trunk and `plan` chose its pinned set and ring).  Routed experts come from a
-    bounded cache of `cache_bytes`, or are read once and kept when it is None."""
+    bounded cache of `cache_bytes`, or are read once and kept when it is None.  `ultra`
+    streams the embedding and lm_head too (needs a packed trunk)."""
     setup = model_dir if isinstance(model_dir, ModelSetup) else \
         open_model(model_dir, cfg, n_layers)
     cfg, ck, binder, nl = setup.cfg, setup.ck, setup.binder, setup.n_layers
     t0 = time.monotonic()
-    tables = binder.tables()
+    if ultra and setup.manifest is None:
+        raise ValueError("--ultra-low-memory needs a packed trunk")
+    tables = StreamedTables(ck, cfg, binder) if ultra else binder.tables()
     trunk = None
     if setup.manifest is not None:
         tp = plan.trunk_plan if plan is not None and plan.trunk_plan is not None else None
@@ -163,9 +175,11 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
     experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl, fail_reads=_injected_failure()) \
         if cache_bytes else ResidentExperts(CheckpointExperts(binder), cfg.n_layers,
                                             cfg.n_experts)
+    table_bytes = deep_nbytes(tables) if not ultra else \
+        tables.final_norm.nbytes + tables.phi_out.nbytes
     return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,
                        setup.index_seconds, time.monotonic() - t0, trunk_bytes,
-                       deep_nbytes(tables), trunk)
+                       table_bytes, trunk, ultra)
 
 
 class Cancel:
@@ -233,7 +247,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
     seq = res.prior_ids + res.prompt_ids
     stops = set(stop_ids)
     if state is None:
-        state = model.new_state(len(seq) + gen + 1)
+        state = model.new_state(len(seq) + gen + 1, shared_recurrent=lm.ultra and not incremental)
     res.state = state
     g = 0
     while len(res.generated_ids) < gen or (incremental and g == 0):

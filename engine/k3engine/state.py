@@ -52,13 +52,18 @@ class SequenceState:
     """State of one sequence over the first `n_layers` layers, with room for `capacity`
     positions in every MLA cache."""
 
-    def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None):
+    def __init__(self, cfg: ModelConfig, capacity: int, n_layers: int | None = None,
+                 shared_recurrent: bool = False):
         self.cfg = cfg
         self.capacity = int(capacity)
         self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
         self.n_cached = 0
+        # Full recompute under --ultra-low-memory keeps ONE recurrent slot for every KDA
+        # layer: a layer's state is dead once it returns, so it is cleared and reused.
+        self.shared_recurrent = shared_recurrent
+        one = KDAState.zeros(cfg) if shared_recurrent else None
         self.layers: list[KDAState | MLAState] = [
-            MLAState.empty(cfg, self.capacity) if cfg.is_mla(L) else KDAState.zeros(cfg)
+            MLAState.empty(cfg, self.capacity) if cfg.is_mla(L) else (one or KDAState.zeros(cfg))
             for L in range(self.n_layers)
         ]
 
@@ -72,6 +77,9 @@ class SequenceState:
     def reserve(self, n_new: int) -> int:
         """Positions n_cached .. n_cached+n_new-1 are about to be written; refuse overflow
         before anything is written, so no token is ever computed from unwritten rows."""
+        if self.shared_recurrent and self.n_cached:
+            raise RuntimeError("a shared recurrent slot cannot carry state between calls "
+                               "(full recompute only)")
         if self.n_cached + n_new > self.capacity:
             raise CacheOverflowError(
                 f"MLA cache overflow: {self.n_cached} cached + {n_new} new positions "
@@ -80,7 +88,7 @@ class SequenceState:
 
     def nbytes(self) -> int:
         total = 0
-        for st in self.layers:
+        for st in {id(st): st for st in self.layers}.values():
             arrays = (st.S, st.conv_q, st.conv_k, st.conv_v) if isinstance(st, KDAState) \
                 else (st.kv, st.rope)
             total += sum(a.nbytes for a in arrays)

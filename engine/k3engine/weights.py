@@ -115,6 +115,14 @@ class ModelTables:
     final_norm: np.ndarray
     phi_out: np.ndarray     # f32(output_attn_res_norm * output_attn_res_proj)
 
+    def embed_into(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Gather and widen the embedding rows of `ids` into out [T, E]."""
+        K.embed(self.embed, ids, out)
+
+    def project(self, x: np.ndarray) -> np.ndarray:
+        """Logits [T, V] of the normalised rows x [T, E]."""
+        return mv(self.lm_head, x)
+
 
 def fold_phi(norm: np.ndarray, proj: np.ndarray) -> np.ndarray:
     """AttnRes folds norm gain and 1xE projection into one float32 vector (§4.8)."""
