@@ -32,13 +32,14 @@ SUBCOMMANDS = {
     "doctor": "k3engine.tools.doctor",
     "devbw": "k3engine.tools.devbw",
     "budget": "k3engine.tools.budget",
+    "download": "k3engine.tools.download",
 }
 
 USAGE = """\
 usage: k3 <model_dir> (--ids LIST | --ids-file PATH | --prompt TEXT | --prompt-file PATH)
           [--tok DIR] [--gen N] [--incremental] [--stop-id N]... [memory] [diagnostics]
        k3 <model_dir> --chat --tok DIR [--system TEXT] [--history PATH] [sampling]
-       k3 make-checkpoint | pack-trunk | sim-cache | doctor | devbw | budget ...
+       k3 make-checkpoint | pack-trunk | download | doctor | devbw | budget | sim-cache ...
                                          (each has --help)
        k3 --help | --version | --list-presets
 """
