@@ -17,19 +17,7 @@ from k3engine.state import KDAState, SequenceState
 from k3engine.statefile import (HASH_INIT, HEADER_SIZE, StateFileError, load_state,
                                 model_fingerprint, peek_state, save_state, state_hash)
 
-# The op fixtures' tiny config (shared/fixtures/peer/ops/MANIFEST.json "config").
-TINY = {
-    "hidden_size": 128, "num_hidden_layers": 13, "vocab_size": 256, "rms_norm_eps": 1e-05,
-    "tie_word_embeddings": False, "kda_num_heads": 4, "kda_head_dim": 16,
-    "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "num_attention_heads": 4,
-    "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 24, "qk_rope_head_dim": 8,
-    "v_head_dim": 16, "mla_use_output_gate": True, "num_experts": 8,
-    "num_experts_per_token": 2, "num_shared_experts": 2, "routed_expert_hidden_size": 64,
-    "moe_intermediate_size": 48, "routed_scaling_factor": 1.0, "moe_renormalize": True,
-    "latent_moe_use_norm": True, "first_k_dense_replace": 1, "intermediate_size": 96,
-    "attn_res_block_size": 3, "situ_beta": 4.0, "situ_linear_beta": 25.0,
-    "full_attn_layers": [4, 8, 12, 13],
-}
+from test_config import TINY  # the op fixtures' tiny flat config (checked there)
 # Same dims, layers rearranged so the first four bound layers are K M K M (§12.4: 4 bound
 # layers, 2 MLA).
 PLAN = dict(TINY, num_hidden_layers=6, full_attn_layers=[2, 4, 6])

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
+from .atomic import fsync_dir
+
 __all__ = [
     "ChatError", "Message", "ChatOptions", "History", "EFFORTS", "effort_text",
     "render_segments", "render_text", "encode_prompt", "parse_reply", "reuse_positions",
@@ -248,22 +250,7 @@ class History:
             except OSError:
                 pass
             raise ChatError(f"{path}: cannot save history: {e.strerror or e}") from None
-        _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable. Best effort: some filesystems refuse a directory
-    # fsync, and the file's own data is already on disk by then.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        fsync_dir(directory)
 
 
 def apply_system(history: History, text: str) -> bool:

@@ -2,8 +2,7 @@
 generated-text escaping, shared by every command that prints or writes them."""
 from __future__ import annotations
 
-import os
-
+from .atomic import write_atomic  # noqa: F401  (report files are written atomically)
 from .memory import human  # noqa: F401  (one formatter for every report line)
 
 STEP_HEADER = f"{'STEP':<6} {'TOKEN':<10} {'SECONDS':<12} {'CACHE HIT':<10} {'READ GB':<10} TOK/S"
@@ -60,16 +59,3 @@ def out_line(values: dict) -> bytes:
             s = str(int(v)).encode()
         parts.append(b'"' + k.encode() + b'":' + s)
     return b"{" + b",".join(parts) + b"}\n"
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Temp file + rename: a crash never leaves half a file under the final name."""
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -33,6 +33,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from . import kernels as K
+from .atomic import fsync_dir
 from .config import ModelConfig
 from .state import KDAState, MLAState, SequenceState
 
@@ -282,21 +283,6 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _fsync_directory(directory: str) -> None:
-    """Make the rename itself durable.  Best effort: the new file is already published
-    and complete, and some filesystems refuse fsync on a directory."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[int],
                fingerprint: Sequence[int] | None = None) -> int:
     """Write `state` and the token sequence to `path` (§6.9, version 2); return the
@@ -350,7 +336,7 @@ def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[i
         if isinstance(e, OSError):
             raise StateFileError(path, f"failed writing {path}: {e.strerror or e}") from e
         raise
-    _fsync_directory(directory)
+    fsync_dir(directory)
     return header.file_bytes
 
 

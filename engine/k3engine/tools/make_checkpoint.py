@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..atomic import write_atomic
 from ..config import ModelConfig, parse_config, to_flat_dict, to_nested_dict
 from ..names import PREFIX, TensorDef, expert_tensors, layer_tensors, model_tensors
 from .st_writer import TensorSpec, write_safetensors
@@ -262,11 +263,7 @@ def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool 
 
 
 def _write_json(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
 def main(argv: list[str]) -> int:
