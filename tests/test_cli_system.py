@@ -251,3 +251,11 @@ def test_first_touch_progress_events(tiny, trunk, tmp_path):
     assert done == sorted(done) and done[-1] == loads[-1]["total_bytes"]
     print(f"[gate] first-touch progress: {len(loads)} events, {done[-1]} of "
           f"{loads[-1]['total_bytes']} pinned bytes")
+
+
+def test_chat_expert_failure_exits_4(demo):
+    p = subprocess.run([sys.executable, "-m", "k3engine", demo, "--chat", "--tok", demo,
+                        "--gen", "3"], input="Hello\n", capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "K3_FAIL_EXPERT": "2,*"})
+    assert p.returncode == 4, p.stderr[-1500:]
+    assert "chat invalid" in p.stderr and "Traceback" not in p.stderr

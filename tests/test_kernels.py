@@ -41,7 +41,7 @@ _tanhf = _libm.tanhf
 _tanhf.restype, _tanhf.argtypes = ctypes.c_float, [ctypes.c_float]
 
 F1 = np.float32(1.0)
-PAR_MIN_WORK = 1 << 15   # the kernels go parallel at this many multiply-adds
+PAR_MIN_WORK = K.par_min_work()   # the kernels go parallel at this many multiply-adds
 
 
 def c_expf(x) -> np.float32:
@@ -568,7 +568,7 @@ def test_simd_and_scalar_row_kernels_bitwise_identical():
 def test_results_independent_of_thread_count():
     """§5.1 (never split one reduction across threads; thread count must not change bits):
     matvec, MXFP4 matvec, kda_recurrence and mla_attention at 1 and 2 threads, on shapes
-    above the parallel threshold (>= 2^15 multiply-adds)."""
+    above the parallel threshold (K.par_min_work() multiply-adds)."""
     r = rng(5)
     W = rand_f32(r, (512, 1029))
     Wb = random_bf16(r, (512, 1029))
@@ -576,11 +576,12 @@ def test_results_independent_of_thread_count():
     P = r.integers(0, 256, (512, 512), dtype=np.uint16).astype(np.uint8)
     S = r.integers(118, 125, (512, 32), dtype=np.uint16).astype(np.uint8)
     X4 = rand_f32(r, (3, 1024))
-    H, D, T = 8, 32, 4
+    H, D, T = 8, 32, 32
     assert H * D * D * T * 4 >= PAR_MIN_WORK
     S0, Q, Kk, V, A, B = random_kda_inputs(r, T, H, D)
-    Hm, dn, dr, dv, Tm, past = 8, 32, 16, 32, 8, 24
+    Hm, dn, dr, dv, Tm, past = 8, 32, 16, 32, 8, 248
     assert Tm * Hm * (past + Tm) * (dn + dv) >= PAR_MIN_WORK
+    assert 3 * 512 * 1024 >= PAR_MIN_WORK
     Qm = rand_f32(r, (Tm, Hm * (dn + dr)), 0.3)
     KV = rand_f32(r, (past + Tm + 3, Hm * (dn + dv)))
     R = rand_f32(r, (past + Tm + 3, dr))

@@ -7,6 +7,7 @@ import time
 
 from .chat import (HELP_LINES, USER_PROMPT, ChatError, ChatOptions, History, Message,
                    apply_system)
+from .experts import ExpertLoadError
 from .telemetry import Events
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_DROP = 0, 1, 2, 4
@@ -124,6 +125,9 @@ def _one_turn(chat, gen: int, events: Events, cancel) -> int:
     except ChatError as e:
         print(f"chat: malformed assistant turn: {e}", file=sys.stderr)
         return EXIT_RUNTIME
+    except ExpertLoadError as e:              # never show a reply computed without an expert
+        print(f"chat invalid: {e}; transcript kept", file=sys.stderr)
+        return EXIT_DROP
     events.emit("chat", phase="turn_end", reused_positions=r.reused, end_id=r.end_id)
     print(f"chat: {r.reused} of {r.prompt_ids} prompt positions already cached, prefill for "
           f"{r.prompt_ids - r.reused}")
