@@ -1,0 +1,107 @@
+"""`k3-studio` / `python -m k3studio`: open K3 Studio.
+
+Options (all optional):
+  --demo               use the built-in demo model (made on the spot if missing) and load it
+  --model DIR          select this checkpoint (with --trunk DIR, --tok DIR)
+  --quit-after N       quit by itself after N seconds (also K3STUDIO_QUIT_AFTER=N), for
+                       headless checks
+  --settings FILE      keep settings in this INI file instead of the per-user store
+  --data-dir DIR       where the demo model is made (default: the per-user data directory)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="k3-studio", description="K3 Studio: run Kimi K3 "
+                                 "exactly on one computer and watch how it does it.")
+    ap.add_argument("--demo", action="store_true",
+                    help="use the built-in demo model (random weights), making it if needed")
+    ap.add_argument("--model", metavar="DIR", help="checkpoint directory to select")
+    ap.add_argument("--trunk", metavar="DIR", default="", help="packed trunk directory")
+    ap.add_argument("--tok", metavar="DIR", default="", help="tokenizer directory")
+    ap.add_argument("--quit-after", metavar="N", type=float,
+                    default=_env_float("K3STUDIO_QUIT_AFTER"),
+                    help="quit after N seconds (env K3STUDIO_QUIT_AFTER)")
+    ap.add_argument("--settings", metavar="FILE", help="settings INI file")
+    ap.add_argument("--data-dir", metavar="DIR", help="per-user data directory override")
+    ap.add_argument("--version", action="store_true", help="print the version and exit")
+    return ap.parse_args(argv)
+
+
+def _env_float(name: str) -> float | None:
+    v = os.environ.get(name, "").strip()
+    try:
+        return float(v) if v else None
+    except ValueError:
+        print(f"k3-studio: ignoring {name}={v!r}: not a number of seconds", file=sys.stderr)
+        return None
+
+
+def make_app(argv: list[str] | None = None):
+    """The QApplication with the app's identity, style sheet, icon and fonts."""
+    from PySide6.QtGui import QFont
+    from PySide6.QtWidgets import QApplication
+
+    from . import APP_NAME, ORG_NAME, __version__, appres
+    app = QApplication.instance() or QApplication(argv or [sys.argv[0]])
+    app.setApplicationName(APP_NAME)
+    app.setOrganizationName(ORG_NAME)
+    app.setApplicationVersion(__version__)
+    app.setDesktopFileName("k3studio")
+    app.setWindowIcon(appres.app_icon())
+    font = QFont(app.font())
+    if font.pointSizeF() < 10:
+        font.setPointSizeF(10)
+        app.setFont(font)
+    app.setStyle("Fusion")
+    app.setStyleSheet(appres.style_sheet())
+    # Python's cyclic GC runs in whichever thread happens to allocate; if it frees a Qt
+    # widget on the engine or a task thread, Qt deadlocks or crashes.  Collect on a GUI
+    # timer instead (pyqtgraph's GarbageCollector disables the automatic collector).
+    if not hasattr(app, "_k3studio_gc"):
+        from pyqtgraph.util.garbage_collector import GarbageCollector
+        app._k3studio_gc = GarbageCollector(interval=1.0)
+    _warn_known_bad_toolkit()
+    return app
+
+
+def _warn_known_bad_toolkit() -> None:
+    """PySide6 6.12.0 drops a reference to True on every Signal.emit(); on Python 3.11,
+    where True is not immortal, the app then dies with "bool_dealloc" after a while."""
+    import PySide6
+    if sys.version_info < (3, 12) and PySide6.__version__.startswith("6.12.0"):
+        print("k3-studio: WARNING: PySide6 6.12.0 on Python < 3.12 crashes after many "
+              "signals (refcount bug); install PySide6-Essentials<6.12", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.version:
+        from . import __version__
+        print(f"k3-studio {__version__}")
+        return 0
+    from PySide6.QtCore import QSettings, QTimer
+
+    app = make_app()
+    from .window import MainWindow
+    store = QSettings(args.settings, QSettings.IniFormat) if args.settings else None
+    win = MainWindow(store=store, data_dir=args.data_dir)
+    if args.model:
+        win.setup.set_paths(os.path.abspath(args.model),
+                            os.path.abspath(args.trunk) if args.trunk else "",
+                            os.path.abspath(args.tok) if args.tok else "")
+    elif args.demo:
+        win.use_demo(autoload=True)
+    win.show()
+    if args.quit_after is not None:
+        QTimer.singleShot(int(args.quit_after * 1000), win.close)
+    code = app.exec()
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

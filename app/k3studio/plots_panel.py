@@ -1,0 +1,344 @@
+"""Telemetry plots (SYSTEM §7.5): what the engine does per token, as it streams.
+
+pyqtgraph's scrolling-plot pattern: every series is a preallocated array that each token
+appends one value to; the curves are created once and only get `setData` with views of
+those arrays (never rebuilt per token).  Batches of records arrive coalesced from the
+worker, so the plots are redrawn once per batch, however fast tokens come.
+
+Plots: RSS (current and peak) against the plan and the available memory; I/O share per
+token split into trunk and experts; the TRUE resident hit rate and retention of the
+expert cache (with the flattering raw hit rate dashed for contrast); seconds per token;
+bytes read per token (trunk + experts).  Plus the trunk map (pinned layers vs the ring)
+and an expert heat view from the cache's request histogram.  PNG and CSV export.
+"""
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QFont
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout,
+                               QWidget)
+
+from k3engine.memory import human
+
+TRUNK_COLOR = "#2f6fe0"       # blue: the trunk, everywhere in the app
+EXPERT_COLOR = "#e08a1b"      # amber: the experts
+RSS_COLOR = "#7b3fb5"
+OK_COLOR = "#2e8b57"
+BAD_COLOR = "#c0392b"
+INITIAL_CAPACITY = 4096       # one reply at the largest --gen; doubles if a session grows
+
+# CSV columns, in order: the per-token record's keys
+CSV_COLUMNS = ("token", "seconds", "rss_bytes", "peak_rss_bytes", "plan_total", "available",
+               "trunk_bytes", "expert_bytes", "trunk_read_s", "expert_read_s",
+               "io_share_step", "io_trunk_share", "io_expert_share", "true_resident_hit",
+               "retention", "raw_hit", "resident_experts", "expert_requests")
+
+
+class Series:
+    """Columns of float64 preallocated once; append one row per token."""
+
+    def __init__(self, columns, capacity: int = INITIAL_CAPACITY):
+        self.columns = tuple(columns)
+        self.n = 0
+        self.data = {c: np.zeros(capacity) for c in self.columns}
+
+    @property
+    def capacity(self) -> int:
+        return len(next(iter(self.data.values())))
+
+    def append(self, row: dict) -> None:
+        if self.n == self.capacity:          # rare: grow once, geometrically
+            for c in self.columns:
+                grown = np.zeros(self.capacity * 2)
+                grown[:self.n] = self.data[c][:self.n]
+                self.data[c] = grown
+        for c in self.columns:
+            self.data[c][self.n] = row.get(c, 0.0) or 0.0
+        self.n += 1
+
+    def view(self, c: str) -> np.ndarray:
+        return self.data[c][:self.n]
+
+    def clear(self) -> None:
+        self.n = 0
+
+
+def _pen(color, width=2, dash=False):
+    p = pg.mkPen(color=color, width=width)
+    if dash:
+        p.setStyle(Qt.DashLine)
+    return p
+
+
+def _brush(color, alpha=70):
+    c = QColor(color)
+    c.setAlpha(alpha)
+    return pg.mkBrush(c)
+
+
+class PlotsPanel(QWidget):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        pg.setConfigOptions(antialias=True, background="w", foreground="#2b3245")
+        self.series = Series(CSV_COLUMNS)
+        self.plan_total = 0
+        self.available = 0
+
+        self.view = pg.GraphicsLayoutWidget()
+        v = self.view
+        f = QFont()
+        f.setPointSize(9)
+
+        def plot(row, col, title, units=None, left=None, colspan=1):
+            p = v.addPlot(row=row, col=col, colspan=colspan, title=title)
+            p.showGrid(x=True, y=True, alpha=0.25)
+            p.setLabel("bottom", "token")
+            if left:
+                p.setLabel("left", left, units=units)
+            p.addLegend(offset=(-8, 8), labelTextSize="8pt")
+            p.setMouseEnabled(x=True, y=False)
+            p.getAxis("left").setTickFont(f)
+            p.getAxis("bottom").setTickFont(f)
+            return p
+
+        # RSS vs plan and available
+        self.p_rss = plot(0, 0, "RSS vs plan", "B", "RSS")
+        self.c_rss = self.p_rss.plot(name="RSS now", pen=_pen(RSS_COLOR))
+        self.c_peak = self.p_rss.plot(name="peak RSS", pen=_pen(RSS_COLOR, 1, dash=True))
+        self.l_plan = pg.InfiniteLine(angle=0, pen=_pen(OK_COLOR, 1.5, dash=True), movable=False,
+                                      label="plan", labelOpts={"position": 0.05,
+                                                               "color": OK_COLOR})
+        self.l_avail = pg.InfiniteLine(angle=0, pen=_pen(BAD_COLOR, 1.5, dash=True),
+                                       movable=False, label="available",
+                                       labelOpts={"position": 0.05, "color": BAD_COLOR})
+        for line in (self.l_plan, self.l_avail):
+            line.setVisible(False)
+            self.p_rss.addItem(line, ignoreBounds=True)
+
+        # seconds per token
+        self.p_spt = plot(0, 1, "Seconds per token", "s", "time")
+        self.c_spt = self.p_spt.plot(name="s/token", pen=_pen("#2b3245"), symbol="o",
+                                     symbolSize=3, symbolBrush="#2b3245")
+
+        # I/O share, trunk/expert split (stacked: trunk below, experts on top)
+        self.p_io = plot(1, 0, "I/O share per token", None, "%")
+        self.c_io_total = self.p_io.plot(name="experts", pen=_pen(EXPERT_COLOR),
+                                         fillLevel=0, brush=_brush(EXPERT_COLOR))
+        self.c_io_trunk = self.p_io.plot(name="trunk", pen=_pen(TRUNK_COLOR),
+                                         fillLevel=0, brush=_brush(TRUNK_COLOR, 110))
+
+        # bytes read per token, split
+        self.p_gb = plot(1, 1, "Read per token", "B", "read")
+        self.c_gb_total = self.p_gb.plot(name="experts", pen=_pen(EXPERT_COLOR), fillLevel=0,
+                                         brush=_brush(EXPERT_COLOR))
+        self.c_gb_trunk = self.p_gb.plot(name="trunk", pen=_pen(TRUNK_COLOR), fillLevel=0,
+                                         brush=_brush(TRUNK_COLOR, 110))
+
+        # the expert cache: TRUE resident hit rate and retention
+        self.p_hit = plot(2, 0, "Expert cache", None, "%")
+        self.p_hit.setYRange(0, 100)
+        self.c_true = self.p_hit.plot(name="TRUE resident hit", pen=_pen(OK_COLOR, 2.5))
+        self.c_ret = self.p_hit.plot(name="retention", pen=_pen("#2b3245"))
+        self.c_raw = self.p_hit.plot(name="raw hit (flattering)", pen=_pen("#9aa2b5", 1,
+                                                                           dash=True))
+
+        # expert heat: requests per (layer, expert)
+        self.p_heat = v.addPlot(row=2, col=1, title="Expert heat")
+        self.p_heat.setLabel("bottom", "expert")
+        self.p_heat.setLabel("left", "layer")
+        self.p_heat.invertY(True)
+        self.heat_img = pg.ImageItem(axisOrder="row-major")
+        self.heat_img.setColorMap(pg.colormap.get("viridis"))
+        self.p_heat.addItem(self.heat_img)
+        self.heat = None
+
+        # trunk map: pinned vs ring, one cell per layer
+        self.p_map = v.addPlot(row=3, col=0, colspan=2, title="Trunk map")
+        self.p_map.hideAxis("left")
+        self.p_map.setLabel("bottom", "layer")
+        self.p_map.setMouseEnabled(x=False, y=False)
+        self.p_map.setMaximumHeight(120)
+        self.map_bars = pg.BarGraphItem(x=[], height=[], width=0.9, brushes=[])
+        self.p_map.addItem(self.map_bars)
+        self.map_info: dict | None = None
+        v.ci.layout.setRowStretchFactor(0, 3)
+        v.ci.layout.setRowStretchFactor(1, 3)
+        v.ci.layout.setRowStretchFactor(2, 3)
+        v.ci.layout.setRowStretchFactor(3, 1)
+
+        self.curves = {
+            "rss": self.c_rss, "peak": self.c_peak, "spt": self.c_spt,
+            "io_total": self.c_io_total, "io_trunk": self.c_io_trunk,
+            "gb_total": self.c_gb_total, "gb_trunk": self.c_gb_trunk,
+            "true_hit": self.c_true, "retention": self.c_ret, "raw_hit": self.c_raw,
+        }
+
+        # -- toolbar ------------------------------------------------------------------
+        self.summary = QLabel("Plots fill as tokens are generated.")
+        self.summary.setObjectName("hint")
+        self.summary.setWordWrap(True)
+        self.details = QLabel()
+        self.details.setObjectName("hint")
+        self.details.setWordWrap(True)
+        self.map_label = self.heat_label = ""
+        self.png_btn = QPushButton("Export PNG…")
+        self.csv_btn = QPushButton("Export CSV…")
+        self.clear_btn = QPushButton("Clear")
+        self.png_btn.clicked.connect(self._png_dialog)
+        self.csv_btn.clicked.connect(self._csv_dialog)
+        self.clear_btn.clicked.connect(self.clear)
+        top = QHBoxLayout()
+        top.addWidget(QLabel("<b>Telemetry</b> (one point per generated token)"), 1)
+        for b in (self.clear_btn, self.png_btn, self.csv_btn):
+            top.addWidget(b)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addLayout(top)
+        lay.addWidget(self.summary)
+        lay.addWidget(self.view, 1)
+        lay.addWidget(self.details)
+
+    # -- inputs -------------------------------------------------------------------------
+    def set_model(self, info: dict | None) -> None:
+        """The loaded model's shape: trunk map and plan/available lines."""
+        self.map_info = info
+        if info is None:
+            self.map_bars.setOpts(x=[], height=[], brushes=[])
+            self.map_label = ""
+            self._details()
+            return
+        n = info["n_layers"]
+        pinned = set(info["pinned_layers"])
+        brushes = [pg.mkBrush(TRUNK_COLOR) if L in pinned else pg.mkBrush("#c9cfdd")
+                   for L in range(n)]
+        self.map_bars.setOpts(x=np.arange(n), height=np.ones(n), width=0.9, brushes=brushes)
+        self.p_map.setXRange(-0.6, n - 0.4, padding=0)
+        self.p_map.setYRange(0, 1.05, padding=0)
+        kinds = info.get("layer_kinds") or []
+        mla = [str(L) for L, k in enumerate(kinds) if k == "MLA"]
+        if info["streamed"]:
+            text = (f"trunk map: {len(pinned)}/{n} layers pinned (blue), {n - len(pinned)} "
+                    f"streamed through a ring of {info['ring_slots']} x "
+                    f"{human(info['slot_bytes'])} (grey)")
+            self.p_map.setTitle(f"Trunk map: {len(pinned)}/{n} pinned, ring {info['ring_slots']}")
+        else:
+            text = f"trunk map: resident, all {n} layers in RAM"
+            self.p_map.setTitle("Trunk map: resident")
+        if mla:
+            text += f"; MLA layers {', '.join(mla)}"
+        self.map_label = text
+        self._details()
+        self.set_plan(info["plan_total"], info["available"])
+
+    def _details(self) -> None:
+        bits = [b for b in (self.map_label, self.heat_label) if b]
+        self.details.setText(" · ".join(bits))
+
+    def set_plan(self, total: int, available: int) -> None:
+        self.plan_total, self.available = int(total), int(available)
+        self.l_plan.setPos(self.plan_total)
+        self.l_plan.label.setFormat(f"plan {human(self.plan_total)}")
+        self.l_plan.setVisible(self.plan_total > 0)
+        self.l_avail.setPos(self.available)
+        self.l_avail.label.setFormat(f"available {human(self.available)}")
+        self.l_avail.setVisible(self.available > 0)
+        self._title_rss()
+
+    def _title_rss(self) -> None:
+        # the available line is usually far off a small model's scale: say it in the title
+        self.p_rss.setTitle(f"RSS vs plan (available {human(self.available)})"
+                            if self.available else "RSS vs plan")
+
+    def on_records(self, records: list) -> None:
+        """One row per generated token; one redraw per batch."""
+        s = self.series
+        for r in records:
+            row = dict(r)
+            row["token"] = s.n + 1
+            s.append(row)
+        self._redraw()
+
+    def set_heat(self, grid: np.ndarray) -> None:
+        self.heat = grid
+        self.heat_img.setImage(grid, autoLevels=True)
+        self.heat_img.setRect(-0.5, -0.5, grid.shape[1], grid.shape[0])
+        self.heat_label = (f"expert heat: {int(grid.sum())} requests over "
+                           f"{int((grid > 0).sum())} of {grid.size} (layer, expert) pairs")
+        self._details()
+
+    def clear(self) -> None:
+        self.series.clear()
+        self._redraw()
+
+    # -- drawing --------------------------------------------------------------------
+    def _redraw(self) -> None:
+        s = self.series
+        x = s.view("token")
+        rss, peak = s.view("rss_bytes"), s.view("peak_rss_bytes")
+        self.c_rss.setData(x, rss)
+        self.c_peak.setData(x, peak)
+        self.c_spt.setData(x, s.view("seconds"))
+        io_t = s.view("io_trunk_share") * 100
+        io_all = io_t + s.view("io_expert_share") * 100
+        self.c_io_total.setData(x, io_all)
+        self.c_io_trunk.setData(x, io_t)
+        gb_t = s.view("trunk_bytes")
+        self.c_gb_total.setData(x, gb_t + s.view("expert_bytes"))
+        self.c_gb_trunk.setData(x, gb_t)
+        self.c_true.setData(x, s.view("true_resident_hit") * 100)
+        self.c_ret.setData(x, s.view("retention") * 100)
+        self.c_raw.setData(x, s.view("raw_hit") * 100)
+        if s.n:
+            top = max(float(peak.max()), float(self.plan_total))
+            # the available line is far above a small model's RSS: keep it out of the scale
+            # unless it is close enough to matter
+            if self.available and self.available < 3 * top:
+                top = max(top, float(self.available))
+            self.p_rss.setYRange(0, top * 1.08, padding=0)
+            sec = s.view("seconds")
+            self.summary.setText(
+                f"{s.n} tokens · last {sec[-1]:.3f} s/token · mean {sec.mean():.3f} s · "
+                f"I/O share {io_all[-1]:.0f}% (trunk {io_t[-1]:.0f}%) · TRUE resident hit "
+                f"{100 * s.view('true_resident_hit')[-1]:.1f}% · retention "
+                f"{100 * s.view('retention')[-1]:.1f}% · read "
+                f"{human(gb_t[-1] + s.view('expert_bytes')[-1])}/token · peak RSS "
+                f"{human(peak[-1])}")
+        else:
+            self.summary.setText("Plots fill as tokens are generated.")
+
+    def point_counts(self) -> dict[str, int]:
+        """How many points each curve holds (tests: one per generated token)."""
+        out = {}
+        for name, c in self.curves.items():
+            xs, _ = c.getData()
+            out[name] = 0 if xs is None else len(xs)
+        return out
+
+    # -- export ---------------------------------------------------------------------
+    def export_png(self, path: str) -> bool:
+        return self.view.grab().save(path, "PNG")
+
+    def export_csv(self, path: str) -> None:
+        s = self.series
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(CSV_COLUMNS)
+            for i in range(s.n):
+                w.writerow([int(s.data["token"][i])] + [f"{s.data[c][i]:.9g}"
+                                                          for c in CSV_COLUMNS[1:]])
+
+    def _png_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export plots", "k3-telemetry.png",
+                                              "PNG image (*.png)")
+        if path:
+            self.export_png(path)
+
+    def _csv_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export telemetry", "k3-telemetry.csv",
+                                              "CSV (*.csv)")
+        if path:
+            self.export_csv(path)

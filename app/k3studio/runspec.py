@@ -1,0 +1,117 @@
+"""What one run asks of the engine, in one place: the memory plan it will be admitted
+under and the `k3` command line that does the same thing.
+
+The memory panel calls `make_plan` on every slider move and the worker calls it again
+just before loading, with the same inputs, so the plan a person sees is the plan the run
+gets.  `command_line` is shown for every run so a result in the app can be reproduced
+(and compared) with the CLI.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+from k3engine.memory import AUTO, PRESETS, Plan, plan
+
+CUSTOM = "custom"
+# The app renders this label on the plan's baseline line (SYSTEM §5.8).
+BASELINE_LABEL = "app baseline"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model_dir: str
+    trunk_dir: str = ""
+    tok_dir: str = ""
+    preset: str = "laptop"            # a PRESETS name, "auto" or "custom"
+    trunk_gb: float = 3.0
+    cache_gb: float = 1.0
+    trunk_ring: int = 2
+    threads: int = 0                  # 0 = engine default
+    gen: int = 256
+    thinking: bool = True
+    effort: str = "low"
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 0
+    seed: int = 0
+    system_prompt: str = ""
+    history_path: str = ""
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tok_dir or self.model_dir
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.trunk_dir)
+
+    @property
+    def positions(self) -> int:
+        """What the CLI's chat plans for: no batch prompt, so gen + 1 (cli.prepare)."""
+        return self.gen + 1
+
+    def budget_kwargs(self) -> dict:
+        """preset / trunk_gb / cache_gb for memory.plan, as the CLI resolves its flags."""
+        if self.preset == AUTO:
+            return {"preset": AUTO}
+        if self.preset in PRESETS:
+            return {"preset": self.preset}
+        return {"trunk_gb": float(self.trunk_gb), "cache_gb": float(self.cache_gb)}
+
+
+def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,
+              total_memory: int = 0) -> Plan:
+    """The whole-run plan for a chat run (incremental, like `k3 --chat`)."""
+    return plan(figures, trunk_ring=int(spec.trunk_ring), streamed=spec.streamed,
+                incremental=True, positions=spec.positions, available_bytes=available,
+                total_memory=total_memory, baseline_bytes=int(baseline_bytes),
+                baseline_label=BASELINE_LABEL, **spec.budget_kwargs())
+
+
+def _fmt_gb(x: float) -> str:
+    return f"{x:.3f}".rstrip("0").rstrip(".") if x != int(x) else str(int(x))
+
+
+def command_line(spec: RunSpec) -> str:
+    """The `k3` invocation equivalent to this run (chat mode)."""
+    argv = ["k3", spec.model_dir, "--chat", "--tok", spec.tokenizer_dir]
+    if spec.trunk_dir:
+        argv += ["--trunk", spec.trunk_dir]
+    if spec.preset in PRESETS or spec.preset == AUTO:
+        argv += ["--preset", spec.preset]
+    else:
+        argv += ["--trunk-gb", _fmt_gb(spec.trunk_gb), "--cache-gb", _fmt_gb(spec.cache_gb)]
+    if spec.trunk_ring != 2:
+        argv += ["--trunk-ring", str(spec.trunk_ring)]
+    if spec.threads:
+        argv += ["--threads", str(spec.threads)]
+    argv += ["--gen", str(spec.gen)]
+    if not spec.thinking:
+        argv.append("--no-think")
+    elif spec.effort != "max":
+        argv += ["--thinking-effort", spec.effort]
+    if not spec.greedy:
+        argv += ["--temperature", f"{spec.temperature:g}", "--top-p", f"{spec.top_p:g}"]
+        if spec.top_k:
+            argv += ["--top-k", str(spec.top_k)]
+        if spec.seed:
+            argv += ["--seed", str(spec.seed)]
+    if spec.system_prompt:
+        argv += ["--system", spec.system_prompt]
+    if spec.history_path:
+        argv += ["--history", spec.history_path]
+    return shlex.join(argv)
+
+
+def from_settings(s, history_path: str = "") -> RunSpec:
+    return RunSpec(model_dir=os.path.expanduser(s.model_dir),
+                   trunk_dir=os.path.expanduser(s.trunk_dir),
+                   tok_dir=os.path.expanduser(s.tok_dir), preset=s.preset,
+                   trunk_gb=s.trunk_gb, cache_gb=s.cache_gb, trunk_ring=s.trunk_ring,
+                   threads=s.threads, gen=s.gen, thinking=s.thinking, effort=s.effort,
+                   greedy=s.greedy, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                   seed=s.seed, system_prompt=s.system_prompt,
+                   history_path=history_path or s.conversation_path)

@@ -1,0 +1,271 @@
+"""The main window: a thin composition of the panels around one EngineHost.
+
+The window owns the settings object and the wiring; each panel owns its widgets.  The
+current `RunSpec` is always built from the settings, so what the memory panel plans, what
+the worker loads and the `k3` command line shown are the same run.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton,
+                               QSplitter, QTabWidget, QVBoxLayout, QWidget)
+
+from k3engine.memory import human
+from k3engine.telemetry import rss_bytes
+
+from . import APP_NAME, demo
+from . import settings as settings_mod
+from .chat_panel import ChatPanel
+from .memory_panel import MemoryPanel
+from .plots_panel import PlotsPanel
+from .runspec import RunSpec, command_line, from_settings
+from .setup_panel import SetupPanel
+from .worker import EngineHost
+
+TAB_SETUP, TAB_MEMORY, TAB_CHAT = 0, 1, 2
+MEMORY_FIELDS = ("model_dir", "trunk_dir", "tok_dir", "preset", "trunk_gb", "cache_gb",
+                 "trunk_ring", "threads")
+
+
+class ErrorBanner(QFrame):
+    """Engine errors, non-modal: the message is the CLI's, with its exit code's meaning."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("bubble_system")
+        self.setStyleSheet("QFrame#bubble_system { background: #fdecea; border: 1px solid "
+                           "#e6a19a; }")
+        self.text = QLabel()
+        self.text.setWordWrap(True)
+        self.text.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        close = QPushButton("Dismiss")
+        close.clicked.connect(self.hide)
+        lay = QHBoxLayout(self)
+        lay.addWidget(self.text, 1)
+        lay.addWidget(close, 0, Qt.AlignTop)
+        self.hide()
+
+    def show_error(self, info: dict) -> None:
+        meaning = f" ({info['meaning']})" if info.get("meaning") else ""
+        during = info.get("during", "")
+        from html import escape
+        self.text.setText(f"<b>{escape(info['kind'])} during {escape(during)}; k3 would exit "
+                          f"{info['code']}{escape(meaning)}</b><br><pre style='white-space:"
+                          f"pre-wrap'>{escape(info['message'])}</pre>")
+        self.show()
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, store=None, data_dir: str | None = None, parent=None):
+        super().__init__(parent)
+        self.store = store if store is not None else settings_mod.default_store()
+        self.settings = settings_mod.load(self.store)
+        self.data_dir = data_dir or demo.data_dir()
+        self.last_error: dict | None = None
+        self.loaded_spec: RunSpec | None = None
+        self._autoload = False
+        self.setWindowTitle(APP_NAME)
+        self.resize(1400, 900)
+
+        self.host = EngineHost(self)
+        self.setup = SetupPanel(self.data_dir)
+        self.memory = MemoryPanel(self.spec)
+        self.chat = ChatPanel(self.host, self.spec)
+        self.plots = PlotsPanel()
+
+        self.splitter = QSplitter(Qt.Horizontal)
+        self.splitter.addWidget(self.chat)
+        self.splitter.addWidget(self.plots)
+        self.splitter.setStretchFactor(0, 2)
+        self.splitter.setStretchFactor(1, 3)
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.setup, "Setup")
+        self.tabs.addTab(self.memory, "Memory")
+        self.tabs.addTab(self.splitter, "Chat && telemetry")
+        self.errors = ErrorBanner()
+        central = QWidget()
+        lay = QVBoxLayout(central)
+        lay.setContentsMargins(8, 8, 8, 4)
+        lay.addWidget(self.errors)
+        lay.addWidget(self.tabs, 1)
+        self.setCentralWidget(central)
+
+        self.rss_label = QLabel()
+        self.rss_label.setToolTip("This process's resident set now (from the OS)")
+        self.demo_label = QLabel(demo.DEMO_LABEL)
+        self.demo_label.setObjectName("demo_badge")
+        self.demo_label.setVisible(False)
+        self.statusBar().addPermanentWidget(self.demo_label)
+        self.statusBar().addPermanentWidget(self.rss_label)
+        self._rss_timer = QTimer(self)
+        self._rss_timer.timeout.connect(self._show_rss)
+        self._rss_timer.start(1000)
+
+        # the process's own baseline (interpreter, NumPy, Qt) counts in the plan (§5.8)
+        self.baseline_bytes = rss_bytes()
+
+        # panels -> settings
+        self.setup.load_from(self.settings)
+        self.memory.load_from(self.settings)
+        self.chat.load_from(self.settings)
+        self.memory.set_baseline(self.baseline_bytes)
+        self.setup.changed.connect(self._collect)
+        self.memory.changed.connect(self._collect)
+        self.chat.changed.connect(self._collect)
+        self.setup.inspected.connect(self._inspected)
+        self.setup.loadRequested.connect(self.load_model)
+        self.setup.unloadRequested.connect(self.host.unload)
+        self.setup.demoReady.connect(self._demo_ready)
+
+        # engine -> panels
+        h = self.host
+        h.status.connect(lambda s: self.statusBar().showMessage(s, 10000))
+        h.busyChanged.connect(self._busy)
+        h.planned.connect(self._planned)
+        h.loaded.connect(self._loaded)
+        h.unloaded.connect(self._unloaded)
+        h.records.connect(self.plots.on_records)
+        h.heat.connect(self.plots.set_heat)
+        h.turnFinished.connect(self._turn_finished)
+        h.errored.connect(self._errored)
+
+        self._restore_window()
+        if not self.settings.model_dir:
+            self.tabs.setCurrentIndex(TAB_SETUP)
+        self._show_rss()
+        self.chat.show_command()
+        h.new_conversation(self.settings.system_prompt)
+
+    # -- the current run ---------------------------------------------------------------
+    def spec(self) -> RunSpec:
+        return from_settings(self.settings)
+
+    def _collect(self) -> None:
+        """Panel values -> the settings object (persisted on close and on load)."""
+        s = self.settings
+        for k, v in {**self.setup.values(), **self.memory.values(),
+                     **self.chat.values()}.items():
+            setattr(s, k, v)
+        self.memory.refresh()
+        self.chat.show_command()
+        self._stale_note()
+
+    def save_settings(self) -> None:
+        self._collect()
+        s = self.settings
+        s.geometry = bytes(self.saveGeometry().data())
+        s.splitter = bytes(self.splitter.saveState().data())
+        s.tab = self.tabs.currentIndex()
+        settings_mod.save(self.store, s)
+
+    def _restore_window(self) -> None:
+        s = self.settings
+        if s.geometry:
+            self.restoreGeometry(s.geometry)
+        if not (s.splitter and self.splitter.restoreState(s.splitter)):
+            self.splitter.setSizes([560, 840])       # the plots get the larger share
+        self.tabs.setCurrentIndex(min(max(s.tab, 0), self.tabs.count() - 1))
+
+    # -- model lifecycle -------------------------------------------------------------
+    def load_model(self) -> None:
+        self._collect()
+        settings_mod.save(self.store, self.settings)
+        spec = self.spec()
+        self.errors.hide()
+        self.setup.set_engine_state(self.host.model_loaded, True, "Loading…")
+        self.host.load(spec, self.memory.available_override, self.baseline_bytes)
+        self._pending_spec = spec
+
+    def _planned(self, ev: dict) -> None:
+        self.plots.set_plan(ev["total_bytes"], ev["available"])
+
+    def _loaded(self, info: dict) -> None:
+        self.loaded_spec = getattr(self, "_pending_spec", self.spec())
+        name = os.path.basename(os.path.normpath(info["model_dir"]))
+        how = (f"trunk streamed, {len(info['pinned_layers'])}/{info['n_layers']} layers pinned, "
+               f"ring {info['ring_slots']}" if info["streamed"] else "trunk resident")
+        text = (f"Loaded {name} in {info['seconds']:.1f} s: {how}; {info['cache_line']}. "
+                f"Peak RSS after loading {human(info['peak_rss_after_load'])} (plan "
+                f"{human(info['plan_total'])}).")
+        self.setup.set_engine_state(True, self.host.busy, text)
+        is_demo = demo.is_demo(info["model_dir"])
+        self.demo_label.setVisible(is_demo)
+        self.chat.set_model(f"<b>{name}</b> · {how}" + (" · <b>DEMO: random weights</b>"
+                                                         if is_demo else ""), True)
+        self.plots.set_model(info)
+        self.memory.show_measured(info["plan_total"], info["peak_rss_after_load"])
+        self.tabs.setCurrentIndex(TAB_CHAT)
+
+    def _unloaded(self) -> None:
+        self.loaded_spec = None
+        self.setup.set_engine_state(False, self.host.busy, "No model loaded.")
+        self.chat.set_model("No model loaded: load one in Setup.", False)
+        self.plots.set_model(None)
+
+    def _busy(self, busy: bool) -> None:
+        self.setup.set_engine_state(self.host.model_loaded, busy)
+
+    def _turn_finished(self, info: dict) -> None:
+        if info.get("failed"):
+            return
+        self.memory.show_measured(info["plan_total"], info["peak_rss_bytes"])
+
+    def _errored(self, info: dict) -> None:
+        self.last_error = info
+        self.errors.show_error(info)
+        self.statusBar().showMessage(info["message"].splitlines()[0], 15000)
+        self.setup.set_engine_state(self.host.model_loaded, self.host.busy,
+                                    None if self.host.model_loaded else
+                                    f"Not loaded: {info['message'].splitlines()[0]}")
+
+    def _stale_note(self) -> None:
+        """Memory and model settings apply at load: say so when they changed since."""
+        if self.loaded_spec is None:
+            return
+        cur = self.spec()
+        stale = any(getattr(cur, k) != getattr(self.loaded_spec, k) for k in MEMORY_FIELDS)
+        if stale:
+            self.statusBar().showMessage("Memory or model settings changed: Reload the model "
+                                         "(Setup) to apply them.", 10000)
+
+    # -- setup -> memory ------------------------------------------------------------
+    def _inspected(self, insp) -> None:
+        self.memory.set_figures(insp.figures if insp.model.ok else None)
+        if not self.host.model_loaded:
+            self.chat.set_model("No model loaded: load one in Setup." if insp.runnable else
+                                "Choose a model in Setup.", False)
+        if self._autoload and insp.runnable:
+            self._autoload = False
+            self.load_model()
+
+    def use_demo(self, autoload: bool = True) -> None:
+        """`--demo`: make the demo model if needed, select it, optionally load it."""
+        self._autoload = autoload
+        if demo.demo_ready(self.data_dir):
+            model, trunk = demo.demo_paths(self.data_dir)
+            self.setup.set_paths(model, trunk, "")
+        else:
+            self.tabs.setCurrentIndex(TAB_SETUP)
+            self.setup.create_demo()
+
+    def _demo_ready(self, model: str, trunk: str) -> None:
+        self.settings.demo_offered = True
+        self._collect()
+
+    # -- misc ------------------------------------------------------------------------
+    def _show_rss(self) -> None:
+        self.rss_label.setText(f"RSS {human(rss_bytes())}")
+
+    def command_line(self) -> str:
+        return command_line(self.spec())
+
+    def closeEvent(self, event) -> None:
+        self.save_settings()
+        self.host.shutdown()
+        super().closeEvent(event)
+
+    def settings_dict(self) -> dict:
+        return asdict(self.settings)

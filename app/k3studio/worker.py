@@ -1,0 +1,736 @@
+"""The engine on ONE QThread (SYSTEM §12.1; GPT4All's model-on-its-worker).
+
+`EngineWorker` lives on the engine thread and owns everything of the engine: the loaded
+model, the tokenizer, the conversation (`History`) and the `ChatSession` that reuses state
+between turns.  Widgets never touch these; they send requests through `EngineHost` (which
+lives on the GUI thread) and observe plain-value signals.
+
+Telemetry is coalesced, never queued without bound: per-token records go into a mailbox and
+the GUI is notified only when the mailbox goes from empty to non-empty; it drains everything
+in one go.  A slow GUI therefore gets fewer, larger batches, while the engine never waits on
+it.  Progress and the expert heat map are "latest value wins" mailboxes.
+
+Stop is the engine's `Cancel` flag, set directly from the GUI thread and honoured after the
+token in flight (a safe point).  Errors become an `errored` signal carrying the exit code,
+the error class and the same message text the CLI prints; the worker then returns to its
+idle state, so the app stays usable.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import replace
+
+import numpy as np
+from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
+
+from .runspec import RunSpec, command_line, make_plan
+
+EXIT_RUNTIME, EXIT_USAGE, EXIT_DROP = 1, 2, 4
+HEAT_EVERY = 8                # tokens between expert heat-map refreshes
+MAX_POSITIONS = 36864         # SYSTEM §6.3 (prompt 32768 + gen 4096)
+
+EXIT_MEANING = {0: "success", 1: "runtime failure", 2: "usage or configuration",
+                3: "results not written", 4: "routed expert failed to load",
+                5: "interrupted"}
+
+
+# --------------------------------------------------------------------------- mailboxes
+
+class Mailbox:
+    """Thread-safe hand-off from the engine thread to the GUI.  `put` returns True when
+    the consumer should be woken (the box was empty); `take` drains it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: list = []
+
+    def put(self, item) -> bool:
+        with self._lock:
+            self._items.append(item)
+            return len(self._items) == 1
+
+    def take(self) -> list:
+        with self._lock:
+            items, self._items = self._items, []
+            return items
+
+
+class Latest:
+    """Holds only the newest value: stale progress and heat maps are dropped."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._value = None
+        self._fresh = False
+
+    def put(self, value) -> bool:
+        with self._lock:
+            wake = not self._fresh
+            self._value, self._fresh = value, True
+            return wake
+
+    def take(self):
+        with self._lock:
+            v, self._fresh = self._value, False
+            self._value = None
+            return v
+
+
+# --------------------------------------------------------------------------- errors
+
+def describe_error(e: BaseException) -> dict:
+    """(code, kind, message) exactly as `k3` reports the same failure (cli.main and
+    chat_repl).  Unknown exceptions are reported as runtime failures with their class."""
+    from k3engine.chat import ChatError
+    from k3engine.checkpoint import CheckpointError
+    from k3engine.config import ConfigError
+    from k3engine.experts import ExpertCacheError, ExpertLoadError
+    from k3engine.memory import BudgetError
+    from k3engine.sampler import SamplerError
+    from k3engine.tokenizer import TokenizerError
+    kind = type(e).__name__
+    if isinstance(e, PlanRefusedError):
+        return dict(code=e.code, kind="PlanRefused", message=str(e))
+    if isinstance(e, ConfigError):
+        return dict(code=EXIT_USAGE, kind=kind, message=f"k3: {e}\nABORTED: the model config "
+                                                         f"could not be read with confidence.")
+    if isinstance(e, BudgetError):
+        return dict(code=e.exit_code, kind=kind, message=f"k3: {e}")
+    if isinstance(e, ExpertLoadError):
+        return dict(code=EXIT_DROP, kind=kind,
+                    message=f"RUN INVALID: {e}; the affected token was not emitted")
+    if isinstance(e, (CheckpointError, TokenizerError, ExpertCacheError)):
+        return dict(code=EXIT_RUNTIME, kind=kind, message=f"k3: {e}")
+    if isinstance(e, ChatRefusal):
+        return dict(code=e.code, kind="ChatError", message=f"chat: {e}")
+    if isinstance(e, ChatError):
+        return dict(code=EXIT_RUNTIME, kind=kind, message=f"chat: {e}")
+    if isinstance(e, SamplerError):
+        return dict(code=EXIT_USAGE, kind=kind, message=f"k3: {e}")
+    return dict(code=EXIT_RUNTIME, kind=kind, message=f"k3: internal error: {kind}: {e}")
+
+
+class PlanRefusedError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class ChatRefusal(Exception):
+    """A chat refusal with the exit code the CLI would use."""
+
+    def __init__(self, message: str, code: int = EXIT_RUNTIME):
+        super().__init__(message)
+        self.code = code
+
+
+def messages_of(history) -> list[dict]:
+    return [{"role": m.role, "content": m.content, "reasoning": m.reasoning_content}
+            for m in history]
+
+
+# --------------------------------------------------------------------------- the worker
+
+class EngineWorker(QObject):
+    """Runs on the engine thread.  Every slot catches its own errors."""
+
+    busyChanged = Signal(bool)
+    status = Signal(str)
+    planned = Signal(object)          # the plan event (memory.Plan.as_event()) of a load
+    loaded = Signal(object)           # dict: what was loaded and how (trunk map, slots, RSS)
+    unloaded = Signal()
+    conversation = Signal(object)     # list of {"role","content","reasoning"}
+    turnStarted = Signal(object)      # dict: prompt size, limit, command line
+    recordsReady = Signal()           # per-token records waiting in `records`
+    progressReady = Signal()          # newest first-token progress waiting in `progress`
+    heatReady = Signal()              # newest expert heat map waiting in `heat`
+    turnFinished = Signal(object)     # dict: TurnResult as plain values + stats
+    errored = Signal(object)          # dict: code, kind, message, during
+
+    def __init__(self):
+        super().__init__()
+        self.records, self.progress, self.heat = Mailbox(), Latest(), Latest()
+        self.lm = None
+        self.tok = None
+        self.ctl = None
+        self.figures = None
+        self.plan = None
+        self.spec: RunSpec | None = None
+        self.available = None
+        self.chat = None
+        self.sampler = None
+        self._sampler_key = None
+        from k3engine.chat import History
+        self.history = History()
+        self._prefill = None              # first-token progress while a prefill runs
+
+    # -- helpers ------------------------------------------------------------------
+    def _fail(self, e: BaseException, during: str) -> None:
+        info = describe_error(e)
+        if info["message"].startswith("k3: internal error"):
+            traceback.print_exception(e)      # not an engine refusal: keep the traceback
+        info["during"] = during
+        info["meaning"] = EXIT_MEANING.get(info["code"], "")
+        self.errored.emit(info)
+
+    def _emit_conversation(self) -> None:
+        self.conversation.emit(messages_of(self.history))
+
+    def _new_session(self) -> None:
+        """A fresh ChatSession on the loaded model: the next turn prefills from scratch."""
+        self.chat = None
+        if self.lm is None:
+            return
+        from k3engine.chat import ChatOptions
+        from k3engine.session import ChatSession
+        spec = self.spec
+        opts = ChatOptions(thinking=spec.thinking, effort=spec.effort)
+        self.chat = ChatSession(self.lm, self.tok, self.ctl, self.history, opts,
+                                self._sampler_for(spec), incremental=True)
+
+    def _sampler_for(self, spec: RunSpec):
+        """One sampler per session and sampling settings (the PCG32 stream is per session,
+        seeded per turn), rebuilt only when the settings change."""
+        from k3engine.sampler import Sampler
+        key = (spec.greedy, spec.temperature, spec.top_p, spec.top_k, spec.seed)
+        if self.sampler is None or key != self._sampler_key:
+            if spec.greedy:
+                self.sampler = Sampler.from_flags(greedy=True)
+            else:
+                self.sampler = Sampler.from_flags(temperature=spec.temperature,
+                                                  top_p=spec.top_p, top_k=spec.top_k or None,
+                                                  seed=spec.seed or None)
+            self._sampler_key = key
+        return self.sampler
+
+    def _apply_chat_options(self, spec: RunSpec) -> None:
+        """Thinking, effort and sampling change per turn without reloading the model (a
+        changed rendering simply reuses nothing)."""
+        from k3engine.chat import ChatOptions
+        self.spec = spec if self.spec is None else replace(
+            self.spec, gen=spec.gen, thinking=spec.thinking, effort=spec.effort,
+            greedy=spec.greedy, temperature=spec.temperature, top_p=spec.top_p,
+            top_k=spec.top_k, seed=spec.seed, system_prompt=spec.system_prompt)
+        if self.chat is not None:
+            self.chat.opts = ChatOptions(thinking=spec.thinking, effort=spec.effort)
+            self.chat.sampler = self._sampler_for(spec)
+
+    # -- model ----------------------------------------------------------------------
+    @Slot(object, object, int)
+    def load(self, spec: RunSpec, available_override, baseline_bytes: int) -> None:
+        """plan -> refusals -> tokenizer -> load, in the CLI's order (cli.prepare)."""
+        self.busyChanged.emit(True)
+        try:
+            self._unload()
+            self._load(spec, available_override, baseline_bytes)
+        except BaseException as e:  # noqa: BLE001 - reported, never lost
+            self._unload()
+            self._fail(e, "load")
+        finally:
+            self.busyChanged.emit(False)
+
+    def _load(self, spec: RunSpec, available_override, baseline_bytes: int) -> None:
+        from k3engine.memory import available_memory, human
+        from k3engine.session import (default_threads, load_model, open_model,
+                                      peak_rss_bytes, read_config, set_threads)
+        from k3engine.tokenizer import Tokenizer, TokenizerError, control_ids
+        t0 = time.monotonic()
+        threads = spec.threads or default_threads()
+        set_threads(threads)
+        self.status.emit(f"reading {spec.model_dir}/config.json")
+        cfg, _ = read_config(spec.model_dir)
+        self.status.emit("indexing shards" + (" and checking the packed trunk"
+                                              if spec.trunk_dir else ""))
+        setup = open_model(spec.model_dir, cfg, None, spec.trunk_dir or None)
+        try:
+            if available_override is not None:
+                available, total = int(available_override), 0
+            else:
+                _, probe = available_memory()
+                available, total = probe, probe.total or 0
+            the_plan = make_plan(setup.figures, spec, available, baseline_bytes, total)
+            self.planned.emit(the_plan.as_event())
+            if the_plan.refusals:
+                raise PlanRefusedError(the_plan.exit_code, "\n".join(
+                    f"k3: {r.message}" for r in the_plan.refusals))
+            self.status.emit("loading the tokenizer")
+            tok = Tokenizer.from_dir(spec.tokenizer_dir)
+            try:
+                ctl = control_ids(tok, None)
+            except TokenizerError as e:
+                raise ChatRefusal(str(e), EXIT_USAGE) from None
+            self.status.emit("binding the model tables" + (" and opening the trunk stream"
+                                                           if spec.trunk_dir else
+                                                           " and the resident trunk"))
+            lm = load_model(setup, plan=the_plan, on_trunk_read=self._on_trunk_read,
+                            cache_bytes=int(the_plan.expert_cache_bytes))
+        except BaseException:
+            setup.ck.close()
+            raise
+        self.lm, self.tok, self.ctl, self.figures, self.plan = lm, tok, ctl, setup.figures, the_plan
+        self.spec, self.available = spec, available
+        self._new_session()
+        tr = lm.trunk
+        info = dict(
+            command=command_line(spec), model_dir=spec.model_dir, trunk_dir=spec.trunk_dir,
+            n_layers=setup.n_layers, n_experts=cfg.n_experts,
+            moe_layers=[L for L in range(setup.n_layers) if not cfg.is_dense(L)],
+            layer_kinds=["MLA" if cfg.is_mla(L) else "KDA" for L in range(setup.n_layers)],
+            streamed=tr is not None,
+            pinned_layers=sorted(tr.pinned) if tr is not None else list(range(setup.n_layers)),
+            ring_slots=tr.nslot if tr is not None else 0,
+            slot_bytes=tr.slot_bytes if tr is not None else 0,
+            trunk_total_bytes=sum(setup.figures.layer_sizes[:setup.n_layers]),
+            expert_slots=lm.experts.nslot, expert_slot_bytes=lm.experts.slot_bytes,
+            cache_line=lm.experts.init_line(), plan_lines=the_plan.lines(),
+            plan_total=the_plan.total_bytes, available=the_plan.available_bytes,
+            peak_rss_after_load=peak_rss_bytes(), threads=threads,
+            seconds=time.monotonic() - t0, vocab=cfg.vocab)
+        self.status.emit(f"loaded in {info['seconds']:.1f} s; peak RSS after loading weights "
+                         f"{human(info['peak_rss_after_load'])}")
+        self.loaded.emit(info)
+
+    def _unload(self) -> None:
+        had = self.lm is not None
+        self.chat = None
+        if self.lm is not None:
+            try:
+                self.lm.close()
+            finally:
+                self.lm = None
+        self.tok = self.ctl = self.plan = None
+        if had:
+            self.unloaded.emit()
+
+    @Slot()
+    def unload(self) -> None:
+        try:
+            self._unload()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, "unload")
+
+    def _on_trunk_read(self, L: int, nbytes: int, seconds: float) -> None:
+        """Trunk reads (reader thread or engine thread): first-token progress only."""
+        p = self._prefill
+        if p is None:
+            return
+        with p["lock"]:
+            p["done_bytes"] += nbytes
+            p["layers"] += 1
+            snap = {k: v for k, v in p.items() if k != "lock"}
+        if self.progress.put(snap):
+            self.progressReady.emit()
+
+    # -- conversation (works with or without a model) ----------------------------------
+    @Slot(object)
+    def new_conversation(self, system_prompt: str) -> None:
+        from k3engine.chat import History, Message
+        try:
+            self.history = History([Message("system", system_prompt)] if system_prompt else [])
+            self._new_session()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, "new conversation")
+        self._emit_conversation()
+
+    @Slot(str)
+    def open_conversation(self, path: str) -> None:
+        from k3engine.chat import History
+        try:
+            self.history = History.load(path)
+            self._new_session()
+        except BaseException as e:  # noqa: BLE001
+            if type(e).__name__ == "ChatError":
+                e = ChatRefusal(str(e), EXIT_USAGE)
+            self._fail(e, "open conversation")
+        self._emit_conversation()
+
+    @Slot(str)
+    def save_conversation(self, path: str) -> None:
+        try:
+            self.history.save(path)
+            self.status.emit(f"saved {len(self.history)} messages to {path}")
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, "save conversation")
+
+    @Slot(str)
+    def set_system(self, text: str) -> None:
+        """Replace (or drop) the system message; the rest of the transcript is kept."""
+        from k3engine.chat import History, Message
+        try:
+            rest = [m for m in self.history if m.role != "system"]
+            self.history = History(([Message("system", text)] if text else []) + rest)
+            self._new_session()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, "system prompt")
+        self._emit_conversation()
+
+    @Slot()
+    def take_back(self) -> None:
+        """Remove the last exchange (the last user message and any reply after it) so it
+        can be edited and sent again."""
+        try:
+            if len(self.history) and self.history[-1].role == "assistant":
+                self.history.remove_last()
+            if len(self.history) and self.history[-1].role == "user":
+                self.history.remove_last()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, "edit")
+        self._emit_conversation()
+
+    # -- turns ------------------------------------------------------------------------
+    @Slot(str, object, object)
+    def send(self, text: str, spec: RunSpec, cancel) -> None:
+        """Add a user message and answer it.  An unanswered user message at the end (a
+        reply that hit the limit or was stopped) is replaced by the new one."""
+        from k3engine.chat import ChatError, Message
+        try:
+            if self.history.ends_with_user:
+                self.history.remove_last()
+            self.history.add(Message("user", text))
+        except ChatError as e:
+            self._fail(e, "send")
+            self._emit_conversation()
+            self.turnFinished.emit({"failed": True, "n": 0})
+            return
+        self._emit_conversation()
+        self._turn(spec, cancel)
+
+    @Slot(object, object)
+    def regenerate(self, spec: RunSpec, cancel) -> None:
+        """Answer the last user message again (dropping the previous reply, if any)."""
+        if len(self.history) and self.history[-1].role == "assistant":
+            self.history.remove_last()
+            self._emit_conversation()
+        if not self.history.ends_with_user:
+            self._fail(ChatRefusal("there is no user message to answer", EXIT_USAGE),
+                       "regenerate")
+            self.turnFinished.emit({"failed": True, "n": 0})
+            return
+        self._turn(spec, cancel)
+
+    def _turn(self, spec: RunSpec, cancel) -> None:
+        if self.lm is None:
+            self._fail(ChatRefusal("no model is loaded: load one in Setup first", EXIT_USAGE),
+                       "turn")
+            self.turnFinished.emit({"failed": True, "n": 0})
+            return
+        self.busyChanged.emit(True)
+        try:
+            self._apply_chat_options(spec)
+            self._run_turn(cancel)
+        except BaseException as e:  # noqa: BLE001
+            # A failed forward may leave the carried state half-advanced: start afresh.
+            self._new_session()
+            self._fail(e, "turn")
+            self.turnFinished.emit({"failed": True, "n": 0})
+        finally:
+            self._prefill = None
+            self.busyChanged.emit(False)
+
+    def _run_turn(self, cancel) -> None:
+        from k3engine.chat import ChatError
+        from k3engine.memory import human, kv_check
+        from k3engine.session import peak_rss_bytes
+        from k3engine.telemetry import rss_bytes
+        from k3engine.tokenizer import StreamDecoder
+        lm, chat, spec, ctl = self.lm, self.chat, self.spec, self.ctl
+        gen = spec.gen
+        try:
+            n_prompt = len(chat.render())
+        except ChatError as e:            # a later-turn render refusal: drop that message
+            self.history.remove_last()
+            self._emit_conversation()
+            raise ChatRefusal(str(e)) from None
+        if n_prompt + gen + 1 > MAX_POSITIONS:
+            raise ChatRefusal(f"rendered transcript is {n_prompt} tokens; current engine limit "
+                              f"is 32768 prompt + 4096 generation tokens")
+        kv = kv_check(self.figures, n_prompt + gen + 1, self.available)
+        if kv.refusal is not None:
+            raise ChatRefusal(f"KV cache for {n_prompt + gen + 1} positions needs "
+                              f"{human(kv.need_bytes)}, but only {human(kv.available_bytes)} is "
+                              f"available; history was preserved")
+        self.turnStarted.emit(dict(prompt_ids=n_prompt, gen=gen, command=command_line(spec),
+                                   thinking=spec.thinking, t=time.monotonic()))
+        tr = lm.trunk
+        self._prefill = dict(lock=threading.Lock(), phase="prefill", prompt_ids=n_prompt,
+                             done_bytes=0, layers=0,
+                             total_bytes=sum(self.figures.layer_sizes) if tr else 0)
+        decoder = StreamDecoder(self.tok)
+        added = set(self.tok.added)
+        phase = ["thinking" if spec.thinking else "response"]
+        tag = {"open": None, "text": ""}
+        before = [tr.bytes_read if tr else 0, tr.read_seconds if tr else 0.0]
+        t_last = [time.monotonic()]
+        heat_n = [0]
+        lm.experts.reset_step()
+
+        def display(tok_id: int) -> tuple[str, str]:
+            """(phase, visible text) for one id: control tokens and tag names are hidden,
+            reasoning and content are shown, each in its own phase."""
+            if tok_id in (ctl.open, ctl.close):
+                tag["open"], tag["text"] = tok_id == ctl.open, ""
+                return phase[0], ""
+            if tok_id == ctl.sep and tag["open"] is not None:
+                name = tag["text"].strip()
+                if tag["open"] and name == "response":
+                    phase[0] = "response"
+                elif not tag["open"] and name in ("response", "message"):
+                    phase[0] = "closing"
+                elif not tag["open"] and name == "think":
+                    phase[0] = "between"
+                tag["open"] = None
+                return phase[0], ""
+            if tag["open"] is not None:
+                tag["text"] += (self.tok.token_bytes(tok_id) or b"").decode("utf-8", "replace")
+                return phase[0], ""
+            if tok_id in added:
+                return phase[0], ""
+            text = decoder.push(tok_id)
+            return phase[0], text if phase[0] in ("thinking", "response") else ""
+
+        def on_token(i: int, tok_id: int) -> None:
+            if i == 1:
+                self._prefill = None       # the first token is out: prefill is over
+            now = time.monotonic()
+            secs, t_last[0] = now - t_last[0], now
+            ex = lm.experts.step
+            t_bytes = (tr.bytes_read - before[0]) if tr else 0
+            t_s = (tr.read_seconds - before[1]) if tr else 0.0
+            if tr:
+                before[0], before[1] = tr.bytes_read, tr.read_seconds
+            ph, text = display(tok_id)
+            rec = dict(i=i, id=tok_id, text_delta=text, phase=ph, step=i - 1, seconds=secs,
+                       rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(),
+                       trunk_bytes=t_bytes, trunk_read_s=t_s,
+                       trunk_hits=tr.hits if tr else 0, trunk_binds=tr.binds if tr else 0,
+                       expert_requests=ex.requests, expert_hits=ex.hits,
+                       expert_misses=ex.misses, expert_evictions=ex.evictions,
+                       expert_prefetch_reads=ex.prefetch_reads, expert_bytes=ex.bytes_read,
+                       expert_read_s=ex.load_seconds, model_table_bytes=0,
+                       true_resident_hit=ex.true_hit_rate / 100.0,
+                       retention=ex.retention / 100.0, raw_hit=ex.raw_hit_rate / 100.0,
+                       io_share_step=(t_s + ex.load_seconds) / secs if secs > 0 else 0.0,
+                       io_trunk_share=t_s / secs if secs > 0 else 0.0,
+                       io_expert_share=ex.load_seconds / secs if secs > 0 else 0.0,
+                       resident_experts=lm.experts.policy.resident,
+                       pinned_experts=lm.experts.policy.pinned,
+                       plan_total=self.plan.total_bytes,
+                       available=self.plan.available_bytes)
+            lm.experts.reset_step()       # the next token's window (cli: on_step_start)
+            if self.records.put(rec):
+                self.recordsReady.emit()
+            heat_n[0] += 1
+            if heat_n[0] % HEAT_EVERY == 0:
+                self._post_heat()
+
+        res = chat.turn(gen, on_token, cancel)
+        tail = decoder.flush()
+        self._post_heat()
+        n = len(res.ids)
+        self.turnFinished.emit(dict(
+            failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_ids, reused=res.reused,
+            seconds=res.seconds, first_token_seconds=res.first_token_seconds,
+            s_per_token=res.seconds / n if n else 0.0, end_id=res.end_id,
+            end_name=(self.tok.added.get(res.end_id, str(res.end_id))
+                      if res.end_id is not None else None),
+            interrupted=res.interrupted, reasoning=res.reasoning, content=res.content,
+            tail=tail, gen=gen, thinking=spec.thinking, peak_rss_bytes=peak_rss_bytes(),
+            plan_total=self.plan.total_bytes, available=self.plan.available_bytes,
+            retention=lm.experts.total.retention / 100.0,
+            true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
+            expert_bytes_read=lm.experts.total.bytes_read,
+            trunk_bytes_read=tr.bytes_read if tr else 0))
+        self._emit_conversation()
+
+    def _post_heat(self) -> None:
+        """Requests per (layer, expert) so far, from the cache's request histogram."""
+        lm = self.lm
+        trace = getattr(lm.experts, "trace", None)
+        if trace is None:
+            return
+        grid = np.zeros((max(trace.n_layers, 1), max(trace.n_experts, 1)), np.float32)
+        for (L, e), n in trace.histogram().items():
+            if L < grid.shape[0] and e < grid.shape[1]:
+                grid[L, e] = n
+        if self.heat.put(grid):
+            self.heatReady.emit()
+
+    @Slot()
+    def emit_conversation(self) -> None:
+        self._emit_conversation()
+
+
+# --------------------------------------------------------------------------- GUI side
+
+class EngineHost(QObject):
+    """The GUI thread's handle on the engine thread: forwards requests as queued signals,
+    drains the worker's mailboxes, and re-emits what it observes for the panels."""
+
+    # requests (queued to the worker)
+    _load = Signal(object, object, int)
+    _unload = Signal()
+    _send = Signal(str, object, object)
+    _regenerate = Signal(object, object)
+    _new = Signal(object)
+    _open = Signal(str)
+    _save = Signal(str)
+    _system = Signal(str)
+    _take_back = Signal()
+    _conversation = Signal()
+
+    # observations (GUI thread)
+    busyChanged = Signal(bool)
+    status = Signal(str)
+    planned = Signal(object)
+    loaded = Signal(object)
+    unloaded = Signal()
+    conversation = Signal(object)
+    turnStarted = Signal(object)
+    records = Signal(object)          # list of per-token records, in order
+    prefillProgress = Signal(object)
+    heat = Signal(object)             # ndarray layers x experts
+    turnFinished = Signal(object)
+    errored = Signal(object)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.busy = False
+        self.loaded_info: dict | None = None
+        self.messages: list[dict] = []
+        self._cancel = None
+        self.thread = QThread()
+        self.thread.setObjectName("k3studio-engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        w = self.worker
+        self._load.connect(w.load)
+        self._unload.connect(w.unload)
+        self._send.connect(w.send)
+        self._regenerate.connect(w.regenerate)
+        self._new.connect(w.new_conversation)
+        self._open.connect(w.open_conversation)
+        self._save.connect(w.save_conversation)
+        self._system.connect(w.set_system)
+        self._take_back.connect(w.take_back)
+        self._conversation.connect(w.emit_conversation)
+        w.busyChanged.connect(self._on_busy)
+        w.status.connect(self.status)
+        w.planned.connect(self.planned)
+        w.loaded.connect(self._on_loaded)
+        w.unloaded.connect(self._on_unloaded)
+        w.conversation.connect(self._on_conversation)
+        w.turnStarted.connect(self.turnStarted)
+        w.recordsReady.connect(self._drain_records)
+        w.progressReady.connect(self._drain_progress)
+        w.heatReady.connect(self._drain_heat)
+        w.turnFinished.connect(self._on_finished)
+        w.errored.connect(self.errored)
+        self.thread.start()
+
+    # -- requests -------------------------------------------------------------------
+    def load(self, spec: RunSpec, available_override: int | None = None,
+             baseline_bytes: int = 0) -> None:
+        self._load.emit(spec, available_override, int(baseline_bytes))
+
+    def unload(self) -> None:
+        self._unload.emit()
+
+    def send(self, text: str, spec: RunSpec) -> None:
+        from k3engine.session import Cancel
+        self._cancel = Cancel()
+        self._send.emit(text, spec, self._cancel)
+
+    def regenerate(self, spec: RunSpec) -> None:
+        from k3engine.session import Cancel
+        self._cancel = Cancel()
+        self._regenerate.emit(spec, self._cancel)
+
+    def stop(self) -> None:
+        """Ask the turn in flight to stop after the token being computed (safe point)."""
+        if self._cancel is not None:
+            self._cancel.set()
+
+    def new_conversation(self, system_prompt: str = "") -> None:
+        self._new.emit(system_prompt)
+
+    def open_conversation(self, path: str) -> None:
+        self._open.emit(path)
+
+    def save_conversation(self, path: str) -> None:
+        self._save.emit(path)
+
+    def set_system(self, text: str) -> None:
+        self._system.emit(text)
+
+    def take_back(self) -> None:
+        self._take_back.emit()
+
+    def refresh_conversation(self) -> None:
+        self._conversation.emit()
+
+    def shutdown(self, timeout_ms: int = 120000) -> None:
+        """Stop at the next safe point, release the model on its own thread, end the
+        thread.  Never terminates the thread: the token in flight completes."""
+        if not self.thread.isRunning():
+            return
+        self.stop()
+        # blocking: the model's files and reader threads are closed on the engine thread
+        # before that thread's event loop ends (a queued request could be dropped by quit)
+        QMetaObject.invokeMethod(self.worker, "unload", Qt.BlockingQueuedConnection)
+        self.thread.quit()
+        self.thread.wait(timeout_ms)
+
+    # -- observations ---------------------------------------------------------------
+    @Slot(bool)
+    def _on_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self.busyChanged.emit(busy)
+
+    @Slot(object)
+    def _on_loaded(self, info: dict) -> None:
+        self.loaded_info = info
+        self.loaded.emit(info)
+
+    @Slot()
+    def _on_unloaded(self) -> None:
+        self.loaded_info = None
+        self.unloaded.emit()
+
+    @Slot(object)
+    def _on_conversation(self, msgs: list) -> None:
+        self.messages = msgs
+        self.conversation.emit(msgs)
+
+    @Slot()
+    def _drain_records(self) -> None:
+        items = self.worker.records.take()
+        if items:
+            self.records.emit(items)
+
+    @Slot()
+    def _drain_progress(self) -> None:
+        p = self.worker.progress.take()
+        if p is not None:
+            self.prefillProgress.emit(p)
+
+    @Slot()
+    def _drain_heat(self) -> None:
+        h = self.worker.heat.take()
+        if h is not None:
+            self.heat.emit(h)
+
+    @Slot(object)
+    def _on_finished(self, info: dict) -> None:
+        self._drain_records()            # every token's record lands before the summary
+        self._drain_heat()
+        self.turnFinished.emit(info)
+
+    @property
+    def model_loaded(self) -> bool:
+        return self.loaded_info is not None
+
+
+__all__ = ["EngineWorker", "EngineHost", "describe_error", "Mailbox", "Latest",
+           "PlanRefusedError", "ChatRefusal", "EXIT_MEANING"]
