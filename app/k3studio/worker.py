@@ -83,32 +83,16 @@ class Latest:
 def describe_error(e: BaseException) -> dict:
     """(code, kind, message) exactly as `k3` reports the same failure (cli.main and
     chat_repl).  Unknown exceptions are reported as runtime failures with their class."""
-    from k3engine.chat import ChatError
-    from k3engine.checkpoint import CheckpointError
-    from k3engine.config import ConfigError
-    from k3engine.experts import ExpertCacheError, ExpertLoadError
-    from k3engine.memory import BudgetError
-    from k3engine.sampler import SamplerError
-    from k3engine.tokenizer import TokenizerError
+    from k3engine.errors import describe
     kind = type(e).__name__
     if isinstance(e, PlanRefusedError):
         return dict(code=e.code, kind="PlanRefused", message=str(e))
-    if isinstance(e, ConfigError):
-        return dict(code=EXIT_USAGE, kind=kind, message=f"k3: {e}\nABORTED: the model config "
-                                                         f"could not be read with confidence.")
-    if isinstance(e, BudgetError):
-        return dict(code=e.exit_code, kind=kind, message=f"k3: {e}")
-    if isinstance(e, ExpertLoadError):
-        return dict(code=EXIT_DROP, kind=kind,
-                    message=f"RUN INVALID: {e}; the affected token was not emitted")
-    if isinstance(e, (CheckpointError, TokenizerError, ExpertCacheError)):
-        return dict(code=EXIT_RUNTIME, kind=kind, message=f"k3: {e}")
     if isinstance(e, ChatRefusal):
         return dict(code=e.code, kind="ChatError", message=f"chat: {e}")
-    if isinstance(e, ChatError):
-        return dict(code=EXIT_RUNTIME, kind=kind, message=f"chat: {e}")
-    if isinstance(e, SamplerError):
-        return dict(code=EXIT_USAGE, kind=kind, message=f"k3: {e}")
+    known = describe(e)
+    if known is not None:
+        code, kind, message = known
+        return dict(code=code, kind=kind, message=message)
     return dict(code=EXIT_RUNTIME, kind=kind, message=f"k3: internal error: {kind}: {e}")
 
 

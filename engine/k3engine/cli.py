@@ -14,16 +14,15 @@ import time
 from dataclasses import dataclass, field
 
 from . import REFERENCE_VERSION, __version__
-from .checkpoint import CheckpointError
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
+from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_RUNTIME,  # noqa: F401
+                     EXIT_USAGE, describe)
 from .memory import BudgetError, available_memory, list_presets_text, plan, resolve_budgets
 from .report import RULE, STEP_HEADER, human, out_line, step_line, write_atomic
 from .session import (MAX_GEN, MAX_POSITIONS, MAX_PROMPT, Cancel, RunResult, Step,
                       default_threads, generate, load_model, open_model, peak_rss_bytes,
                       read_config, set_threads)
 from .telemetry import Events, JsonLinesSink, rss_bytes
-
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_OUT, EXIT_DROP, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5
 
 SUBCOMMANDS = {
     "make-checkpoint": "k3engine.tools.make_checkpoint",
@@ -740,23 +739,17 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE, end="", file=sys.stderr)
         events.emit("error", code=EXIT_USAGE, kind="UsageError", message=msg)
         return EXIT_USAGE
-    except ConfigError as e:
-        print(f"k3: {e}\nABORTED: the model config could not be read with confidence.",
-              file=sys.stderr)
-        events.emit("error", code=EXIT_USAGE, kind="ConfigError", message=str(e))
-        return EXIT_USAGE
     except PlanRefused as e:
         events.emit("error", code=e.code, kind="PlanRefused", message="memory plan refused")
         return e.code
     except Exception as e:
-        from .experts import ExpertCacheError
-        from .statefile import StateFileError
-        from .tokenizer import TokenizerError
-        if isinstance(e, (CheckpointError, StateFileError, TokenizerError, ExpertCacheError)):
-            print(f"k3: {e}", file=sys.stderr)
-            events.emit("error", code=EXIT_RUNTIME, kind=type(e).__name__, message=str(e))
-            return EXIT_RUNTIME
-        raise
+        known = describe(e)
+        if known is None:
+            raise
+        code, kind, message = known
+        print(message, file=sys.stderr)
+        events.emit("error", code=code, kind=kind, message=str(e))
+        return code
     finally:
         if sink is not None:
             sink.close()
