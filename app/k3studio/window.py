@@ -23,6 +23,7 @@ from .memory_panel import MemoryPanel
 from .plots_panel import PlotsPanel
 from .runspec import RunSpec, command_line, from_settings
 from .setup_panel import SetupPanel
+from .tasks import Task
 from .worker import EngineHost
 
 TAB_SETUP, TAB_MEMORY, TAB_CHAT = 0, 1, 2
@@ -264,6 +265,11 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.save_settings()
+        # Background jobs (demo model, pack, checks) must stop before their QThreads are
+        # destroyed, or Qt aborts the process; each honours abort at its next safe point.
+        for task in list(Task._live):
+            task.abort()
+            task.wait(120_000)
         self.host.shutdown()
         super().closeEvent(event)
 
