@@ -98,6 +98,7 @@ def test_state_file_resume_equals_uninterrupted_run(tiny, tmp_path):
     assert "resuming from" in b.stdout
     c = k3(tiny, "--ids", ",".join(map(str, head + first + tail)), "--gen", 6,
            "--incremental", "--out", tmp_path / "c.json")
+    assert c.returncode == 0, c.stderr
     print(f"[gate] resume: {ids_of(tmp_path / 'b.json')} vs uninterrupted "
           f"{ids_of(tmp_path / 'c.json')}")
     assert ids_of(tmp_path / "b.json") == ids_of(tmp_path / "c.json")

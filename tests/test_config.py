@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from k3engine.config import (ConfigError, ModelConfig, load_config, parse_config,
+from k3engine.config import (ConfigError, load_config, parse_config,
                              to_flat_dict, to_nested_dict)
 
 REPO = Path(__file__).resolve().parents[1]

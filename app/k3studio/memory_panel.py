@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGridLayo
                                QSlider, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
-from k3engine.memory import ADMIT, AUTO, PRESETS, human
+from k3engine.memory import AUTO, PRESETS, human
 
 from .runspec import CUSTOM, RunSpec, make_plan
 

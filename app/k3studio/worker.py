@@ -416,7 +416,7 @@ class EngineWorker(QObject):
     def _run_turn(self, cancel) -> None:
         from k3engine.chat import ChatError
         from k3engine.memory import human, kv_check
-        from k3engine.session import peak_rss_bytes
+        from k3engine.telemetry import peak_rss_bytes
         from k3engine.telemetry import rss_bytes
         from k3engine.tokenizer import StreamDecoder
         lm, chat, spec, ctl = self.lm, self.chat, self.spec, self.ctl

@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 
 from . import REFERENCE_VERSION, __version__
 from .config import ModelConfig
-from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_RUNTIME,  # noqa: F401
-                     EXIT_USAGE, describe)
-from .memory import BudgetError, available_memory, list_presets_text, plan, resolve_budgets
-from .report import RULE, STEP_HEADER, human, out_line, step_line, write_atomic
+from .errors import EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_USAGE, describe
+from .memory import (BudgetError, available_memory, human, list_presets_text, plan,
+                     resolve_budgets)
+from .atomic import write_atomic
+from .report import RULE, STEP_HEADER, out_line, step_line
 from .session import (MAX_GEN, MAX_POSITIONS, MAX_PROMPT, Cancel, RunResult, Step,
-                      default_threads, generate, load_model, open_model, peak_rss_bytes,
-                      read_config, set_threads)
-from .telemetry import Events, JsonLinesSink, rss_bytes
+                      default_threads, generate, load_model, open_model, read_config,
+                      set_threads)
+from .telemetry import Events, JsonLinesSink, peak_rss_bytes, rss_bytes
 
 SUBCOMMANDS = {
     "make-checkpoint": "k3engine.tools.make_checkpoint",
@@ -652,6 +653,7 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     for line in lm.experts.report_lines():
         print(line)
     tr = lm.trunk
+    _, embed_bytes, head_bytes, table_s = tables_read(lm)
     spt = res.wall_seconds / n if n else 0.0
     values = dict(prompt_ids=res.prompt_ids, generated_ids=res.generated_ids,
                   full_ids=res.full_ids, layers=p.nl, layers_requested=p.nl,
@@ -659,7 +661,7 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
                   wall_seconds=res.wall_seconds, seconds_per_token=spt,
                   expert_bytes_read=lm.experts.total.bytes_read,
                   trunk_bytes_read=tr.bytes_read if tr else 0,
-                  embedding_bytes_read=tables_read(lm)[1], lm_head_bytes_read=tables_read(lm)[2],
+                  embedding_bytes_read=embed_bytes, lm_head_bytes_read=head_bytes,
                   ultra_low_memory=lm.ultra, stopped_at=res.stopped_at,
                   interrupted=res.interrupted, generated_text=text)
     code = EXIT_OK
@@ -675,7 +677,6 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     if o.dump_cache_trace:
         for path in lm.experts.dump_trace(o.dump_cache_trace):
             print(f"wrote {path}")
-    table_s = tables_read(lm)[3]
     io_s = (tr.read_seconds if tr else 0.0) + lm.experts.total.load_seconds + table_s
     if res.wall_seconds > 0:
         print(f"I/O share of wall clock: {100 * io_s / res.wall_seconds:.1f}%  (trunk "

@@ -2,9 +2,6 @@
 generated-text escaping, shared by every command that prints or writes them."""
 from __future__ import annotations
 
-from .atomic import write_atomic  # noqa: F401  (report files are written atomically)
-from .memory import human  # noqa: F401  (one formatter for every report line)
-
 STEP_HEADER = f"{'STEP':<6} {'TOKEN':<10} {'SECONDS':<12} {'CACHE HIT':<10} {'READ GB':<10} TOK/S"
 RULE = "-" * 68
 

@@ -22,7 +22,6 @@ from .names import expert_tensors, layer_tensors, model_tensors
 from .sampler import Sampler
 from .speculative import SpecCounters, spec_step
 from .state import SequenceState
-from .telemetry import peak_rss_bytes  # noqa: F401  (re-exported for callers)
 from .trunk import StreamedTrunk, TrunkManifest
 from .ultra import StreamedTables
 

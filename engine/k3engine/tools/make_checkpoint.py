@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import zlib
-from dataclasses import replace
 
 import numpy as np
 
