@@ -217,8 +217,9 @@ class EngineWorker(QObject):
 
     def _load(self, spec: RunSpec, available_override, baseline_bytes: int) -> None:
         from k3engine.memory import available_memory, human
-        from k3engine.session import (default_threads, load_model, open_model,
-                                      peak_rss_bytes, read_config, set_threads)
+        from k3engine.session import (default_threads, load_model, open_model, read_config,
+                                      set_threads)
+        from k3engine.telemetry import peak_rss_bytes
         from k3engine.tokenizer import Tokenizer, TokenizerError, control_ids
         t0 = time.monotonic()
         threads = spec.threads or default_threads()
