@@ -82,7 +82,10 @@ def mla(w: MLAWeights, x_TE: np.ndarray, st: MLAState, n_past: int,
 
 # ---- Stable LatentMoE (§4.7) ---------------------------------------------------------
 
-def route(w: MoEWeights, x_E: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+def route(w: MoEWeights, x_E: np.ndarray, cfg: ModelConfig,
+          layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """The exact router: top-k of all experts (`layer` is for routers that depend on it,
+    like the draft model's, which sees only the resident experts)."""
     idx = np.empty(cfg.topk, dtype=np.int32)
     wts = np.empty(cfg.topk, dtype=np.float32)
     K.router(w.router, x_E, w.bias, cfg.topk, cfg.moe_renorm, cfg.routed_scale, idx, wts)
@@ -93,11 +96,12 @@ PREFILL_CHUNK = 64      # positions whose routed experts are gathered into one u
 
 
 def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
-               cfg: ModelConfig) -> np.ndarray:
+               cfg: ModelConfig, router=route) -> np.ndarray:
     acc_TL = np.empty((x_TE.shape[0], w.down_lat.shape[0]), dtype=np.float32)
     for c0 in range(0, x_TE.shape[0], PREFILL_CHUNK):
         x = x_TE[c0:c0 + PREFILL_CHUNK]
-        _routed_aggregate(w, x, mv(w.down_lat, x), layer, experts, cfg, acc_TL[c0:c0 + x.shape[0]])
+        _routed_aggregate(w, x, mv(w.down_lat, x), layer, experts, cfg,
+                          acc_TL[c0:c0 + x.shape[0]], router)
     if cfg.latent_norm:                                           # on the aggregate only
         K.rmsnorm(acc_TL, w.lat_norm, cfg.rms_eps, acc_TL)
     y_TE = mv(w.up_lat, acc_TL)
@@ -106,15 +110,17 @@ def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSourc
 
 
 def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer: int,
-                      experts: ExpertSource, cfg: ModelConfig, acc_TL: np.ndarray) -> None:
+                      experts: ExpertSource, cfg: ModelConfig, acc_TL: np.ndarray,
+                      router=route) -> None:
     """acc[t] = sum_j w_j * expert_j(zl[t]) in selection order, for one chunk of tokens.
 
     Chunk union: each selected expert is fetched once and runs over all the chunk's tokens
     that chose it; the per-token matvec order does not depend on that count, so this equals
     the per-token MoE bit for bit.  Outputs are kept per (token, rank) and summed in rank
     order afterwards (the accumulation order is part of the contract, trap #41)."""
-    T, k = x_TE.shape[0], cfg.topk
-    routes = [route(w, x_TE[t], cfg) for t in range(T)]           # full-width x (trap #23)
+    T = x_TE.shape[0]
+    routes = [router(w, x_TE[t], cfg, layer) for t in range(T)]   # full-width x (trap #23)
+    k = max(len(idx) for idx, _ in routes)                        # topk (a draft: fewer)
     users: dict[int, list[tuple[int, int]]] = {}
     for t, (idx, _) in enumerate(routes):
         for j, e in enumerate(idx):
@@ -131,7 +137,7 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer:
                 d_TkL[t, j] = d[r]
     acc_TL.fill(0.0)
     for t, (_, wts) in enumerate(routes):
-        for j in range(k):                                        # selection order
+        for j in range(len(wts)):                                 # selection order
             K.axpy(acc_TL[t], wts[j], d_TkL[t, j])
 
 
@@ -156,7 +162,7 @@ class AttnResStack:
 
 def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeights,
                   st: KDAState | MLAState, n_past: int, experts: ExpertSource,
-                  cfg: ModelConfig) -> np.ndarray:
+                  cfg: ModelConfig, router=route) -> np.ndarray:
     """One layer; h_TE is consumed (updated in place as the running sum)."""
     run = h_TE                                                    # the block's running sum
     a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
@@ -171,7 +177,8 @@ def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeight
         K.add(run, y)
     m = stack.aggregate(run, lw.phi_mlp, cfg.rms_eps)             # unconditional: stack >= 1
     x2 = rmsnorm(m, lw.post_norm, cfg.rms_eps)
-    z = situ_mlp(lw.mlp, x2, cfg) if cfg.is_dense(L) else latent_moe(lw.mlp, x2, L, experts, cfg)
+    z = situ_mlp(lw.mlp, x2, cfg) if cfg.is_dense(L) else \
+        latent_moe(lw.mlp, x2, L, experts, cfg, router)
     K.add(run, z)
     return run
 
@@ -180,13 +187,15 @@ def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeight
 
 class Model:
     """Forward pass over a weight provider and an expert source, on the first `n_layers`
-    layers (the CLI's --layers binds a partial stack)."""
+    layers (the CLI's --layers binds a partial stack).  `router` replaces the exact
+    top-k routing for a draft model only (draft.DraftRouter)."""
 
     def __init__(self, cfg: ModelConfig, weights: WeightProvider, experts: ExpertSource,
-                 n_layers: int | None = None):
+                 n_layers: int | None = None, router=route):
         self.cfg = cfg
         self.weights = weights
         self.experts = experts
+        self.router = router
         self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
         self.layers_completed = 0
 
@@ -211,7 +220,8 @@ class Model:
                 state.layers[L].reset()                           # the one shared slot
             lw = self.weights.layer(L)
             try:
-                h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts, cfg)
+                h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts, cfg,
+                                  self.router)
             finally:
                 self.weights.release(L)
             self.layers_completed = L + 1
