@@ -110,30 +110,41 @@ def _tensor_map(infos: list[TensorInfo], lo: int) -> dict:
 
 def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                progress: Callable[[int, int, int], None] | None = None,
-               cancel: Callable[[], bool] | None = None) -> "TrunkManifest":
+               cancel: Callable[[], bool] | None = None,
+               draft_bits: int | None = None) -> "TrunkManifest":
     """Write trunk.bin + trunk.json.  `progress(layers_done, bytes_done, bytes_total)`;
     `cancel()` returning True stops the pack.  Atomic: files appear under their final
     names only when complete, trunk.json last, so a cancelled or failed pack never leaves
-    a pair that looks valid."""
+    a pair that looks valid.
+
+    `draft_bits` packs a DRAFT trunk instead (hybrid decode, `--draft-trunk`): every BF16
+    matrix is quantised per row to `draft_bits`-bit integers and dequantised back to BF16
+    (same layout, same dtypes, so it binds like the real trunk), and trunk.json says so."""
     from .config import load_config
     cfg = load_config(os.path.join(model_dir, "config.json"))
     n = cfg.n_layers if n_layers is None else n_layers
+    draft = None if draft_bits is None else {
+        "method": "qdq", "bits": int(draft_bits), "granularity": "row",
+        "source": os.path.basename(os.path.abspath(model_dir))}
     with Checkpoint(model_dir) as ck:
         runs = trunk_runs(ck, n)
         layers = [_tensor_map(infos, lo) for _, lo, _, infos in runs]
         os.makedirs(trunk_dir, exist_ok=True)
-        _refuse_other_model(trunk_dir, layers)
+        _refuse_other_model(trunk_dir, layers, draft is not None)
         total = sum(own for _, _, own, _ in runs)
         bin_path = os.path.join(trunk_dir, TRUNK_BIN)
         tmp_bin = f"{bin_path}.partial-{os.getpid()}"
         manifest = {"n_layers": n, "align": ALIGN, "layers": []}
+        if draft:
+            manifest["draft"] = draft
         done = 0
         try:
             with open(tmp_bin, "wb") as out:
                 buf = bytearray(COPY_CHUNK)
-                for L, (shard, lo, own, _) in enumerate(runs):
+                for L, (shard, lo, own, infos) in enumerate(runs):
                     out.write(b"\0" * (-out.tell() % ALIGN))
                     file_off = out.tell()
+                    run = bytearray(own) if draft else None   # a draft layer is rewritten whole
                     fd = os.open(ck.shards[shard], os.O_RDONLY)
                     try:
                         for o in range(0, own, COPY_CHUNK):
@@ -141,15 +152,22 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                                 raise PackCancelled(f"{trunk_dir}: pack cancelled at layer {L}",
                                                     trunk_dir)
                             m = min(COPY_CHUNK, own - o)
-                            if pread_into(fd, memoryview(buf)[:m], lo + o) != m:
+                            dest = memoryview(run)[o:o + m] if draft else memoryview(buf)[:m]
+                            if pread_into(fd, dest, lo + o) != m:
                                 raise TrunkError(f"{ck.shards[shard]}: short read packing "
                                                  f"layer {L}", ck.shards[shard])
-                            out.write(memoryview(buf)[:m])
+                            if not draft:
+                                out.write(dest)
                             done += m
                             if progress:
                                 progress(L, done, total)
                     finally:
                         os.close(fd)
+                    if draft:
+                        for t in infos:
+                            if t.dtype == "BF16" and len(t.shape) == 2 and min(t.shape) > 1:
+                                qdq_bf16_rows(run, t.offset - lo, t.shape, draft_bits)
+                        out.write(run)
                     out.write(b"\0" * (-out.tell() % ALIGN))   # an O_DIRECT read never passes EOF
                     manifest["layers"].append({
                         "layer": L, "shard": os.path.basename(ck.shards[shard]), "run_start": lo,
@@ -175,7 +193,21 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
     return TrunkManifest.load(trunk_dir)
 
 
-def _refuse_other_model(trunk_dir: str, layers: list[dict]) -> None:
+def qdq_bf16_rows(run: bytearray, off: int, shape: tuple[int, ...], bits: int) -> None:
+    """Quantise a BF16 matrix in place to symmetric per-row `bits`-bit integers and back
+    (round half to even both ways).  An all-zero row stays zero."""
+    rows, cols = int(shape[0]), int(np.prod(shape[1:]))
+    u = np.frombuffer(run, dtype=np.uint16, count=rows * cols, offset=off).reshape(rows, cols)
+    x = (u.astype(np.uint32) << 16).view(np.float32)
+    qmax = float((1 << (bits - 1)) - 1)
+    scale = (np.abs(x).max(axis=1, keepdims=True) / np.float32(qmax)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    y = (np.clip(np.rint(x / safe), -qmax, qmax) * scale).astype(np.float32)
+    b = y.view(np.uint32)
+    u[...] = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _refuse_other_model(trunk_dir: str, layers: list[dict], draft: bool) -> None:
     json_path = os.path.join(trunk_dir, TRUNK_JSON)
     if not os.path.exists(json_path):
         return
@@ -183,6 +215,9 @@ def _refuse_other_model(trunk_dir: str, layers: list[dict]) -> None:
         old = TrunkManifest.load(trunk_dir)
     except TrunkError:
         return                                  # damaged: nothing worth protecting
+    if old.draft is None and draft:             # would silently degrade the exact model
+        raise TrunkError(f"{json_path}: the directory holds an exact packed trunk; a draft "
+                         f"trunk must go to another directory", json_path)
     for L, tensors in enumerate(layers[:len(old.layers)]):
         mism = _first_mismatch(old.layers[L].tensors, tensors)
         if mism:
@@ -207,8 +242,20 @@ def _first_mismatch(have: dict[str, TrunkTensor], want: dict[str, dict]) -> str 
 class TrunkManifest:
     """trunk.json read with the integrity checks of SYSTEM §2.6 (required and NEW)."""
 
-    def __init__(self, trunk_dir: str, layers: list[TrunkLayer], align: int, bin_size: int):
+    def __init__(self, trunk_dir: str, layers: list[TrunkLayer], align: int, bin_size: int,
+                 draft: dict | None = None):
         self.trunk_dir, self.layers, self.align, self.bin_size = trunk_dir, layers, align, bin_size
+        self.draft = draft          # how a draft trunk was derived; None for the exact trunk
+
+    def require_exact(self) -> None:
+        """The exact model must never bind a quantised draft trunk (fluent, subtly wrong
+        tokens, no error).  The other way round is allowed: any trunk of the model can
+        propose, the exact one just proposes at full cost."""
+        if self.draft is not None:
+            jp = os.path.join(self.trunk_dir, TRUNK_JSON)
+            raise TrunkError(f"{jp}: this is a quantised draft trunk "
+                             f"({self.draft.get('bits')}-bit); the exact model needs the "
+                             f"packed trunk itself (give this one as --draft-trunk)", jp)
 
     @property
     def bin_path(self) -> str:
@@ -270,7 +317,10 @@ class TrunkManifest:
                 raise bad(f"layer {i} uses the compressed block format, which this reader "
                           f"does not implement")
             layers.append(TrunkLayer(fo, nb, tensors))
-        return cls(trunk_dir, layers, align, bin_size)
+        draft = raw.get("draft")
+        if draft is not None and not (isinstance(draft, dict) and isinstance(draft.get("bits"), int)):
+            raise bad("has a malformed 'draft' entry")
+        return cls(trunk_dir, layers, align, bin_size, draft)
 
     def check_against(self, ck: Checkpoint, n_layers: int) -> None:
         """Refuse a trunk packed from another checkpoint or revision (TrunkMismatchError)."""

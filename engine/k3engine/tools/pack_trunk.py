@@ -1,5 +1,10 @@
-"""`k3 pack-trunk <model_dir> <trunk_dir> [--layers N]`: copy every layer's trunk run into
-trunk.bin + trunk.json (SYSTEM §2.2), once, so the trunk can stream layer by layer."""
+"""`k3 pack-trunk <model_dir> <trunk_dir> [--layers N] [--draft-bits B]`: copy every layer's
+trunk run into trunk.bin + trunk.json (SYSTEM §2.2), once, so the trunk can stream layer by
+layer.
+
+With --draft-bits B it packs a draft trunk for hybrid decode (--draft-trunk) instead: every
+BF16 matrix quantised per row to B-bit integers and dequantised back (the int8-derived
+draft of the reference at B = 8).  The exact model refuses a draft trunk as --trunk."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +20,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("model_dir")
     ap.add_argument("trunk_dir")
     ap.add_argument("--layers", type=int, default=None, help="layers to pack (default: all)")
+    ap.add_argument("--draft-bits", type=int, default=None, metavar="B",
+                    help="pack a quantised draft trunk, B-bit per row (2..8; 8 recommended)")
     a = ap.parse_args(argv)
+    if a.draft_bits is not None and not 2 <= a.draft_bits <= 8:
+        ap.error(f"--draft-bits {a.draft_bits} is out of range (2..8)")
     from ..trunk import pack_trunk
     t0 = time.monotonic()
     last = [-1]
@@ -27,12 +36,13 @@ def main(argv: list[str]) -> int:
             print(f"packed {layers_done} layers, {done / 1e9:.2f} GB, {dt:.0f} s "
                   f"({done / 1e6 / max(dt, 1e-9):.0f} MB/s)", flush=True)
     try:
-        m = pack_trunk(a.model_dir, a.trunk_dir, a.layers, progress)
+        m = pack_trunk(a.model_dir, a.trunk_dir, a.layers, progress, draft_bits=a.draft_bits)
     except (CheckpointError, ConfigError) as e:
         print(f"k3 pack-trunk: {e}", file=sys.stderr)
         return 1
-    print(f"wrote trunk.bin: {m.total_bytes() / 1e9:.2f} GB across {len(m.layers)} layers "
-          f"in {time.monotonic() - t0:.1f} s")
+    kind = f" (draft, {a.draft_bits}-bit per row)" if a.draft_bits else ""
+    print(f"wrote trunk.bin{kind}: {m.total_bytes() / 1e9:.2f} GB across {len(m.layers)} "
+          f"layers in {time.monotonic() - t0:.1f} s")
     print(f"largest layer run: {max(x.nbytes for x in m.layers) / 1e9:.3f} GB  <- the "
           f"streaming slot size")
     return 0
