@@ -39,6 +39,7 @@ ADMIT = 0.95                 # whole plan may use at most this share of availabl
 KV_ADMIT = 0.90              # the early KV check refuses above this share
 DEFAULT_TRUNK_GB = 16.0      # budgets when no preset/budget flag is given (§5.2)
 DEFAULT_CACHE_GB = 64.0
+DEFAULT_DRAFT_TRUNK_GB = 6.0  # --draft-trunk-gb
 RING_DEFAULT = 2             # --trunk-ring
 RING_MAX = 8
 PIN_PASSES = 8               # §3.2 fixed-point iteration bound
@@ -609,12 +610,14 @@ class Plan:
     kv: KvCheck | None = None
     refusals: tuple[Refusal, ...] = ()
     baseline_label: str = "python baseline"
+    draft_bytes: int = 0          # hybrid decode's draft model: its trunk, state and KV
+    draft_plan: TrunkPlan | None = None
 
     @property
     def total_bytes(self) -> int:
         return (self.trunk_bytes + self.model_table_bytes + self.expert_cache_bytes
                 + self.recurrent_state_bytes + self.buffer_bytes + self.kv_cache_bytes
-                + self.baseline_bytes)
+                + self.baseline_bytes + self.draft_bytes)
 
     @property
     def limit_bytes(self) -> float:
@@ -661,6 +664,10 @@ class Plan:
             "  buffers          " + human(self.buffer_bytes),
             "  KV cache         " + human(self.kv_cache_bytes),
         ]
+        if self.draft_plan is not None:
+            out.append("  draft model      %s (trunk %s, state + KV %s)" % (
+                human(self.draft_bytes), human(self.draft_plan.total_bytes),
+                human(self.draft_bytes - self.draft_plan.total_bytes)))
         if self.baseline_bytes:
             out.append("  %-16s %s (measured)" % (self.baseline_label,
                                                   human(self.baseline_bytes)))
@@ -681,6 +688,7 @@ class Plan:
             "buffer_bytes": self.buffer_bytes,
             "kv_cache_bytes": self.kv_cache_bytes,
             "baseline_bytes": self.baseline_bytes,
+            "draft_bytes": self.draft_bytes,
             "total_bytes": self.total_bytes,
             "available": self.available_bytes,
             "admitted": self.admitted,
@@ -714,7 +722,9 @@ def plan(figures: ModelFigures, preset: str | None = None,
          incremental: bool = False, positions: int = 1,
          available_bytes: "MemProbe | int | None" = None, total_memory: int = 0,
          layers: int | None = None, baseline_bytes: int = 0, prefix: bool = False,
-         baseline_label: str = "python baseline") -> Plan:
+         baseline_label: str = "python baseline",
+         draft_sizes: Sequence[int] | None = None,
+         draft_gb: float = DEFAULT_DRAFT_TRUNK_GB) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -724,7 +734,10 @@ def plan(figures: ModelFigures, preset: str | None = None,
     `positions` = prior + prompt + gen + 1.  `available_bytes` is a byte count (0 = unknown:
     both refusals off) or the MemProbe itself (so a fail-closed probe refuses).
     `layers` is --layers (NL); `prefix` is K3_PIN_PREFIX (read by the caller).
-    `baseline_bytes` is the measured process baseline of §5.8 (interpreter, NumPy, Qt)."""
+    `baseline_bytes` is the measured process baseline of §5.8 (interpreter, NumPy, Qt).
+    `draft_sizes` (the draft trunk's layer runs) adds hybrid decode's draft model: its
+    trunk within `draft_gb`, its own recurrent state plus the snapshot it rewinds to, and
+    its KV cache."""
     refusals: list[Refusal] = []
     avail, known, malformed, detail = _availability(available_bytes)
     NL = figures.n_layers if layers is None else int(layers)
@@ -761,18 +774,17 @@ def plan(figures: ModelFigures, preset: str | None = None,
         if kv.refusal:
             refusals.append(kv.refusal)
 
-    budget = int(t_gb * 1e9)
     tplan = None
     if streamed:
-        tplan = plan_trunk(figures.layer_sizes, budget, trunk_ring, figures.widen_bytes,
-                           prefix)
-        # The budget, as the reference counts it -- unless even one ring slot exceeds it,
-        # where the slot is what gets allocated and the plan must not understate.
-        w_trunk = max(budget, tplan.total_bytes)
-        if tplan.n_pinned == NL:                  # all pinned: the budget's rest is unused
-            w_trunk = tplan.total_bytes
+        tplan, w_trunk = _streamed_trunk(figures.layer_sizes, t_gb, trunk_ring,
+                                         figures.widen_bytes, prefix, NL)
     else:
         w_trunk = figures.trunk_bytes(NL)
+    dplan, w_draft = None, 0
+    if draft_sizes is not None:
+        dplan, w_draft = _streamed_trunk(draft_sizes, draft_gb, RING_DEFAULT,
+                                         figures.widen_bytes, prefix, NL)
+        w_draft += 2 * figures.state_bytes(NL, False, True) + figures.kv_bytes(positions)
 
     terms = dict(
         trunk_bytes=w_trunk,
@@ -781,7 +793,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
         recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
         buffer_bytes=figures.buffer_bytes(positions),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
-        baseline_bytes=int(baseline_bytes))
+        baseline_bytes=int(baseline_bytes),
+        draft_bytes=w_draft)
     need = sum(terms.values())
     if malformed:
         if not (kv and kv.refusal):           # the KV check already said it (exit 2)
@@ -795,7 +808,19 @@ def plan(figures: ModelFigures, preset: str | None = None,
                 expert_slot_bytes=figures.expert_slot_bytes,
                 expert_slots=figures.expert_slots(c_gb),
                 expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
-                refusals=tuple(refusals), baseline_label=baseline_label)
+                refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan)
+
+
+def _streamed_trunk(sizes: Sequence[int], gb: float, ring: int | None, widen: int,
+                    prefix: bool, n_bound: int) -> tuple[TrunkPlan, int]:
+    """A streamed trunk's plan and what it is charged: the budget, as the reference counts
+    it -- unless even one ring slot exceeds it (the slot is what gets allocated and the
+    plan must not understate), or every layer is pinned (the rest is never allocated)."""
+    budget = int(gb * 1e9)
+    tp = plan_trunk(sizes, budget, ring, widen, prefix)
+    if tp.n_pinned == n_bound:
+        return tp, tp.total_bytes
+    return tp, max(budget, tp.total_bytes)
 
 
 # --- available memory (§5.4) ------------------------------------------------------------
