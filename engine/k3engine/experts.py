@@ -524,6 +524,16 @@ class ExpertCache:
     def resident(self, layer: int, expert: int) -> bool:
         return self.policy.lookup(self.key(layer, expert)) >= 0
 
+    def peek(self, layer: int, expert: int) -> ExpertWeights:
+        """A resident expert's weights without counting a request, recording it in the
+        trace or refreshing its recency: the draft model's cache-only reads, which must
+        leave the exact model's cache as they found it."""
+        with self._cv:
+            slot = self.policy.lookup(self.key(layer, expert))
+            if slot < 0 or self._weights[slot] is None:
+                raise KeyError(f"layer {layer} expert {expert} is not resident")
+            return self._weights[slot]
+
     @property
     def bytes_read(self) -> int:
         """Expert bytes read from disk over the whole run."""

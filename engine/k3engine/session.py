@@ -16,11 +16,12 @@ from .bind import Binder, CheckpointExperts, ResidentWeights, deep_nbytes
 from .checkpoint import Checkpoint
 from .experts import ExpertCache, ExpertLoadError, ResidentExperts
 from .config import ConfigError, ModelConfig, load_config
+from .draft import DraftModel, DraftRouter, ResidentOnly
 from .memory import ModelFigures, Plan
 from .model import Model, greedy
 from .names import expert_tensors, layer_tensors, model_tensors
 from .sampler import Sampler
-from .speculative import SpecCounters, spec_step
+from .speculative import SpecCounters, SpecWidth, spec_step
 from .state import SequenceState
 from .trunk import StreamedTrunk, TrunkManifest
 from .ultra import StreamedTables
@@ -65,6 +66,12 @@ class ModelSetup:
     manifest: TrunkManifest | None
     figures: ModelFigures
     index_seconds: float
+    draft_manifest: TrunkManifest | None = None     # hybrid decode's draft trunk
+
+    @property
+    def draft_sizes(self) -> list[int] | None:
+        m = self.draft_manifest
+        return None if m is None else [m.layers[L].nbytes for L in range(self.n_layers)]
 
 
 @dataclass
@@ -106,10 +113,21 @@ def _resident_layer_bytes(ck: Checkpoint, cfg: ModelConfig, L: int) -> int:
     return sum(ck.info(t.name).nbytes for t in layer_tensors(cfg, L))
 
 
+def open_trunk(trunk_dir: str, ck: Checkpoint, n_layers: int, draft: bool = False
+               ) -> TrunkManifest:
+    """A packed trunk's manifest, checked against the checkpoint and for its kind (the
+    exact trunk, or a draft trunk for hybrid decode)."""
+    manifest = TrunkManifest.load(trunk_dir)
+    if not draft:
+        manifest.require_exact()
+    manifest.check_against(ck, n_layers)
+    return manifest
+
+
 def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
-               trunk_dir: str | None = None) -> ModelSetup:
-    """Index the shards, refuse a partial download, open and cross-check a packed trunk.
-    Raises CheckpointError / TrunkError (exit 1) naming the file."""
+               trunk_dir: str | None = None, draft_dir: str | None = None) -> ModelSetup:
+    """Index the shards, refuse a partial download, open and cross-check a packed trunk
+    (and the draft trunk).  Raises CheckpointError / TrunkError (exit 1) naming the file."""
     nl = cfg.n_layers if n_layers is None else n_layers
     t0 = time.monotonic()
     ck = Checkpoint(model_dir)
@@ -117,9 +135,9 @@ def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
         binder = Binder(ck, cfg)
         binder.require_complete(nl)
         manifest = None
+        draft = open_trunk(draft_dir, ck, nl, draft=True) if draft_dir else None
         if trunk_dir:
-            manifest = TrunkManifest.load(trunk_dir)
-            manifest.check_against(ck, nl)
+            manifest = open_trunk(trunk_dir, ck, nl)
             sizes = [manifest.layers[L].nbytes for L in range(cfg.n_layers)
                      if L < len(manifest.layers)]
         else:
@@ -132,7 +150,21 @@ def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
     except BaseException:
         ck.close()
         raise
-    return ModelSetup(cfg, ck, binder, nl, manifest, figures, time.monotonic() - t0)
+    return ModelSetup(cfg, ck, binder, nl, manifest, figures, time.monotonic() - t0, draft)
+
+
+def load_draft(lm: "LoadedModel", setup: ModelSetup, plan: Plan, capacity: int,
+               topk: int, cache_only: bool) -> DraftModel:
+    """The draft model of hybrid decode: the setup's draft trunk (pinned as `plan`'s
+    draft_plan says, the rest streamed), the exact model's tables and expert cache, and
+    the draft's routing (draft.DraftRouter)."""
+    dp = plan.draft_plan
+    trunk = StreamedTrunk(setup.draft_manifest, setup.binder, lm.model.weights.tables,
+                          setup.n_layers, set(dp.pinned), dp.ring_slots)
+    experts = ResidentOnly(lm.experts) if cache_only else lm.experts
+    model = Model(setup.cfg, trunk, experts, setup.n_layers,
+                  router=DraftRouter(lm.experts, topk, cache_only))
+    return DraftModel(model, capacity, trunk)
 
 
 def _injected_failure() -> Callable[[int, int], bool] | None:
@@ -234,13 +266,16 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
              on_step: Callable[[Step], None] | None = None, stop_ids: Iterable[int] = (),
              sampler: Sampler | None = None, cancel: Cancel | None = None,
              state: SequenceState | None = None, prior_ids: Iterable[int] = (),
-             on_step_start: Callable[[int], None] | None = None, spec: int = 0) -> RunResult:
+             on_step_start: Callable[[int], None] | None = None, spec: int = 0,
+             proposer=None, spec_auto: bool = False) -> RunResult:
     """The decode loop of SYSTEM §6.4.  Incremental: step 0 feeds everything not yet cached
     (a resumed state's pending token plus the new prompt), later steps one token with the
     carried state.  Otherwise every step recomputes the whole sequence from a fresh state
     (the reference's default); both give the same ids by construction (§4.10).  `cancel`
     is checked at the top of each step, so the step in flight always completes.  `spec`
-    > 0 (incremental, greedy) verifies n-gram drafts in one sweep: same ids, fewer steps."""
+    > 0 (incremental, greedy) verifies up to `spec` drafts in one sweep: same ids, fewer
+    steps.  Drafts come from `proposer` (a draft model) or n-gram lookup; `spec_auto`
+    adapts the sweep width (SpecWidth)."""
     model = lm.model
     res = RunResult(list(prompt_ids), list(prior_ids))
     seq = res.prior_ids + res.prompt_ids
@@ -248,6 +283,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
     if state is None:
         state = model.new_state(len(seq) + gen + 1, shared_recurrent=lm.ultra and not incremental)
     res.state = state
+    width = SpecWidth(spec or 1, spec_auto)
     g = 0
     while len(res.generated_ids) < gen or (incremental and g == 0):
         if cancel:
@@ -260,8 +296,13 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
         left = gen - len(res.generated_ids)
         emitted = []
         try:
-            if incremental and spec and g > 0 and left > 1 and (sampler is None or not sampler.sampling):
-                emitted, logits = spec_step(model, seq, state, min(spec, left - 1), res.spec)
+            if incremental and spec and g > 0 and left > 1 and \
+                    (sampler is None or not sampler.sampling) and width.ready():
+                before_d, before_a = res.spec.drafted, res.spec.accepted
+                emitted, logits = spec_step(model, seq, state, min(width.n, left - 1),
+                                            res.spec, proposer)
+                width.update(res.spec.drafted - before_d, res.spec.accepted - before_a)
+                res.spec.width = width.n
             elif incremental:
                 logits = model.forward(seq[state.n_cached:], state)
             else:

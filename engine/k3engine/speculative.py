@@ -3,7 +3,8 @@
 Drafts come from the sequence itself (an evidence-gated suffix match); one forward pass
 verifies them all, the longest prefix that equals the model's own argmax is kept plus the
 model's next token, and a rejected tail is undone by restoring the recurrent state and
-re-feeding the accepted positions.  The emitted ids equal serial greedy decode."""
+re-feeding the accepted positions.  The emitted ids equal serial greedy decode.
+The same sweep verifies a draft model's proposals (draft.DraftModel, `--draft-trunk`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,24 +46,79 @@ def draft(seq: list[int], cap: int) -> list[int]:
     return []
 
 
+class NgramProposer:
+    """Drafts from the sequence itself; stateless, nothing to rewind."""
+
+    def propose(self, seq: list[int], cap: int) -> list[int]:
+        return draft(seq, cap)
+
+    def settle(self, drafted: list[int], accepted: int) -> None:
+        pass
+
+
 @dataclass
 class SpecCounters:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    width_sum: int = 0          # --spec-auto: the widths offered, for the mean
+    width: int = 0              # the sweep width at the end of the run
+
+    @property
+    def mean_run(self) -> float:
+        """Accepted drafts per verify sweep."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+
+class SpecWidth:
+    """How many tokens a sweep may draft.  Fixed at N, or with --spec-auto adaptive: one
+    wider after a sweep that kept every draft (up to the cap of 8), back to what was
+    kept plus one after a rejection.  A sweep that kept nothing also pauses drafting for
+    a few plain steps (1, 2, 4, ... up to 16 while the drafts keep missing), so a draft
+    that never agrees costs an occasional probe instead of a replay on every step.
+    Only the sweep size changes, never the ids."""
+
+    MAX_PAUSE = 16
+
+    def __init__(self, n: int, adaptive: bool = False):
+        self.n = max(1, min(int(n), MAX_DRAFT))
+        self.adaptive = adaptive
+        self.pause = 0              # plain steps left before the next draft
+        self._backoff = 0
+
+    def ready(self) -> bool:
+        """May the step in hand draft?  (A paused step is spent as a plain one.)"""
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        self.n = min(self.n + 1, MAX_DRAFT) if accepted == drafted else max(1, accepted + 1)
+        if accepted == 0:
+            self._backoff = min(max(1, 2 * self._backoff), self.MAX_PAUSE)
+            self.pause = self._backoff
+        else:
+            self._backoff = 0
 
 
 def spec_step(model: Model, seq: list[int], state: SequenceState, cap: int,
-              counters: SpecCounters) -> tuple[list[int], object]:
+              counters: SpecCounters, proposer=None) -> tuple[list[int], object]:
     """One decode step with drafts; returns (emitted ids, logits of the last fed position).
-    seq[state.n_cached:] is the one pending token."""
-    d = draft(seq, min(cap, MAX_DRAFT))
+    seq[state.n_cached:] is the one pending token.  `proposer` drafts (n-gram when None)
+    and is told how many of its drafts were kept."""
+    proposer = proposer or NgramProposer()
     base = state.n_cached
-    if not d or base + len(d) + 1 > state.capacity:
+    cap = min(cap, MAX_DRAFT, state.capacity - base - 1)
+    d = proposer.propose(seq, cap) if cap > 0 else []
+    if not d:
         logits = model.forward(seq[base:], state)
         return [greedy(logits)], logits
     counters.rounds += 1
     counters.drafted += len(d)
+    counters.width_sum += cap
     snap = snapshot(state)
     logits = model.forward(seq[base:] + d, state, all_logits=True)
     a = [greedy(row) for row in logits]
@@ -70,6 +126,7 @@ def spec_step(model: Model, seq: list[int], state: SequenceState, cap: int,
     while m < len(d) and a[m] == d[m]:
         m += 1
     counters.accepted += m
+    proposer.settle(d, m)
     if m < len(d):                          # undo the rejected tail, replay what was kept
         restore(state, snap)
         state.n_cached = base
