@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from . import REFERENCE_VERSION, __version__
 from .config import ModelConfig
 from .errors import EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_USAGE, describe
-from .memory import (BudgetError, available_memory, human, list_presets_text, plan,
-                     resolve_budgets)
+from .draft import DEFAULT_DRAFT_TOPK
+from .memory import (DEFAULT_DRAFT_TRUNK_GB, BudgetError, available_memory, human,
+                     list_presets_text, plan, resolve_budgets)
 from .atomic import write_atomic
 from .report import RULE, STEP_HEADER, out_line, step_line
 from .session import (MAX_GEN, MAX_POSITIONS, MAX_PROMPT, Cancel, RunResult, Step,
-                      default_threads, generate, load_model, open_model, read_config,
-                      set_threads)
+                      default_threads, generate, load_draft, load_model, open_model,
+                      read_config, set_threads)
 from .telemetry import Events, JsonLinesSink, peak_rss_bytes, rss_bytes
 
 SUBCOMMANDS = {
@@ -83,6 +84,15 @@ diagnostics
   --stream-tokens       print @K3TOKEN <id> as each id is committed
   --spec N              n-gram speculative decoding, up to N (<= 8) drafts per sweep;
                         same ids as greedy (needs --incremental)
+  --spec-auto           adapt the sweep width to what is accepted (with --spec or
+                        --draft-trunk; ids unchanged)
+hybrid decode (a draft model proposes, the exact model verifies: same ids as greedy)
+  --draft-trunk DIR     draft trunk (k3 pack-trunk --draft-bits 8); needs --incremental
+                        and --trunk; implies --spec 4
+  --draft-trunk-gb X    draft trunk budget, pinned layers + ring (default 6)
+  --draft-topk K        experts per token in the draft model (default 4)
+  --draft-cache-only    the draft routes only among experts already in the cache and
+                        reads no expert bytes
   --tf-check            teacher-forced agreement over the --ids in one pass
 
 exit codes
@@ -119,11 +129,15 @@ FLAGS = {
     "--dump-cache-trace": ("dump_cache_trace", True), "--events": ("events", True),
     "--stream-tokens": ("stream_tokens", False), "--spec": ("spec", True),
     "--tf-check": ("tf_check", False), "--ultra-low-memory": ("ultra", False),
+    "--draft-trunk": ("draft_trunk", True), "--draft-trunk-gb": ("draft_trunk_gb", True),
+    "--draft-topk": ("draft_topk", True), "--draft-cache-only": ("draft_cache_only", False),
+    "--spec-auto": ("spec_auto", False),
 }
+DRAFT_OPTIONS = ("--draft-trunk-gb", "--draft-topk", "--draft-cache-only")
 MEMORY_FLAGS = ("--preset", "--trunk-gb", "--cache-gb")
 CHAT_ONLY = ("--system", "--history", "--no-think", "--thinking-effort")
 NOT_IN_CHAT = ("--load-state", "--save-state", "--dump-logits", "--dump-cache-trace", "--out",
-               "--spec", "--tf-check")
+               "--spec", "--tf-check", "--draft-trunk")
 MAX_STOP_IDS = 8
 
 
@@ -169,6 +183,11 @@ class Options:
     spec: str = "0"
     tf_check: bool = False
     ultra: bool = False
+    draft_trunk: str | None = None
+    draft_trunk_gb: str | None = None
+    draft_topk: str | None = None
+    draft_cache_only: bool = False
+    spec_auto: bool = False
 
     @property
     def gen_n(self) -> int:
@@ -272,8 +291,9 @@ def validate(o: Options) -> None:
         strict_int("--threads", o.threads, 1)
     strict_int("--trunk-ring", o.trunk_ring, 1, 8)
     if strict_int("--spec", o.spec, 0) and not o.incremental:
-        print("k3: --spec needs --incremental; ignored", file=sys.stderr)
+        ignored("--spec needs --incremental")
         o.spec = "0"
+    validate_draft(o)
     if o.temperature is not None and not strict_float("--temperature", o.temperature) > 0:
         raise UsageError("--temperature must be > 0")
     if o.top_p is not None and not 0 < strict_float("--top-p", o.top_p) <= 1:
@@ -288,8 +308,36 @@ def validate(o: Options) -> None:
         budgets = resolve_budgets(o.memory)
     except BudgetError as e:
         raise UsageError(str(e)) from None
+    if budgets.ultra and o.draft_trunk:                 # (it implies --spec: say which)
+        raise UsageError("--ultra-low-memory cannot be combined with --draft-trunk")
     if budgets.ultra and int(o.spec):
         raise UsageError("--ultra-low-memory cannot be combined with --spec")
+
+
+def ignored(why: str) -> None:
+    print(f"k3: {why}; ignored", file=sys.stderr)
+
+
+def validate_draft(o: Options) -> None:
+    """Hybrid decode's options: values are checked even when the option ends up ignored
+    (a typo is an error, not a silent no-op); --draft-trunk without --incremental and
+    --trunk is ignored with a warning, as the reference does, and implies --spec 4."""
+    if o.draft_trunk_gb is not None and strict_float("--draft-trunk-gb", o.draft_trunk_gb) < 0:
+        raise UsageError("--draft-trunk-gb must be >= 0")
+    if o.draft_topk is not None:
+        strict_int("--draft-topk", o.draft_topk, 1)
+    if o.draft_trunk and not (o.incremental and o.trunk):
+        ignored("--draft-trunk needs --incremental and --trunk")
+        o.draft_trunk = None
+    if not o.draft_trunk:
+        for f in DRAFT_OPTIONS:
+            if f in o.given:
+                ignored(f"{f} needs --draft-trunk")
+    elif not int(o.spec):
+        o.spec = "4"
+    if o.spec_auto and not int(o.spec):
+        ignored("--spec-auto needs --spec or --draft-trunk")
+        o.spec_auto = False
 
 
 def make_sampler(o: Options):
@@ -377,6 +425,7 @@ class Prepared:
     tok: object
     ids: list[int]
     lm: object
+    draft: object = None            # hybrid decode's DraftModel
 
 
 def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
@@ -398,6 +447,9 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
     for i in ids + o.stop_ids:
         if i >= cfg.vocab:
             raise UsageError(f"token id {i} is outside the vocabulary of {cfg.vocab}")
+    draft_topk = min(DEFAULT_DRAFT_TOPK, cfg.topk) if o.draft_topk is None else int(o.draft_topk)
+    if o.draft_trunk and draft_topk > cfg.topk:
+        raise UsageError(f"--draft-topk {draft_topk} exceeds the model's top-{cfg.topk}")
     gen = o.gen_n
     positions = positions_extra + len(ids) + gen + 1
     if positions > MAX_POSITIONS:
@@ -410,7 +462,7 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
     budgets = resolve_budgets(o.memory)
     print()
 
-    setup = open_model(o.model_dir, cfg, nl, o.trunk)
+    setup = open_model(o.model_dir, cfg, nl, o.trunk, o.draft_trunk)
     print(f"indexed {len(setup.ck)} tensors from {len(setup.ck.shards)} shards in "
           f"{setup.index_seconds:.2f} s")
     for note in setup.ck.notes:
@@ -421,7 +473,8 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
                     trunk_gb=AUTO if budgets.auto else budgets.trunk_gb,
                     cache_gb=budgets.cache_gb, trunk_ring=int(o.trunk_ring), ultra=budgets.ultra,
                     streamed=bool(o.trunk), incremental=o.incremental or o.chat,
-                    positions=positions, available_bytes=probe, layers=nl)
+                    positions=positions, available_bytes=probe, layers=nl,
+                    draft_sizes=setup.draft_sizes, draft_gb=draft_gb(o))
     if the_plan.preset_line():
         print(the_plan.preset_line())
     if the_plan.auto is not None:
@@ -481,7 +534,18 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
     print(f"recurrent state: one {human(lm.model.new_state(0, True).nbytes())} slot, cleared "
           f"and reused across {nl} layers" if one_slot else
           f"recurrent state for {nl} layers: {human(lm.model.new_state(0).nbytes())}")
-    return Prepared(cfg, nl, tok, ids, lm)
+    draft = None
+    if o.draft_trunk:
+        draft = load_draft(lm, setup, the_plan, positions, draft_topk, o.draft_cache_only)
+        dm, dt = setup.draft_manifest, draft.trunk
+        kind = f"{dm.draft['bits']}-bit derived" if dm.draft else "NOT quantised: exact weights"
+        print(f"draft trunk: {human(dm.total_bytes())} ({kind}), pinned {len(dt.pinned)}/{nl} "
+              f"layers, ring {dt.nslot} slots")
+    return Prepared(cfg, nl, tok, ids, lm, draft)
+
+
+def draft_gb(o: Options) -> float:
+    return DEFAULT_DRAFT_TRUNK_GB if o.draft_trunk_gb is None else float(o.draft_trunk_gb)
 
 
 class PlanRefused(Exception):
@@ -528,24 +592,32 @@ def run(o: Options, events: Events) -> int:
     gen = o.gen_n
     if o.tf_check:
         return tf_check(o, p)
-    if int(o.spec):
-        print(f"speculative decode: up to {min(int(o.spec), 8)} drafted tokens per sweep, "
-              f"n-gram lookup, verified batched")
     state = None
     if o.load_state:
         from .statefile import load_state
         t0 = time.monotonic()
         state = lm.model.new_state(len(prior) + len(p.ids) + gen + 1)
         prior = load_state(o.load_state, state)
+        restored = (f"restored {state.n_cached} positions in {time.monotonic() - t0:.2f} s: "
+                    f"decode continues without re-reading the prior context")
         print(f"resuming from {o.load_state}: {state.n_cached} prior positions, {len(p.ids)} new")
-        print(f"restored {state.n_cached} positions in {time.monotonic() - t0:.2f} s: decode "
-              f"continues without re-reading the prior context")
-    if o.incremental:
+    if o.incremental:                              # the order of SYSTEM §7.1
         positions = len(prior) + len(p.ids) + gen + 1
         per_pos = 4 * sum(cfg.n_heads * (cfg.qk_nope + cfg.v_head) + cfg.qk_rope
                           for L in range(p.nl) if cfg.is_mla(L))
         print(f"incremental decode: KV cache {human(per_pos * positions)}"
               f" for {sum(cfg.is_mla(L) for L in range(p.nl))} MLA layers at {positions} positions")
+    if o.load_state:
+        print(restored)
+    if p.draft is not None:
+        print(f"hybrid decode: draft trunk {o.draft_trunk} ({draft_gb(o):.2f} GB budget) "
+              f"proposes up to {min(int(o.spec), 8)} tokens per sweep; the exact model "
+              f"verifies them batched (draft routes top-{p.draft.model.router.k} "
+              f"{'among cached experts only' if o.draft_cache_only else 'through the cache'}"
+              f"{'; adaptive width' if o.spec_auto else ''})")
+    elif int(o.spec):
+        print(f"speculative decode: up to {min(int(o.spec), 8)} drafted tokens per sweep, "
+              f"n-gram lookup, verified batched{'; adaptive width' if o.spec_auto else ''}")
     print()
     print(STEP_HEADER)
     print(RULE)
@@ -576,7 +648,7 @@ def run(o: Options, events: Events) -> int:
     with Interrupts(cancel):
         res = generate(lm, p.ids, gen, o.incremental, on_step, o.stop_ids, sampler, cancel,
                        state, prior, on_step_start=lambda g: lm.experts.reset_step(),
-                       spec=int(o.spec))
+                       spec=int(o.spec), proposer=p.draft, spec_auto=o.spec_auto)
     return finish(o, lm, p, res, events)
 
 
@@ -624,6 +696,14 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
                       f"{time.monotonic() - t0:.2f} s")
             except StateFileError as e:
                 print(f"k3: {e}", file=sys.stderr)
+    sp = res.spec
+    if p.draft is not None:
+        print(f"hybrid decode: {sp.rounds} rounds, {sp.drafted} drafted, {sp.accepted} accepted "
+              f"({100 * sp.accepted / max(sp.drafted, 1):.1f}%), mean accepted run "
+              f"{sp.mean_run:.2f}")
+        print(f"  draft model: {p.draft.seconds:.1f} s of {res.wall_seconds:.1f} s wall in "
+              f"{p.draft.steps} forward calls; draft trunk read "
+              f"{p.draft.trunk.bytes_read / 1e9:.2f} GB")
     print(RULE)
     if n:
         print(f"{n} tokens in {res.wall_seconds:.1f} s, {res.wall_seconds / n:.2f} s/token average")
@@ -631,8 +711,7 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
         print(f"prefill only: {res.state.n_cached if res.state else 0} positions cached, "
               f"0 tokens generated")
     print(f"generated ids: {','.join(str(i) for i in res.generated_ids)}")
-    sp = res.spec
-    if sp.rounds:
+    if sp.rounds and p.draft is None:
         print(f"speculative decode: {sp.rounds} sweeps, {sp.drafted} drafted, {sp.accepted} "
               f"accepted ({100 * sp.accepted / max(sp.drafted, 1):.1f}%)")
     text = None
@@ -665,11 +744,9 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
                   ultra_low_memory=lm.ultra, stopped_at=res.stopped_at,
                   interrupted=res.interrupted, generated_text=text)
     code = EXIT_OK
-    extra = (f',"spec_rounds":{sp.rounds},"spec_drafted":{sp.drafted},'
-             f'"spec_accepted":{sp.accepted}}}\n').encode() if int(o.spec) else b""
+    extra = spec_keys(o, p, res)
     try:
-        line = out_line(values)
-        write_atomic(o.out, line[:-2] + extra if extra else line)
+        write_atomic(o.out, out_line(values, extra))
         print(f"wrote {o.out}")
     except OSError as e:
         print(f"cannot write {o.out}: {e.strerror}", file=sys.stderr)
@@ -692,10 +769,12 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
               f"reads {tr.misses}")
         rate = tr.bytes_read / tr.read_seconds / 1e6 if tr.read_seconds > 0 else 0.0
         print(f"  read {tr.bytes_read / 1e9:.2f} GB in {tr.read_seconds:.2f} s ({rate:.0f} MB/s)")
-    summary = dict(values, generated_text=None if text is None else
+    summary = dict(values, **extra, generated_text=None if text is None else
                    text.decode("utf-8", errors="replace"), io_share=io_s / res.wall_seconds
                    if res.wall_seconds > 0 else 0.0)
     events.emit("summary", **summary)
+    if p.draft is not None:
+        p.draft.close()
     lm.close()
     if res.expert_drop is not None:              # 4 > 3 > 5 > 0 (SYSTEM §6.5)
         print(f"RUN INVALID: {res.expert_drop}; the affected token was not emitted",
@@ -704,6 +783,24 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     if code == EXIT_OK and res.interrupted:
         code = EXIT_INTERRUPTED
     return code
+
+
+def spec_keys(o: Options, p: Prepared, res: RunResult) -> dict:
+    """The SF extension keys of --out for speculative and hybrid decode (readers ignore
+    unknown keys, SYSTEM §6.7)."""
+    if not int(o.spec):
+        return {}
+    sp = res.spec
+    keys = dict(spec_rounds=sp.rounds, spec_drafted=sp.drafted, spec_accepted=sp.accepted)
+    if p.draft is not None:
+        keys.update(draft_trunk=o.draft_trunk, draft_trunk_gb=draft_gb(o),
+                    draft_topk=p.draft.model.router.k, draft_cache_only=o.draft_cache_only,
+                    draft_seconds=round(p.draft.seconds, 4), draft_forwards=p.draft.steps,
+                    draft_trunk_bytes_read=p.draft.trunk.bytes_read)
+    if o.spec_auto:
+        keys.update(spec_auto=True, spec_auto_final_width=sp.width,
+                    spec_auto_mean_width=round(sp.width_sum / max(sp.rounds, 1), 4))
+    return keys
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,24 +35,29 @@ def json_bytes(b: bytes) -> bytes:
     return bytes(out)
 
 
-def out_line(values: dict) -> bytes:
-    """One line, keys in the §6.7 order, no spaces, the reference's number formats."""
-    parts = []
-    for k in OUT_KEYS:
-        v = values[k]
-        if k == "peak_rss_bytes":
-            s = f"{v:.0f}".encode()
-        elif k in ("wall_seconds", "seconds_per_token"):
-            s = f"{v:.4f}".encode()
-        elif isinstance(v, bool):
-            s = b"true" if v else b"false"
-        elif isinstance(v, (list, tuple)):
-            s = ("[" + ",".join(str(int(i)) for i in v) + "]").encode()
-        elif v is None:
-            s = b"null"
-        elif isinstance(v, bytes):
-            s = json_bytes(v)
-        else:
-            s = str(int(v)).encode()
-        parts.append(b'"' + k.encode() + b'":' + s)
+def out_line(values: dict, extra: dict | None = None) -> bytes:
+    """One line, keys in the §6.7 order, no spaces, the reference's number formats; then
+    the `extra` keys (SF extensions) in their given order."""
+    parts = [b'"' + k.encode() + b'":' + _value(k, values[k]) for k in OUT_KEYS]
+    parts += [b'"' + k.encode() + b'":' + _value(k, v) for k, v in (extra or {}).items()]
     return b"{" + b",".join(parts) + b"}\n"
+
+
+def _value(k: str, v) -> bytes:
+    if k == "peak_rss_bytes":
+        return f"{v:.0f}".encode()
+    if k in ("wall_seconds", "seconds_per_token"):
+        return f"{v:.4f}".encode()
+    if isinstance(v, bool):
+        return b"true" if v else b"false"
+    if isinstance(v, (list, tuple)):
+        return ("[" + ",".join(str(int(i)) for i in v) + "]").encode()
+    if v is None:
+        return b"null"
+    if isinstance(v, bytes):
+        return json_bytes(v)
+    if isinstance(v, str):
+        return json_bytes(v.encode("utf-8", errors="surrogateescape"))
+    if isinstance(v, float):
+        return repr(v).encode()
+    return str(int(v)).encode()
