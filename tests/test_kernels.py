@@ -410,6 +410,35 @@ def test_matvec_bf16_equals_f32_bitwise():
     assert_bitwise("matvec bf16 vs f32 129x257 (cancelling data)", mv(Wcb, x[None]), mv(Wc, x[None]))
 
 
+def test_i8r_matvec_order_and_threads():
+    """A draft trunk's int8 rows: the 16-lane double order of the float paths with the row
+    scale applied after the sum (one rounding), so int8 values widened to float32 through
+    the f32 matvec give the same sum; 1 and 2 threads and batch vs one token agree."""
+    r = rng(88)
+    for rows, n in ((129, 257), (33, 15), (300, 2048 + 3)):
+        q = r.integers(-127, 128, (rows, n)).astype(np.int8)
+        s = (r.random(rows) + 0.01).astype(np.float32)
+        X = rand_f32(r, (3, n))
+        Y = np.empty((3, rows), np.float32)
+        K.i8r_matvec(q, s, X, Y)
+        sums = np.stack([ref_matvec(q.astype(np.float32), x).astype(np.float64) for x in X])
+        # the kernel keeps the double sum and rounds once, after the scale
+        plain = np.empty_like(Y)
+        K.i8r_matvec(q, np.ones(rows, np.float32), X, plain)
+        assert_bitwise(f"i8r {rows}x{n} unit scales vs exact-order ref", plain,
+                       sums.astype(np.float32))
+        assert np.max(np.abs(Y - sums * s) / (np.abs(sums * s) + 1e-30)) < 1e-6
+        one = np.empty_like(Y)
+        with threads(1):
+            K.i8r_matvec(q, s, X, one)
+        single = np.empty((1, rows), np.float32)
+        K.i8r_matvec(q, s, X[1:2], single)
+        assert_bitwise(f"i8r {rows}x{n} 1 vs 2 threads", one, Y)
+        assert_bitwise(f"i8r {rows}x{n} one token vs batch", single[0], Y[1])
+    with pytest.raises(ValueError):
+        K.i8r_matvec(q, s[:-1], X, Y)
+
+
 # ---- 2. MXFP4 --------------------------------------------------------------------------------
 
 def _mxfp4_fixture():

@@ -11,7 +11,7 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
 * No FMA: the build passes -ffp-contract=off (setup.py).
 """
 from libc.math cimport expf, tanhf, sqrt, sqrtf, ldexp
-from libc.stdint cimport uint8_t, uint16_t, int32_t, int64_t, uint64_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, free
 from cython.parallel cimport prange, parallel
 import numpy as np
@@ -20,6 +20,7 @@ cdef extern from "k3dot.h" nogil:
     double k3_dot_f32(const float *w, const double *x, long n)
     double k3_dot_bf16(const uint16_t *w, const double *x, long n)
     double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const double *x, long n)
+    double k3_dot_i8(const int8_t *w, const double *x, long n)
     float k3_bf16_to_f32(uint16_t b)
     void k3_set_simd(int on)
     int k3_avx2()
@@ -143,6 +144,24 @@ def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
         for o in prange(nout, num_threads=nt, schedule="static"):
             for t in range(T):
                 Y[t, o] = <float>k3_dot_mxfp4(&P[o, 0], &S[o, 0], &Xd[t, 0], n)
+
+
+def i8r_matvec(const int8_t[:, ::1] Q, const float[::1] S, const float[:, ::1] X,
+               float[:, ::1] Y):
+    """Y[t, o] = S[o] * sum_i Q[o, i] * X[t, i]: int8 rows with one float32 scale each
+    (a draft trunk's I8R matrices), the sum in the 16-lane double order."""
+    cdef Py_ssize_t o, t, nout = Q.shape[0], n = Q.shape[1], T = X.shape[0]
+    if S.shape[0] != nout:
+        raise ValueError(f"I8R scales [{S.shape[0]}] do not fit rows [{nout}]")
+    _check_mv(nout, n, X, Y)
+    cdef int nt = _threads_for(nout * n * T)
+    if nout == 0 or T == 0:
+        return
+    cdef double[:, ::1] Xd = _widened(X)
+    with nogil:
+        for o in prange(nout, num_threads=nt, schedule="static"):
+            for t in range(T):
+                Y[t, o] = <float>(<double>S[o] * k3_dot_i8(&Q[o, 0], &Xd[t, 0], n))
 
 
 def mxfp4_dequant(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S):

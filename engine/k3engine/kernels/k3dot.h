@@ -60,6 +60,20 @@ static double k3_dot_bf16_scalar(const uint16_t *w, const double *x, long n) {
     return acc;
 }
 
+/* I8R rows (a draft trunk's int8 container): the same 16-lane double order; the row's
+ * scale is applied by the caller after the sum.  A draft only proposes, so this has no
+ * hand-written AVX2 twin: -O3 vectorises the lanes, and the order (hence the bits) is the
+ * same either way. */
+static double k3_dot_i8(const int8_t *w, const double *x, long n) {
+    double a[16] = {0};
+    long nfull = n & ~15L, i;
+    for (i = 0; i < nfull; i += 16)
+        for (int l = 0; l < 16; l++) a[l] += (double)w[i + l] * x[i + l];
+    double acc = k3_tree16(a);
+    for (; i < n; i++) acc += (double)w[i] * x[i];
+    return acc;
+}
+
 #if K3_HAVE_AVX2_PATH
 /* Lane l of the scalar form lives in vector l/4, element l%4 (v0 = lanes 0-3, v1 = 4-7,
  * v2 = 8-11, v3 = 12-15).  The tree b[l] = (a[l]+a[l+4]) + (a[l+8]+a[l+12]) is then
