@@ -19,7 +19,7 @@ from k3engine.memory import plan
 from k3engine.model import Model
 from k3engine.session import generate, load_draft, load_model, open_model
 from k3engine.speculative import SpecWidth
-from k3engine.trunk import TrunkError, pack_trunk, qdq_bf16_rows
+from k3engine.trunk import TrunkError, draft_quantised, pack_trunk, qdq_bf16_rows
 from test_cli import GOLDEN
 
 PROMPT, WANT = GOLDEN["prompt_ids"], GOLDEN["generated_ids"]
@@ -79,14 +79,15 @@ def tiny(tmp_path_factory):
 def trunks(tiny, tmp_path_factory):
     base = tmp_path_factory.mktemp("draft")
     exact = pack_trunk(tiny, str(base / "exact"))
-    d8 = pack_trunk(tiny, str(base / "d8"), draft_bits=8)
-    d2 = pack_trunk(tiny, str(base / "d2"), draft_bits=2)
-    return exact, d8, d2
+    d8 = pack_trunk(tiny, str(base / "d8"), draft_bits=8)                 # I8R, the default
+    d2 = pack_trunk(tiny, str(base / "d2"), draft_bits=2, draft_format="bf16")
+    q8 = pack_trunk(tiny, str(base / "q8"), draft_bits=8, draft_format="bf16")
+    return exact, d8, d2, q8
 
 
-def test_draft_trunk_layout_equals_the_exact_trunk(trunks):
-    exact, d8, _ = trunks
-    assert exact.draft is None and d8.draft == {"method": "qdq", "bits": 8,
+def test_bf16_draft_trunk_layout_equals_the_exact_trunk(trunks):
+    exact, _, _, d8 = trunks
+    assert exact.draft is None and d8.draft == {"method": "qdq", "bits": 8, "format": "bf16",
                                                 "granularity": "row", "source": "tiny"}
     eb = open(exact.bin_path, "rb").read()
     db = open(d8.bin_path, "rb").read()
@@ -97,14 +98,64 @@ def test_draft_trunk_layout_equals_the_exact_trunk(trunks):
         for name, t in le.tensors.items():
             a = eb[le.file_off + t.off:le.file_off + t.off + t.nbytes]
             b = db[le.file_off + t.off:le.file_off + t.off + t.nbytes]
-            matrix = t.dtype == "BF16" and len(t.shape) == 2 and min(t.shape) > 1
-            if matrix:
+            if draft_quantised(_Named(name, t)):
                 changed += a != b
             else:
                 assert a == b, f"{name} is not a matrix and must be copied verbatim"
                 same += 1
-    print(f"[gate] draft trunk: {changed} matrices quantised, {same} other tensors verbatim")
+    print(f"[gate] BF16 draft trunk: {changed} matrices quantised, {same} other tensors "
+          f"verbatim (router included)")
     assert changed > 20 and same > 20
+
+
+class _Named:
+    def __init__(self, name, t):
+        self.name, self.dtype, self.shape = name, t.dtype, t.shape
+
+
+def test_i8r_draft_trunk_holds_int8_rows_of_the_same_values(trunks):
+    """The I8R container stores exactly the integers and scales whose products the BF16
+    draft holds (up to that format's rounding to BF16); vectors and routers verbatim."""
+    exact, d8, _, q8 = trunks
+    assert d8.draft["format"] == "i8r" and d8.draft["method"] == "int8"
+    eb, db, qb = (open(m.bin_path, "rb").read() for m in (exact, d8, q8))
+    n_i8r = 0
+    for L, (le, ld, lq) in enumerate(zip(exact.layers, d8.layers, q8.layers)):
+        assert set(le.tensors) == set(ld.tensors)
+        for name, t in le.tensors.items():
+            d = ld.tensors[name]
+            raw = db[ld.file_off + d.off:ld.file_off + d.off + d.nbytes]
+            if d.dtype == "I8R":
+                n_i8r += 1
+                rows, cols = t.shape
+                assert d.shape == t.shape and d.nbytes == 4 * rows + rows * cols
+                scale = np.frombuffer(raw[:4 * rows], np.float32)
+                q = np.frombuffer(raw[4 * rows:], np.int8).reshape(rows, cols)
+                assert np.abs(q).max() <= 127
+                u = np.frombuffer(qb[lq.file_off + t.off:lq.file_off + t.off + t.nbytes],
+                                  np.uint16).reshape(rows, cols)
+                assert np.array_equal(_bf16(q.astype(np.float32) * scale[:, None]), u)
+            else:
+                assert d.dtype == t.dtype and not draft_quantised(_Named(name, t))
+                assert raw == eb[le.file_off + t.off:le.file_off + t.off + t.nbytes]
+    ratio = d8.total_bytes() / exact.total_bytes()
+    print(f"[gate] I8R draft trunk: {n_i8r} int8 matrices, {ratio:.2f} x the exact trunk's "
+          f"bytes; int8 x scale equals the BF16 draft's values")
+    assert n_i8r > 20 and ratio < 0.7
+
+
+def test_i8r_outside_a_draft_trunk_is_refused(trunks, tmp_path):
+    src = trunks[1].trunk_dir
+    d = tmp_path / "bad"
+    d.mkdir()
+    os.link(os.path.join(src, "trunk.bin"), d / "trunk.bin")
+    j = json.load(open(os.path.join(src, "trunk.json")))
+    del j["draft"]
+    (d / "trunk.json").write_text(json.dumps(j))
+    from k3engine.trunk import TrunkManifest
+    with pytest.raises(CheckpointError, match="dtype 'I8R', which this reader does not decode "
+                                              "outside a draft trunk"):
+        TrunkManifest.load(str(d))
 
 
 def test_exact_model_refuses_a_draft_trunk(tiny, trunks):
@@ -197,8 +248,8 @@ def test_cache_only_routing_picks_resident_experts_and_reads_nothing(exact_lm):
 
 def _hybrid(tiny, trunks, which: str, spec=4, topk=2, cache_only=False, auto=False,
             mutate=None):
-    exact, d8, d2 = trunks
-    draft_dir = {"exact": exact, "8-bit": d8, "2-bit": d2}[which].trunk_dir
+    exact, d8, d2, q8 = trunks
+    draft_dir = {"exact": exact, "8-bit": d8, "2-bit": d2, "8-bit bf16": q8}[which].trunk_dir
     lm = _load(tiny, exact.trunk_dir, draft_dir)
     try:
         draft = load_draft(lm, lm.setup, lm.plan, len(PROMPT) + len(WANT) + 1, topk,
@@ -215,6 +266,7 @@ def _hybrid(tiny, trunks, which: str, spec=4, topk=2, cache_only=False, auto=Fal
 
 @pytest.mark.parametrize("which,cache_only,auto", [
     ("exact", False, False), ("8-bit", False, False), ("8-bit", True, False),
+    ("8-bit bf16", False, False),
     ("2-bit", False, False), ("8-bit", False, True), ("exact", True, True)])
 def test_hybrid_ids_equal_greedy(tiny, trunks, which, cache_only, auto):
     res, draft = _hybrid(tiny, trunks, which, cache_only=cache_only, auto=auto)

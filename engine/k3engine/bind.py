@@ -58,6 +58,8 @@ class Binder:
         shape = (t.shape[0], _numel(t.shape[1:]))
         if info.dtype == "BF16":
             return src.read(t.name).reshape(shape)
+        if info.dtype == "I8R":                          # a draft trunk's int8 rows
+            return src.read(t.name)
         if info.dtype in ("F32", "F16"):
             return src.read_f32(t.name).reshape(shape)
         raise BindError(f"{info.path}: {t.name} has dtype {info.dtype}, expected a float "

@@ -30,9 +30,10 @@ from .bind import Binder
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, widen_bf16
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
 from .names import PREFIX
-from .weights import LayerWeights, ModelTables
+from .weights import I8R, LayerWeights, ModelTables
 
 TRUNK_BIN, TRUNK_JSON = "trunk.bin", "trunk.json"
+DRAFT_FORMATS = ("i8r", "bf16")
 COPY_CHUNK = 64 << 20
 ELEM = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
 NP_DTYPE = {"U8": np.uint8, "BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -111,20 +112,25 @@ def _tensor_map(infos: list[TensorInfo], lo: int) -> dict:
 def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                progress: Callable[[int, int, int], None] | None = None,
                cancel: Callable[[], bool] | None = None,
-               draft_bits: int | None = None) -> "TrunkManifest":
+               draft_bits: int | None = None, draft_format: str = "i8r") -> "TrunkManifest":
     """Write trunk.bin + trunk.json.  `progress(layers_done, bytes_done, bytes_total)`;
     `cancel()` returning True stops the pack.  Atomic: files appear under their final
     names only when complete, trunk.json last, so a cancelled or failed pack never leaves
     a pair that looks valid.
 
     `draft_bits` packs a DRAFT trunk instead (hybrid decode, `--draft-trunk`): every BF16
-    matrix is quantised per row to `draft_bits`-bit integers and dequantised back to BF16
-    (same layout, same dtypes, so it binds like the real trunk), and trunk.json says so."""
+    matrix but the router is quantised per row to `draft_bits`-bit integers, stored as
+    int8 rows + float32 scales (`draft_format` "i8r": dtype I8R, half the bytes) or
+    dequantised back to BF16 ("bf16": the same layout as the exact trunk); trunk.json
+    says so in its "draft" entry."""
+    if draft_format not in DRAFT_FORMATS:
+        raise ValueError(f"draft format must be one of {DRAFT_FORMATS}, got {draft_format!r}")
     from .config import load_config
     cfg = load_config(os.path.join(model_dir, "config.json"))
     n = cfg.n_layers if n_layers is None else n_layers
     draft = None if draft_bits is None else {
-        "method": "qdq", "bits": int(draft_bits), "granularity": "row",
+        "method": "qdq" if draft_format == "bf16" else "int8", "bits": int(draft_bits),
+        "format": draft_format, "granularity": "row",
         "source": os.path.basename(os.path.abspath(model_dir))}
     with Checkpoint(model_dir) as ck:
         runs = trunk_runs(ck, n)
@@ -163,15 +169,15 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                                 progress(L, done, total)
                     finally:
                         os.close(fd)
+                    size, tensors = own, layers[L]
                     if draft:
-                        for t in infos:
-                            if t.dtype == "BF16" and len(t.shape) == 2 and min(t.shape) > 1:
-                                qdq_bf16_rows(run, t.offset - lo, t.shape, draft_bits)
+                        run, tensors = _draft_run(run, infos, lo, draft_bits, draft_format)
                         out.write(run)
+                        size = len(run)
                     out.write(b"\0" * (-out.tell() % ALIGN))   # an O_DIRECT read never passes EOF
                     manifest["layers"].append({
                         "layer": L, "shard": os.path.basename(ck.shards[shard]), "run_start": lo,
-                        "nbytes": align_up(own), "file_off": file_off, "tensors": layers[L]})
+                        "nbytes": align_up(size), "file_off": file_off, "tensors": tensors})
                     if progress:
                         progress(L + 1, done, total)
                 out.flush()
@@ -193,18 +199,66 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
     return TrunkManifest.load(trunk_dir)
 
 
-def qdq_bf16_rows(run: bytearray, off: int, shape: tuple[int, ...], bits: int) -> None:
-    """Quantise a BF16 matrix in place to symmetric per-row `bits`-bit integers and back
-    (round half to even both ways).  An all-zero row stays zero."""
-    rows, cols = int(shape[0]), int(np.prod(shape[1:]))
-    u = np.frombuffer(run, dtype=np.uint16, count=rows * cols, offset=off).reshape(rows, cols)
+def draft_quantised(t) -> bool:
+    """Which trunk tensors a draft quantises: the BF16 matrices, except the router (its
+    scores decide which experts the draft reads; ~1 % of the trunk)."""
+    return (t.dtype == "BF16" and len(t.shape) == 2 and min(t.shape) > 1
+            and not t.name.endswith(".block_sparse_moe.gate.weight"))
+
+
+def quantise_rows(u: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """BF16 bits [rows, n] -> symmetric per-row integers in [-(2^(b-1)-1), 2^(b-1)-1]
+    (int8, round half to even) and their float32 scales; an all-zero row gets scale 0."""
     x = (u.astype(np.uint32) << 16).view(np.float32)
     qmax = float((1 << (bits - 1)) - 1)
-    scale = (np.abs(x).max(axis=1, keepdims=True) / np.float32(qmax)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    y = (np.clip(np.rint(x / safe), -qmax, qmax) * scale).astype(np.float32)
-    b = y.view(np.uint32)
+    scale = (np.abs(x).max(axis=1) / np.float32(qmax)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))[:, None]
+    q = np.clip(np.rint(x / safe), -qmax, qmax).astype(np.int8)
+    return q, scale
+
+
+def qdq_bf16_rows(run: bytearray, off: int, shape: tuple[int, ...], bits: int) -> None:
+    """Quantise a BF16 matrix in place per row and dequantise it back to BF16 (round to
+    nearest even)."""
+    rows, cols = int(shape[0]), int(np.prod(shape[1:]))
+    u = np.frombuffer(run, dtype=np.uint16, count=rows * cols, offset=off).reshape(rows, cols)
+    q, scale = quantise_rows(u, bits)
+    b = (q.astype(np.float32) * scale[:, None]).view(np.uint32)
     u[...] = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def i8r_nbytes(shape) -> int:
+    """I8R tensor bytes: one float32 scale per row, then the int8 rows."""
+    rows, cols = int(shape[0]), int(np.prod(shape[1:]))
+    return 4 * rows + rows * cols
+
+
+def tensor_nbytes(dtype: str, shape) -> int:
+    if dtype == "I8R":
+        return i8r_nbytes(shape) if len(shape) >= 2 else -1
+    return int(np.prod(shape, dtype=np.int64)) * ELEM[dtype]
+
+
+def _draft_run(run: bytearray, infos: list[TensorInfo], lo: int, bits: int,
+               fmt: str) -> tuple[bytearray, dict]:
+    """One layer's run and tensor map in a draft trunk."""
+    tensors = _tensor_map(infos, lo)
+    if fmt == "bf16":
+        for t in filter(draft_quantised, infos):
+            qdq_bf16_rows(run, t.offset - lo, t.shape, bits)
+        return run, tensors
+    out = bytearray()
+    for t in sorted(infos, key=lambda t: t.offset):
+        out += b"\0" * (-len(out) % 64)
+        src = memoryview(run)[t.offset - lo:t.offset - lo + t.nbytes]
+        entry = tensors[t.name] = dict(tensors[t.name], off=len(out))
+        if draft_quantised(t):
+            q, scale = quantise_rows(np.frombuffer(src, np.uint16).reshape(t.shape), bits)
+            out += scale.astype("<f4").tobytes() + q.tobytes()
+            entry.update(dtype="I8R", nbytes=i8r_nbytes(t.shape))
+        else:
+            out += src
+    return out, dict(sorted(tensors.items()))
 
 
 def _refuse_other_model(trunk_dir: str, layers: list[dict], draft: bool) -> None:
@@ -233,6 +287,8 @@ def _first_mismatch(have: dict[str, TrunkTensor], want: dict[str, dict]) -> str 
         if name not in want:
             return f"{name} is not in the checkpoint"
         h, w = have[name], want[name]
+        if h.dtype == "I8R" and w["dtype"] == "BF16":     # a draft's int8 form of the matrix
+            w = dict(w, dtype="I8R", nbytes=i8r_nbytes(w["shape"]))
         if (h.dtype, list(h.shape), h.nbytes) != (w["dtype"], list(w["shape"]), w["nbytes"]):
             return (f"{name} is {h.dtype} {list(h.shape)} in the trunk, {w['dtype']} "
                     f"{list(w['shape'])} in the checkpoint")
@@ -282,6 +338,10 @@ class TrunkManifest:
         except OSError:
             raise TrunkError(f"{bp}: missing trunk.bin beside trunk.json", bp) from None
         align = raw.get("align", 0) if isinstance(raw.get("align", 0), int) else 0
+        draft = raw.get("draft")
+        if draft is not None and not (isinstance(draft, dict) and isinstance(draft.get("bits"), int)):
+            raise bad("has a malformed 'draft' entry")
+        dtypes = set(ELEM) | ({"I8R"} if draft else set())   # int8 rows: drafts only
         layers, prev_end = [], 0
         for i, e in enumerate(raw["layers"]):
             if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict):
@@ -304,22 +364,19 @@ class TrunkManifest:
                                      tuple(int(d) for d in t.get("shape", [])))
                 except (KeyError, TypeError, ValueError):
                     raise bad(f"layer {i}: tensor {name} entry is malformed") from None
-                if tt.dtype not in ELEM:
+                if tt.dtype not in dtypes:
                     raise bad(f"layer {i}: tensor {name} has dtype {tt.dtype!r}, which this "
-                              f"reader does not decode")
+                              f"reader does not decode{' outside a draft trunk' if tt.dtype == 'I8R' else ''}")
                 if tt.off < 0 or tt.off + tt.nbytes > nb:
                     raise bad(f"layer {i}: tensor {name} lies outside its run")
-                if int(np.prod(tt.shape, dtype=np.int64)) * ELEM[tt.dtype] != tt.nbytes:
+                if tensor_nbytes(tt.dtype, tt.shape) != tt.nbytes:
                     raise bad(f"layer {i}: tensor {name} is {tt.nbytes} bytes but its shape "
-                              f"implies {int(np.prod(tt.shape)) * ELEM[tt.dtype]}")
+                              f"implies {tensor_nbytes(tt.dtype, tt.shape)}")
                 tensors[name] = tt
             if "blocks" in e:
                 raise bad(f"layer {i} uses the compressed block format, which this reader "
                           f"does not implement")
             layers.append(TrunkLayer(fo, nb, tensors))
-        draft = raw.get("draft")
-        if draft is not None and not (isinstance(draft, dict) and isinstance(draft.get("bits"), int)):
-            raise bad("has a malformed 'draft' entry")
         return cls(trunk_dir, layers, align, bin_size, draft)
 
     def check_against(self, ck: Checkpoint, n_layers: int) -> None:
@@ -357,8 +414,13 @@ class TrunkLayerSource:
                              name)
         return TensorInfo(name, t.dtype, t.shape, 0, self.path, t.off, t.nbytes)
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str) -> np.ndarray | I8R:
         t = self.info(name)
+        if t.dtype == "I8R":
+            rows = t.shape[0]
+            return I8R(np.frombuffer(self.buf, np.int8, rows * (t.nbytes // rows - 4),
+                                     t.offset + 4 * rows).reshape(rows, -1),
+                       np.frombuffer(self.buf, np.float32, rows, t.offset))
         dt = NP_DTYPE[t.dtype]
         return np.frombuffer(self.buf, dtype=dt, count=t.nbytes // ELEM[t.dtype],
                              offset=t.offset).reshape(t.shape)

@@ -2,8 +2,9 @@
 
 A large matrix ("M" class, ARCHITECTURE §3.3) is kept in its shipped form: a float32 array,
 a uint16 array of BF16 bit patterns (widened inside the matvec), or an `MXFP4` pair of
-packed nibbles + E8M0 scales.  `mv` is the one matvec entry point for all three, so the
-same forward pass runs on op-fixture float32 weights, BF16 checkpoints and MXFP4 experts.
+packed nibbles + E8M0 scales (and, in a draft trunk only, `I8R` int8 rows + scales).  `mv`
+is the one matvec entry point for all of them, so the same forward pass runs on op-fixture
+float32 weights, BF16 checkpoints, MXFP4 experts and draft trunks.
 
 The forward pass asks a `WeightProvider` for a layer's weights (then releases it) and an
 `ExpertSource` for one routed expert; resident, streamed and cached implementations can
@@ -29,7 +30,18 @@ class MXFP4:
         return (self.packed.shape[0], self.packed.shape[1] * 2)
 
 
-Matrix = Union[np.ndarray, MXFP4]
+@dataclass(frozen=True)
+class I8R:
+    """A draft trunk's int8 matrix: q [rows, n] int8, one float32 scale per row."""
+    q: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+
+Matrix = Union[np.ndarray, MXFP4, I8R]
 
 
 def mv(W: Matrix, X: np.ndarray, Y: np.ndarray | None = None) -> np.ndarray:
@@ -39,6 +51,8 @@ def mv(W: Matrix, X: np.ndarray, Y: np.ndarray | None = None) -> np.ndarray:
         Y = np.empty((X.shape[0], W.shape[0]), dtype=np.float32)
     if isinstance(W, MXFP4):
         K.mxfp4_matvec(W.packed, W.scales, X, Y)
+    elif isinstance(W, I8R):
+        K.i8r_matvec(W.q, W.scales, X, Y)
     else:
         K.matvec(W, X, Y)
     return Y

@@ -3,8 +3,10 @@ trunk run into trunk.bin + trunk.json (SYSTEM §2.2), once, so the trunk can str
 layer.
 
 With --draft-bits B it packs a draft trunk for hybrid decode (--draft-trunk) instead: every
-BF16 matrix quantised per row to B-bit integers and dequantised back (the int8-derived
-draft of the reference at B = 8).  The exact model refuses a draft trunk as --trunk."""
+BF16 matrix but the router quantised per row to B-bit integers (the int8-derived draft of
+the reference at B = 8), stored as int8 rows + a float32 scale per row (dtype I8R, about
+half the bytes) or, with --draft-format bf16, dequantised back to BF16 in the exact
+trunk's layout.  The exact model refuses a draft trunk as --trunk."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--layers", type=int, default=None, help="layers to pack (default: all)")
     ap.add_argument("--draft-bits", type=int, default=None, metavar="B",
                     help="pack a quantised draft trunk, B-bit per row (2..8; 8 recommended)")
+    ap.add_argument("--draft-format", choices=("i8r", "bf16"), default="i8r",
+                    help="draft storage: int8 rows + scales (default) or dequantised BF16")
     a = ap.parse_args(argv)
     if a.draft_bits is not None and not 2 <= a.draft_bits <= 8:
         ap.error(f"--draft-bits {a.draft_bits} is out of range (2..8)")
@@ -36,11 +40,12 @@ def main(argv: list[str]) -> int:
             print(f"packed {layers_done} layers, {done / 1e9:.2f} GB, {dt:.0f} s "
                   f"({done / 1e6 / max(dt, 1e-9):.0f} MB/s)", flush=True)
     try:
-        m = pack_trunk(a.model_dir, a.trunk_dir, a.layers, progress, draft_bits=a.draft_bits)
+        m = pack_trunk(a.model_dir, a.trunk_dir, a.layers, progress, draft_bits=a.draft_bits,
+                       draft_format=a.draft_format)
     except (CheckpointError, ConfigError) as e:
         print(f"k3 pack-trunk: {e}", file=sys.stderr)
         return 1
-    kind = f" (draft, {a.draft_bits}-bit per row)" if a.draft_bits else ""
+    kind = f" (draft, {a.draft_bits}-bit per row, {a.draft_format})" if a.draft_bits else ""
     print(f"wrote trunk.bin{kind}: {m.total_bytes() / 1e9:.2f} GB across {len(m.layers)} "
           f"layers in {time.monotonic() - t0:.1f} s")
     print(f"largest layer run: {max(x.nbytes for x in m.layers) / 1e9:.3f} GB  <- the "
