@@ -2,11 +2,14 @@
 test; figures are reported, never asserted).
 
     python benchmarks/bench_engine.py MODEL_DIR TRUNK_DIR [--runs 3] [--gen 8] [--json PATH]
+                                      [--hybrid DRAFT_TRUNK_DIR]
 
 For every budget row it runs the real `k3` process `--runs` times (page cache dropped
 before each run when /proc/sys/vm/drop_caches is writable), and reports the median
 s/token, GB read per token, I/O share, peak RSS next to the plan's TOTAL, and the trunk
 and expert read rates next to the device's O_DIRECT read bandwidth measured here.
+With --hybrid it compares plain decode with hybrid decode (--draft-trunk) at one streamed
+budget instead, with the drafts accepted.
 """
 from __future__ import annotations
 
@@ -28,6 +31,17 @@ BUDGETS = [
     ("trunk 0.5 GB + cache 0.5 GB", ["--trunk", "{trunk}", "--trunk-gb", "0.5", "--cache-gb", "0.5"]),
     ("nothing pinned, ring 2 + cache 0.3 GB", ["--trunk", "{trunk}", "--trunk-gb", "0",
                                                "--cache-gb", "0.3"]),
+]
+
+HYBRID_BASE = ["--trunk", "{trunk}", "--trunk-gb", "0.5", "--cache-gb", "0.5"]
+HYBRID = [
+    ("plain decode", []),
+    ("exact trunk as draft, top-k of the model", ["--draft-trunk", "{trunk}", "--draft-trunk-gb",
+                                                  "2", "--draft-topk", "{topk}"]),
+    ("8-bit draft, defaults (top-4 via cache)", ["--draft-trunk", "{draft}", "--draft-trunk-gb",
+                                                 "2"]),
+    ("8-bit draft, cache-only, --spec-auto", ["--draft-trunk", "{draft}", "--draft-trunk-gb", "2",
+                                              "--draft-cache-only", "--spec-auto"]),
 ]
 
 
@@ -75,6 +89,7 @@ def run_once(model: str, args: list[str], gen: int, out: str) -> dict:
     steps = [ln for ln in p.stdout.splitlines() if re.match(r"^\d+\s+\d+\s", ln)]
     step_s = [float(ln.split()[2]) for ln in steps]
     return dict(ids=j["generated_ids"], spt=j["seconds_per_token"],
+                accepted=j.get("spec_accepted"), drafted=j.get("spec_drafted"),
                 steady=statistics.median(step_s[1:]) if len(step_s) > 1 else step_s[0],
                 read_gb=(j["trunk_bytes_read"] + j["expert_bytes_read"]) / 1e9 / max(len(steps), 1),
                 peak=j["peak_rss_bytes"], plan=plan, io=float(io.group(1)) if io else 0.0)
@@ -87,7 +102,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--hybrid", metavar="DRAFT_TRUNK_DIR")
     a = ap.parse_args()
+    budgets, topk = BUDGETS, 0
+    if a.hybrid:
+        cfg = json.load(open(os.path.join(a.model, "config.json")))
+        topk = cfg.get("text_config", cfg)["num_experts_per_token"]
+        budgets = [(name, HYBRID_BASE + args) for name, args in HYBRID]
     shard = sorted(f for f in os.listdir(a.model) if f.endswith(".safetensors"))[0]
     bw, direct = device_bandwidth(os.path.join(a.model, shard))
     dropped = drop_caches()
@@ -96,8 +117,8 @@ def main() -> int:
           f"page cache dropped between runs: {dropped}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, args in BUDGETS:
-            args = [x.format(trunk=a.trunk) for x in args]
+        for name, args in budgets:
+            args = [x.format(trunk=a.trunk, draft=a.hybrid, topk=topk) for x in args]
             runs = []
             for _ in range(a.runs):
                 drop_caches()
@@ -110,11 +131,14 @@ def main() -> int:
                        io_share=statistics.median(r["io"] for r in runs),
                        peak_rss_gb=statistics.median(r["peak"] for r in runs) / 1e9,
                        plan_gb=runs[0]["plan"] / 1e9, ids=list(next(iter(ids))),
+                       drafted=runs[0]["drafted"], accepted=runs[0]["accepted"],
                        ids_identical_across_runs=len(ids) == 1)
             rows.append(row)
             print(f"{name:40s} {row['s_per_token']:7.3f} s/tok (steady {row['steady_s_per_token']:.3f})"
                   f"  {row['gb_read_per_step']:6.2f} GB/step  I/O {row['io_share']:5.1f}%  "
-                  f"peak {row['peak_rss_gb']:5.2f} GB (plan {row['plan_gb']:5.2f})", flush=True)
+                  f"peak {row['peak_rss_gb']:5.2f} GB (plan {row['plan_gb']:5.2f})"
+                  + (f"  accepted {row['accepted']}/{row['drafted']}" if row["drafted"] else ""),
+                  flush=True)
     same = len({tuple(r["ids"]) for r in rows}) == 1
     print(f"ids identical across all budgets: {same} ({rows[0]['ids']})")
     if a.json:

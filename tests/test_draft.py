@@ -144,17 +144,23 @@ def test_i8r_draft_trunk_holds_int8_rows_of_the_same_values(trunks):
     assert n_i8r > 20 and ratio < 0.7
 
 
-def test_i8r_outside_a_draft_trunk_is_refused(trunks, tmp_path):
+@pytest.mark.parametrize("edit,message", [
+    (lambda j: j.pop("draft"), "dtype 'I8R', which this reader does not decode outside a "
+                               "draft trunk"),
+    (lambda j: j.update(draft={"bits": "eight"}), "malformed 'draft' entry"),
+])
+def test_damaged_draft_manifest_is_refused(trunks, tmp_path, edit, message):
+    """An I8R tensor only means something in a manifest that says it is a draft (else an
+    exact model could bind int8 rows); a malformed draft entry is refused outright."""
     src = trunks[1].trunk_dir
     d = tmp_path / "bad"
     d.mkdir()
     os.link(os.path.join(src, "trunk.bin"), d / "trunk.bin")
     j = json.load(open(os.path.join(src, "trunk.json")))
-    del j["draft"]
+    edit(j)
     (d / "trunk.json").write_text(json.dumps(j))
     from k3engine.trunk import TrunkManifest
-    with pytest.raises(CheckpointError, match="dtype 'I8R', which this reader does not decode "
-                                              "outside a draft trunk"):
+    with pytest.raises(CheckpointError, match=message):
         TrunkManifest.load(str(d))
 
 
@@ -174,19 +180,6 @@ def test_draft_pack_never_overwrites_an_exact_trunk(tiny, trunks, tmp_path):
         pack_trunk(tiny, str(d), draft_bits=8)
     assert {f: (d / f).read_bytes() for f in os.listdir(d)} == before
     assert exact.draft is None
-
-
-def test_malformed_draft_entry_is_refused(trunks, tmp_path):
-    src = trunks[1].trunk_dir
-    d = tmp_path / "bad"
-    d.mkdir()
-    os.link(os.path.join(src, "trunk.bin"), d / "trunk.bin")
-    j = json.load(open(os.path.join(src, "trunk.json")))
-    j["draft"] = {"bits": "eight"}
-    (d / "trunk.json").write_text(json.dumps(j))
-    from k3engine.trunk import TrunkManifest
-    with pytest.raises(CheckpointError, match="malformed 'draft' entry"):
-        TrunkManifest.load(str(d))
 
 
 # ---- routing of the draft --------------------------------------------------------------

@@ -38,41 +38,29 @@ static inline double k3_tree16(const double *a) {
     return (b0 + b1) + (b2 + b3);
 }
 
-/* x arrives already widened to double (exact): the caller converts each input vector once
- * per call instead of once per output row. */
-static double k3_dot_f32_scalar(const float *w, const double *x, long n) {
-    double a[16] = {0};
-    long nfull = n & ~15L, i;
-    for (i = 0; i < nfull; i += 16)
-        for (int l = 0; l < 16; l++) a[l] += (double)w[i + l] * x[i + l];
-    double acc = k3_tree16(a);
-    for (; i < n; i++) acc += (double)w[i] * x[i];
-    return acc;
-}
+/* One row's dot product in the 16-lane double order: lane l sums elements l, l+16, ...,
+ * the lanes meet in k3_tree16, then the tail is added in ascending order.  x arrives
+ * already widened to double (exact): the caller converts each input vector once per call
+ * instead of once per output row.  WIDEN turns one stored weight into a float value. */
+#define K3_DOT16(NAME, T, WIDEN)                                                        \
+    static double NAME(const T *w, const double *x, long n) {                         \
+        double a[16] = {0};                                                           \
+        long nfull = n & ~15L, i;                                                     \
+        for (i = 0; i < nfull; i += 16)                                               \
+            for (int l = 0; l < 16; l++) a[l] += (double)WIDEN(w[i + l]) * x[i + l];  \
+        double acc = k3_tree16(a);                                                    \
+        for (; i < n; i++) acc += (double)WIDEN(w[i]) * x[i];                         \
+        return acc;                                                                   \
+    }
+#define K3_AS_IS(v) (v)
 
-static double k3_dot_bf16_scalar(const uint16_t *w, const double *x, long n) {
-    double a[16] = {0};
-    long nfull = n & ~15L, i;
-    for (i = 0; i < nfull; i += 16)
-        for (int l = 0; l < 16; l++) a[l] += (double)k3_bf16_to_f32(w[i + l]) * x[i + l];
-    double acc = k3_tree16(a);
-    for (; i < n; i++) acc += (double)k3_bf16_to_f32(w[i]) * x[i];
-    return acc;
-}
+K3_DOT16(k3_dot_f32_scalar, float, K3_AS_IS)
+K3_DOT16(k3_dot_bf16_scalar, uint16_t, k3_bf16_to_f32)
 
-/* I8R rows (a draft trunk's int8 container): the same 16-lane double order; the row's
- * scale is applied by the caller after the sum.  A draft only proposes, so this has no
- * hand-written AVX2 twin: -O3 vectorises the lanes, and the order (hence the bits) is the
- * same either way. */
-static double k3_dot_i8(const int8_t *w, const double *x, long n) {
-    double a[16] = {0};
-    long nfull = n & ~15L, i;
-    for (i = 0; i < nfull; i += 16)
-        for (int l = 0; l < 16; l++) a[l] += (double)w[i + l] * x[i + l];
-    double acc = k3_tree16(a);
-    for (; i < n; i++) acc += (double)w[i] * x[i];
-    return acc;
-}
+/* I8R rows (a draft trunk's int8 container): the same order; the row's scale is applied
+ * by the caller after the sum.  A draft only proposes, so this has no hand-written AVX2
+ * twin: -O3 vectorises the lanes, and the order (hence the bits) is the same either way. */
+K3_DOT16(k3_dot_i8, int8_t, K3_AS_IS)
 
 #if K3_HAVE_AVX2_PATH
 /* Lane l of the scalar form lives in vector l/4, element l%4 (v0 = lanes 0-3, v1 = 4-7,
