@@ -447,3 +447,24 @@ def test_cli_pack_draft_refusals(tiny, trunks, tmp_path):
     p = k3("pack-trunk", tiny, exact, "--draft-bits", 8)
     assert p.returncode == 1 and "holds an exact packed trunk" in p.stderr
     assert open(os.path.join(exact, "trunk.bin"), "rb").read() == before
+
+
+def test_cli_hybrid_resumed_from_a_state_file(tiny, trunks, tmp_path):
+    """The draft's state is not in the state file (SYSTEM §6.9): after --load-state its first
+    proposal feeds the whole restored sequence.  Same ids as the plain resumed run."""
+    state = tmp_path / "s.k3s"
+    assert k3(tiny, "--ids", PROMPT_ARG, "--gen", 8, "--incremental", "--save-state", state,
+              "--out", tmp_path / "a.json").returncode == 0
+    runs = {}
+    for name, extra in (("plain", []), ("hybrid", ["--trunk", trunks[0].trunk_dir,
+                                                   "--draft-trunk", trunks[1].trunk_dir])):
+        out = tmp_path / f"{name}.json"
+        p = k3(tiny, "--ids", WANT[7], "--gen", 10, "--incremental", "--load-state", state,
+               "--out", out, *extra)
+        assert p.returncode == 0, p.stderr
+        runs[name] = json.loads(out.read_text())
+    h = runs["hybrid"]
+    print(f"[cli] resumed hybrid vs resumed plain: {h['generated_ids']} vs "
+          f"{runs['plain']['generated_ids']} ({h['spec_accepted']}/{h['spec_drafted']} accepted)")
+    assert h["generated_ids"] == runs["plain"]["generated_ids"] and h["spec_rounds"] > 0
+    assert h["full_ids"] == runs["plain"]["full_ids"]
