@@ -5,7 +5,8 @@ ids whatever the draft says; the draft only decides how many positions a sweep c
 
 The draft shares the exact model's embedding, lm_head and routed-expert cache, and keeps
 its own trunk (pinned within --draft-trunk-gb, the rest streamed) and its own sequence
-state, which is snapshotted before it proposes and rewound when a proposal is rejected.
+state, which is snapshotted before it proposes and cut back to the accepted drafts when a
+proposal is rejected.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from . import kernels as K
 from .config import ModelConfig
 from .model import Model, greedy
-from .state import restore, snapshot
+from .state import begin_sweep, end_sweep, keep_prefix
 from .weights import MoEWeights
 
 DEFAULT_DRAFT_TOPK = 4
@@ -91,21 +92,26 @@ class DraftModel:
         t0 = time.monotonic()
         try:
             logits = self._forward(seq[self.state.n_cached:])
-            self._snap, self._snap_pos = snapshot(self.state), self.state.n_cached
+            self._snap, self._snap_pos = begin_sweep(self.state), self.state.n_cached
             d = [greedy(logits)]
             while len(d) < cap:
                 d.append(greedy(self._forward([d[-1]])))
             return d
+        except BaseException:
+            end_sweep(self.state)
+            raise
         finally:
             self.seconds += time.monotonic() - t0
 
     def settle(self, drafted: list[int], accepted: int) -> None:
         """The exact model kept drafted[:accepted].  The draft fed drafted[:-1]; if any of
-        those was rejected, rewind to the committed ids (its KV rows are positional and
-        are overwritten when the accepted ids are fed next time)."""
+        those was rejected, keep only the accepted ones (state.keep_prefix); the exact
+        model's own token is fed with the next proposal."""
+        t0 = time.monotonic()
         if accepted < len(drafted) - 1:
-            restore(self.state, self._snap)
-            self.state.n_cached = self._snap_pos
+            keep_prefix(self.state, self._snap, self._snap_pos, accepted)
+        end_sweep(self.state)
+        self.seconds += time.monotonic() - t0
 
     def close(self) -> None:
         if self.trunk is not None:

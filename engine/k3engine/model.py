@@ -38,9 +38,10 @@ def kda(w: KDAWeights, x_TE: np.ndarray, st: KDAState, cfg: ModelConfig) -> np.n
     T = x_TE.shape[0]
     H, D = w.A_log.shape[0], w.o_norm.shape[0]
     q_TP, k_TP, v_TP = _f32(T, H * D), _f32(T, H * D), _f32(T, H * D)
-    K.shortconv(mv(w.q_proj, x_TE), w.q_conv, st.conv_q, q_TP)   # conv + SiLU; history
-    K.shortconv(mv(w.k_proj, x_TE), w.k_conv, st.conv_k, k_TP)   # keeps raw projections
-    K.shortconv(mv(w.v_proj, x_TE), w.v_conv, st.conv_v, v_TP)
+    raw = mv(w.q_proj, x_TE), mv(w.k_proj, x_TE), mv(w.v_proj, x_TE)
+    K.shortconv(raw[0], w.q_conv, st.conv_q, q_TP)                # conv + SiLU; history
+    K.shortconv(raw[1], w.k_conv, st.conv_k, k_TP)                # keeps raw projections
+    K.shortconv(raw[2], w.v_conv, st.conv_v, v_TP)
     K.l2norm_heads(q_TP, D)                                       # q and k only (trap #12)
     K.l2norm_heads(k_TP, D)
 
@@ -53,6 +54,8 @@ def kda(w: KDAWeights, x_TE: np.ndarray, st: KDAState, cfg: ModelConfig) -> np.n
 
     o_TP = _f32(T, H * D)
     K.kda_recurrence(st.S, q_TP, k_TP, v_TP, alpha_TP, beta_TH, K.kda_q_scale(D), o_TP)
+    if st.log is not None:                                        # a speculative sweep:
+        st.log.append(raw + (q_TP, k_TP, v_TP, alpha_TP, beta_TH))  # state.keep_prefix
 
     o_heads = o_TP.reshape(T * H, D)                              # head-wise norm, one gain
     K.rmsnorm(o_heads, w.o_norm, cfg.rms_eps, o_heads)

@@ -2,15 +2,18 @@
 
 Drafts come from the sequence itself (an evidence-gated suffix match); one forward pass
 verifies them all, the longest prefix that equals the model's own argmax is kept plus the
-model's next token, and a rejected tail is undone by restoring the recurrent state and
-re-feeding the accepted positions.  The emitted ids equal serial greedy decode.
+model's next token, and a rejected tail is undone.  The reference restores the recurrent
+state and re-feeds the accepted positions (a second forward); we restore it and re-run
+only the KDA recurrence and conv history on the sweep's logged inputs for the accepted
+positions (state.keep_prefix): the same bits without a second pass over the weights.
+The emitted ids equal serial greedy decode.
 The same sweep verifies a draft model's proposals (draft.DraftModel, `--draft-trunk`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .model import Model, greedy
-from .state import SequenceState, restore, snapshot
+from .state import SequenceState, begin_sweep, end_sweep, keep_prefix
 
 MAX_DRAFT = 8
 
@@ -119,16 +122,17 @@ def spec_step(model: Model, seq: list[int], state: SequenceState, cap: int,
     counters.rounds += 1
     counters.drafted += len(d)
     counters.width_sum += cap
-    snap = snapshot(state)
-    logits = model.forward(seq[base:] + d, state, all_logits=True)
-    a = [greedy(row) for row in logits]
-    m = 0
-    while m < len(d) and a[m] == d[m]:
-        m += 1
-    counters.accepted += m
-    proposer.settle(d, m)
-    if m < len(d):                          # undo the rejected tail, replay what was kept
-        restore(state, snap)
-        state.n_cached = base
-        model.forward(seq[base:] + d[:m], state)
+    snap = begin_sweep(state)
+    try:
+        logits = model.forward(seq[base:] + d, state, all_logits=True)
+        a = [greedy(row) for row in logits]
+        m = 0
+        while m < len(d) and a[m] == d[m]:
+            m += 1
+        counters.accepted += m
+        proposer.settle(d, m)
+        if m < len(d):                      # drop the rejected tail, keep what was accepted
+            keep_prefix(state, snap, base, m + 1)
+    finally:
+        end_sweep(state)
     return d[:m] + [a[m]], logits[m]

@@ -24,6 +24,9 @@ class KDAState:
     conv_q: np.ndarray
     conv_k: np.ndarray
     conv_v: np.ndarray
+    # While a speculative sweep is logged: per forward call, the raw q/k/v projections
+    # (the conv history's inputs) and the recurrence's inputs q, k, v, alpha, beta.
+    log: list | None = None
 
     @classmethod
     def zeros(cls, cfg: ModelConfig) -> "KDAState":
@@ -128,3 +131,47 @@ def restore(state: SequenceState, snap: list[np.ndarray]) -> None:
         if isinstance(st, KDAState):
             for a in (st.S, st.conv_q, st.conv_k, st.conv_v):
                 a[...] = next(it)
+
+
+def _kda_layers(state: SequenceState) -> list[KDAState]:
+    return list({id(st): st for st in state.layers if isinstance(st, KDAState)}.values())
+
+
+def begin_sweep(state: SequenceState) -> list[np.ndarray]:
+    """Snapshot the recurrent state and log the recurrent inputs of the forwards that
+    follow, so a sweep whose tail is rejected can keep its prefix without a replay."""
+    snap = snapshot(state)
+    for st in _kda_layers(state):
+        st.log = []
+    return snap
+
+
+def end_sweep(state: SequenceState) -> None:
+    for st in _kda_layers(state):
+        st.log = None
+
+
+def keep_prefix(state: SequenceState, snap: list[np.ndarray], base: int, keep: int) -> None:
+    """Of the positions fed since begin_sweep (which found `base` cached), keep the first
+    `keep`: restore the snapshot, then run the KDA recurrence and the conv-history shift
+    again on those positions' logged inputs -- no weights, no second forward.  The result
+    is bit-identical to re-feeding the kept positions (the recurrence takes tokens one at
+    a time in order, §4.10; tested against the replay).  MLA rows of the kept positions
+    are already right; later rows are overwritten when decoding moves on."""
+    from . import kernels as K
+    restore(state, snap)
+    for st in _kda_layers(state):
+        left = keep
+        for raw_q, raw_k, raw_v, q, k, v, alpha, beta in st.log:
+            n = min(left, q.shape[0])
+            if n == 0:
+                break
+            out = np.empty((n, q.shape[1]), dtype=np.float32)
+            K.kda_recurrence(st.S, q[:n], k[:n], v[:n], alpha[:n], beta[:n],
+                             K.kda_q_scale(st.S.shape[1]), out)
+            for hist, raw in ((st.conv_q, raw_q), (st.conv_k, raw_k), (st.conv_v, raw_v)):
+                if hist.shape[1]:           # history = the newest K-1 raw inputs
+                    hist[...] = np.concatenate([hist, raw[:n].T], axis=1)[:, -hist.shape[1]:]
+            left -= n
+        st.log = None
+    state.n_cached = base + keep
