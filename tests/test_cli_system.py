@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,7 @@ def test_second_sigint_kills(demo, tmp_path):
     long_prompt = ",".join(str(i % 4000) for i in range(1500))
     proc = _spawn(demo, "--ids", long_prompt, "--gen", 4000, "--out", tmp_path / "o.json")
     _wait_for_step(proc)
+    time.sleep(0.5)              # inside step 1 (~6 s), not between steps 0 and 1
     proc.send_signal(signal.SIGINT)
     # the handler runs when the main thread is back in Python; only then is the default
     # action restored, so wait for its message before the second signal
@@ -260,3 +262,22 @@ def test_chat_expert_failure_exits_4(demo):
                        timeout=300, env={**os.environ, "K3_FAIL_EXPERT": "2,*"})
     assert p.returncode == 4, p.stderr[-1500:]
     assert "chat invalid" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_after_a_first_sigint_the_default_action_stays_while_results_are_written():
+    """A first Ctrl-C that lands between two steps ends the loop at once and the run goes on
+    to write its files; a second Ctrl-C then must still kill the process, so leaving the
+    decode loop must not reinstall Python's KeyboardInterrupt handler (which would raise
+    into a half-written report).  Without a first Ctrl-C the old handler comes back."""
+    from k3engine.cli import Interrupts
+    from k3engine.session import Cancel
+    before = signal.getsignal(signal.SIGINT)
+    with Interrupts(Cancel()):
+        assert signal.getsignal(signal.SIGINT) is not before
+    assert signal.getsignal(signal.SIGINT) is before
+    try:
+        with Interrupts(Cancel()) as it:
+            it._handler(signal.SIGINT, None)       # what the first Ctrl-C runs
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -413,7 +413,10 @@ class Interrupts:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.old is not None:
+        # After a first Ctrl-C the default action stays: a second one while the state,
+        # --out and the reports are written must still end the process at once (not
+        # raise KeyboardInterrupt into a half-written report).
+        if self.old is not None and not self.cancel:
             signal.signal(signal.SIGINT, self.old)
 
 
