@@ -194,6 +194,18 @@ def test_doctor_trunk_of_another_model(capsys, demo, tiny):
     assert f"--trunk {shlex.quote(fresh)} " in result
 
 
+def test_doctor_flags_a_draft_trunk_given_as_the_trunk(capsys, tiny, tmp_path):
+    model, _ = tiny
+    draft = str(tmp_path / "draft")
+    pack_trunk(model, draft, draft_bits=8)
+    rc, out = run_doctor(capsys, "--model", model, "--trunk", draft)
+    assert rc == 0
+    trunk = section(out, "trunk")
+    assert "WARN" in trunk and "8-bit draft trunk (for --draft-trunk)" in trunk
+    assert "the trunk given is a draft trunk" in section(out, "result")
+    assert f"k3 pack-trunk {shlex.quote(model)} " in section(out, "result")
+
+
 def test_doctor_without_trunk_or_tokenizer(capsys, tiny):
     model, _ = tiny
     rc, out = run_doctor(capsys, "--model", model)

@@ -389,6 +389,11 @@ def check_trunk(r: Report, st: State, trunk_dir: str | None, model_dir: str | No
         st.trunk_problem = "damaged"
         r.warn(str(e))
         return
+    if m.draft is not None:             # the engine refuses it as --trunk: say so here
+        st.trunk_problem = "draft"
+        r.warn(f"{trunk_dir} is a {m.draft.get('bits')}-bit draft trunk (for --draft-trunk); "
+               f"--trunk needs the exact packed trunk")
+        return
     st.manifest = m
     r.ok(f"trunk.json: {len(m.layers)} layers, {human(m.total_bytes())} in trunk.bin, largest "
          f"run {human(max((x.nbytes for x in m.layers), default=0))} (the streaming slot)")
@@ -572,7 +577,8 @@ def verdict(r: Report, st: State, a) -> None:
             fresh += "-2"
         trunk = fresh
         why = {"none": "no packed trunk yet", "other model": "the trunk given is another "
-               "model's", "damaged": "the trunk given is damaged"}.get(st.trunk_problem, "")
+               "model's", "damaged": "the trunk given is damaged",
+               "draft": "the trunk given is a draft trunk"}.get(st.trunk_problem, "")
         r.plain(f"  the model at {a.model} is ready; {why}.")
         cmds.append(f"k3 pack-trunk {shlex.quote(a.model)} {shlex.quote(trunk)}")
     else:
