@@ -344,6 +344,17 @@ def test_plan_counts_the_draft(tiny, trunks):
         assert any(line.startswith("  draft model") for line in full.lines())
         assert not any("draft" in line for line in without.lines())
         assert full.as_event()["draft_bytes"] == full.draft_bytes
+        # a sweep of 4 drafts holds a snapshot, 5 positions of logged recurrent inputs and
+        # 5 logits rows; the draft's own proposals hold 4
+        spec = plan(setup.figures, draft_sizes=setup.draft_sizes, draft_gb=1, spec=4, **kw)
+        assert spec.spec_bytes == f.speculation_bytes(cfg.n_layers, 5) > f.state_bytes(
+            cfg.n_layers, False, True)
+        assert spec.draft_bytes - full.draft_bytes == f.speculation_bytes(cfg.n_layers, 4) - \
+            f.speculation_bytes(cfg.n_layers, 0)
+        assert spec.total_bytes - full.total_bytes == spec.spec_bytes + \
+            spec.draft_bytes - full.draft_bytes
+        assert any(line.startswith("  speculation") for line in spec.lines())
+        assert plan(setup.figures, spec=4, **dict(kw, incremental=False)).spec_bytes == 0
     finally:
         setup.ck.close()
 

@@ -17,6 +17,7 @@ from . import REFERENCE_VERSION, __version__
 from .config import ModelConfig
 from .errors import EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_USAGE, describe
 from .draft import DEFAULT_DRAFT_TOPK
+from .speculative import MAX_DRAFT
 from .memory import (DEFAULT_DRAFT_TRUNK_GB, BudgetError, available_memory, human,
                      list_presets_text, plan, resolve_budgets)
 from .atomic import write_atomic
@@ -477,7 +478,8 @@ def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
                     cache_gb=budgets.cache_gb, trunk_ring=int(o.trunk_ring), ultra=budgets.ultra,
                     streamed=bool(o.trunk), incremental=o.incremental or o.chat,
                     positions=positions, available_bytes=probe, layers=nl,
-                    draft_sizes=setup.draft_sizes, draft_gb=draft_gb(o))
+                    draft_sizes=setup.draft_sizes, draft_gb=draft_gb(o),
+                    spec=min(int(o.spec), MAX_DRAFT))
     if the_plan.preset_line():
         print(the_plan.preset_line())
     if the_plan.auto is not None:

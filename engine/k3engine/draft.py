@@ -1,6 +1,6 @@
 """The draft model of hybrid decode (SYSTEM §6.10, `--draft-trunk`): a second packed trunk
-(typically `k3 qdq-trunk`'s int8-derived copy of the real one) that proposes tokens the
-exact model verifies in one batched sweep.  The emitted ids are the exact model's greedy
+(typically the int8-derived copy `k3 pack-trunk --draft-bits 8` writes) that proposes
+tokens the exact model verifies in one batched sweep.  The emitted ids are the exact model's greedy
 ids whatever the draft says; the draft only decides how many positions a sweep covers.
 
 The draft shares the exact model's embedding, lm_head and routed-expert cache, and keeps

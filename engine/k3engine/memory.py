@@ -142,6 +142,8 @@ class ModelFigures:
     widen_bytes: int                  # W of §3.2: per-layer room the binder widens into
     scratch_base: tuple[int, int] = (0, 0)
     scratch_subs: tuple[tuple[int, int], ...] = ()
+    sweep_log_floats: int = 0         # per position fed in a speculative sweep: the logged
+                                      # recurrent inputs of every KDA layer (7 P + H each)
 
     @classmethod
     def for_config(cls, cfg, layer_sizes: Sequence[int], expert_bytes: int,
@@ -169,7 +171,8 @@ class ModelFigures:
             kv_check_bytes_per_position=kv_check_constant(kv_exact),
             max_blocks=cfg.n_layers // cfg.attn_res_block + 2,
             widen_bytes=int(default_widen_bytes(cfg) if widen_bytes is None else widen_bytes),
-            scratch_base=base, scratch_subs=subs)
+            scratch_base=base, scratch_subs=subs,
+            sweep_log_floats=(cfg.n_layers - len(cfg.mla_layers)) * (7 * P + cfg.kda_heads))
 
     # -- derived sizes --------------------------------------------------------------------
 
@@ -213,6 +216,13 @@ class ModelFigures:
 
     def kv_bytes(self, positions: int) -> int:
         return positions * self.kv_bytes_per_position
+
+    def speculation_bytes(self, layers: int, sweep: int) -> int:
+        """What a speculative sweep of `sweep` positions holds besides the model: the
+        recurrent-state snapshot it may restore, the logged recurrent inputs that let it
+        keep an accepted prefix, and one logits row per position."""
+        return (self.state_bytes(layers, False, True)
+                + sweep * (self.sweep_log_floats + self.vocab) * 4)
 
 
 def kv_check_constant(kv_exact: int) -> int:
@@ -612,12 +622,13 @@ class Plan:
     baseline_label: str = "python baseline"
     draft_bytes: int = 0          # hybrid decode's draft model: its trunk, state and KV
     draft_plan: TrunkPlan | None = None
+    spec_bytes: int = 0           # --spec / --draft-trunk: snapshot, sweep log, sweep logits
 
     @property
     def total_bytes(self) -> int:
         return (self.trunk_bytes + self.model_table_bytes + self.expert_cache_bytes
                 + self.recurrent_state_bytes + self.buffer_bytes + self.kv_cache_bytes
-                + self.baseline_bytes + self.draft_bytes)
+                + self.baseline_bytes + self.draft_bytes + self.spec_bytes)
 
     @property
     def limit_bytes(self) -> float:
@@ -664,6 +675,9 @@ class Plan:
             "  buffers          " + human(self.buffer_bytes),
             "  KV cache         " + human(self.kv_cache_bytes),
         ]
+        if self.spec_bytes:
+            out.append("  speculation      %s (state snapshot, sweep log and logits)"
+                       % human(self.spec_bytes))
         if self.draft_plan is not None:
             out.append("  draft model      %s (trunk %s, state + KV %s)" % (
                 human(self.draft_bytes), human(self.draft_plan.total_bytes),
@@ -689,6 +703,7 @@ class Plan:
             "kv_cache_bytes": self.kv_cache_bytes,
             "baseline_bytes": self.baseline_bytes,
             "draft_bytes": self.draft_bytes,
+            "spec_bytes": self.spec_bytes,
             "total_bytes": self.total_bytes,
             "available": self.available_bytes,
             "admitted": self.admitted,
@@ -724,7 +739,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
          layers: int | None = None, baseline_bytes: int = 0, prefix: bool = False,
          baseline_label: str = "python baseline",
          draft_sizes: Sequence[int] | None = None,
-         draft_gb: float = DEFAULT_DRAFT_TRUNK_GB) -> Plan:
+         draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -735,9 +750,10 @@ def plan(figures: ModelFigures, preset: str | None = None,
     both refusals off) or the MemProbe itself (so a fail-closed probe refuses).
     `layers` is --layers (NL); `prefix` is K3_PIN_PREFIX (read by the caller).
     `baseline_bytes` is the measured process baseline of §5.8 (interpreter, NumPy, Qt).
-    `draft_sizes` (the draft trunk's layer runs) adds hybrid decode's draft model: its
-    trunk within `draft_gb`, its own recurrent state plus the snapshot it rewinds to, and
-    its KV cache."""
+    `spec` (the sweep width of --spec / --draft-trunk, incremental only) adds what a
+    speculative sweep holds; `draft_sizes` (the draft trunk's layer runs) adds hybrid
+    decode's draft model: its trunk within `draft_gb`, its own recurrent state with what
+    its proposals hold, and its KV cache."""
     refusals: list[Refusal] = []
     avail, known, malformed, detail = _availability(available_bytes)
     NL = figures.n_layers if layers is None else int(layers)
@@ -784,7 +800,9 @@ def plan(figures: ModelFigures, preset: str | None = None,
     if draft_sizes is not None:
         dplan, w_draft = _streamed_trunk(draft_sizes, draft_gb, RING_DEFAULT,
                                          figures.widen_bytes, prefix, NL)
-        w_draft += 2 * figures.state_bytes(NL, False, True) + figures.kv_bytes(positions)
+        w_draft += (figures.state_bytes(NL, False, True) + figures.kv_bytes(positions)
+                    + figures.speculation_bytes(NL, spec))
+    w_spec = figures.speculation_bytes(NL, spec + 1) if spec and incremental else 0
 
     terms = dict(
         trunk_bytes=w_trunk,
@@ -794,7 +812,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
         buffer_bytes=figures.buffer_bytes(positions),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
         baseline_bytes=int(baseline_bytes),
-        draft_bytes=w_draft)
+        draft_bytes=w_draft,
+        spec_bytes=w_spec)
     need = sum(terms.values())
     if malformed:
         if not (kv and kv.refusal):           # the KV check already said it (exit 2)
