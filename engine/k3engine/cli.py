@@ -87,6 +87,7 @@ diagnostics
                         same ids as greedy (needs --incremental)
   --spec-auto           adapt the sweep width to what is accepted (with --spec or
                         --draft-trunk; ids unchanged)
+  --tf-check            teacher-forced agreement over the --ids in one pass
 hybrid decode (a draft model proposes, the exact model verifies: same ids as greedy)
   --draft-trunk DIR     draft trunk (k3 pack-trunk --draft-bits 8); needs --incremental
                         and --trunk; implies --spec 4
@@ -94,7 +95,6 @@ hybrid decode (a draft model proposes, the exact model verifies: same ids as gre
   --draft-topk K        experts per token in the draft model (default 4)
   --draft-cache-only    the draft routes only among experts already in the cache and
                         reads no expert bytes
-  --tf-check            teacher-forced agreement over the --ids in one pass
 
 exit codes
   0  success (also --help, --version, --list-presets, chat /exit or end of input)
