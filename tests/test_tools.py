@@ -37,22 +37,23 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("tools")
 
 
+def _model_and_trunk(root, dims: str) -> tuple[str, str]:
+    d, t = str(root / dims), str(root / f"{dims}-trunk")
+    make_checkpoint(d, dims_config(dims), seed=1)
+    pack_trunk(d, t)
+    return d, t
+
+
 @pytest.fixture(scope="module")
 def demo(root):
     """The demo model (carries our tokenizer) and its packed trunk."""
-    d, t = str(root / "demo"), str(root / "demo-trunk")
-    make_checkpoint(d, dims_config("demo"), seed=1)
-    pack_trunk(d, t)
-    return d, t
+    return _model_and_trunk(root, "demo")
 
 
 @pytest.fixture(scope="module")
 def tiny(root):
     """A single-shard tiny model and its trunk (another model's trunk, for the demo)."""
-    d, t = str(root / "tiny"), str(root / "tiny-trunk")
-    make_checkpoint(d, dims_config("tiny"), seed=1)
-    pack_trunk(d, t)
-    return d, t
+    return _model_and_trunk(root, "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -272,6 +272,13 @@ def widen_bf16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bit patterns, round to nearest even (inputs are finite): the
+    generator's weights and a draft trunk's dequantised matrices."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+
+
 # ---------------------------------------------------------------------------------------
 # The checkpoint
 

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from .bind import Binder
-from .checkpoint import Checkpoint, CheckpointError, TensorInfo, widen_bf16
+from .checkpoint import Checkpoint, CheckpointError, TensorInfo, to_bf16, widen_bf16
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
 from .names import PREFIX
 from .weights import I8R, LayerWeights, ModelTables
@@ -171,7 +171,8 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                         os.close(fd)
                     size, tensors = own, layers[L]
                     if draft:
-                        run, tensors = _draft_run(run, infos, lo, draft_bits, draft_format)
+                        run, tensors = _draft_run(run, infos, lo, tensors, draft_bits,
+                                                  draft_format)
                         out.write(run)
                         size = len(run)
                     out.write(b"\0" * (-out.tell() % ALIGN))   # an O_DIRECT read never passes EOF
@@ -209,7 +210,7 @@ def draft_quantised(t) -> bool:
 def quantise_rows(u: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """BF16 bits [rows, n] -> symmetric per-row integers in [-(2^(b-1)-1), 2^(b-1)-1]
     (int8, round half to even) and their float32 scales; an all-zero row gets scale 0."""
-    x = (u.astype(np.uint32) << 16).view(np.float32)
+    x = widen_bf16(u)
     qmax = float((1 << (bits - 1)) - 1)
     scale = (np.abs(x).max(axis=1) / np.float32(qmax)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))[:, None]
@@ -223,8 +224,7 @@ def qdq_bf16_rows(run: bytearray, off: int, shape: tuple[int, ...], bits: int) -
     rows, cols = int(shape[0]), int(np.prod(shape[1:]))
     u = np.frombuffer(run, dtype=np.uint16, count=rows * cols, offset=off).reshape(rows, cols)
     q, scale = quantise_rows(u, bits)
-    b = (q.astype(np.float32) * scale[:, None]).view(np.uint32)
-    u[...] = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    u[...] = to_bf16(q.astype(np.float32) * scale[:, None])
 
 
 def i8r_nbytes(shape) -> int:
@@ -239,15 +239,14 @@ def tensor_nbytes(dtype: str, shape) -> int:
     return int(np.prod(shape, dtype=np.int64)) * ELEM[dtype]
 
 
-def _draft_run(run: bytearray, infos: list[TensorInfo], lo: int, bits: int,
+def _draft_run(run: bytearray, infos: list[TensorInfo], lo: int, tensors: dict, bits: int,
                fmt: str) -> tuple[bytearray, dict]:
-    """One layer's run and tensor map in a draft trunk."""
-    tensors = _tensor_map(infos, lo)
+    """One layer's run and tensor map (`tensors`: the exact trunk's) in a draft trunk."""
     if fmt == "bf16":
         for t in filter(draft_quantised, infos):
             qdq_bf16_rows(run, t.offset - lo, t.shape, bits)
         return run, tensors
-    out = bytearray()
+    out, tensors = bytearray(), dict(tensors)
     for t in sorted(infos, key=lambda t: t.offset):
         out += b"\0" * (-len(out) % 64)
         src = memoryview(run)[t.offset - lo:t.offset - lo + t.nbytes]
@@ -258,7 +257,7 @@ def _draft_run(run: bytearray, infos: list[TensorInfo], lo: int, bits: int,
             entry.update(dtype="I8R", nbytes=i8r_nbytes(t.shape))
         else:
             out += src
-    return out, dict(sorted(tensors.items()))
+    return out, tensors                 # still in name order (_tensor_map)
 
 
 def _refuse_other_model(trunk_dir: str, layers: list[dict], draft: bool) -> None:

@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 
 from ..atomic import write_atomic
+from ..checkpoint import to_bf16
 from ..config import ModelConfig, parse_config, to_flat_dict, to_nested_dict
 from ..names import PREFIX, TensorDef, expert_tensors, layer_tensors, model_tensors
 from .st_writer import TensorSpec, write_safetensors
@@ -98,12 +99,6 @@ def write_tokenizer(out_dir: str, vocab: int) -> bool:
 
 def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(name.encode())]))
-
-
-def to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> BF16 bit patterns, round to nearest even (inputs are finite)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
 
 
 def quantise_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
