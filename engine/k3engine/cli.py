@@ -616,12 +616,12 @@ def run(o: Options, events: Events) -> int:
         print(restored)
     if p.draft is not None:
         print(f"hybrid decode: draft trunk {o.draft_trunk} ({draft_gb(o):.2f} GB budget) "
-              f"proposes up to {min(int(o.spec), 8)} tokens per sweep; the exact model "
+              f"proposes up to {min(int(o.spec), MAX_DRAFT)} tokens per sweep; the exact model "
               f"verifies them batched (draft routes top-{p.draft.model.router.k} "
               f"{'among cached experts only' if o.draft_cache_only else 'through the cache'}"
               f"{'; adaptive width' if o.spec_auto else ''})")
     elif int(o.spec):
-        print(f"speculative decode: up to {min(int(o.spec), 8)} drafted tokens per sweep, "
+        print(f"speculative decode: up to {min(int(o.spec), MAX_DRAFT)} drafted tokens per sweep, "
               f"n-gram lookup, verified batched{'; adaptive width' if o.spec_auto else ''}")
     print()
     print(STEP_HEADER)
@@ -704,7 +704,7 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     sp = res.spec
     if p.draft is not None:
         print(f"hybrid decode: {sp.rounds} rounds, {sp.drafted} drafted, {sp.accepted} accepted "
-              f"({100 * sp.accepted / max(sp.drafted, 1):.1f}%), mean accepted run "
+              f"({sp.accepted_pct:.1f}%), mean accepted run "
               f"{sp.mean_run:.2f}")
         print(f"  draft model: {p.draft.seconds:.1f} s of {res.wall_seconds:.1f} s wall in "
               f"{p.draft.steps} forward calls; draft trunk read "
@@ -718,7 +718,7 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     print(f"generated ids: {','.join(str(i) for i in res.generated_ids)}")
     if sp.rounds and p.draft is None:
         print(f"speculative decode: {sp.rounds} sweeps, {sp.drafted} drafted, {sp.accepted} "
-              f"accepted ({100 * sp.accepted / max(sp.drafted, 1):.1f}%)")
+              f"accepted ({sp.accepted_pct:.1f}%)")
     text = None
     if p.tok is not None and n:
         text = p.tok.decode(res.generated_ids)

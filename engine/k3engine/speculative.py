@@ -68,6 +68,10 @@ class SpecCounters:
     width: int = 0              # the sweep width at the end of the run
 
     @property
+    def accepted_pct(self) -> float:
+        return 100 * self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
     def mean_run(self) -> float:
         """Accepted drafts per verify sweep."""
         return self.accepted / self.rounds if self.rounds else 0.0
