@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 from .atomic import fsync_dir
+from .errors import EXIT_USAGE, EngineError
 
 __all__ = [
     "ChatError", "Message", "ChatOptions", "History", "EFFORTS", "effort_text",
@@ -44,7 +45,8 @@ USER_PROMPT = "user> "
 HELP_LINES = ("/help  show commands", "/reset clear this conversation", "/exit  leave chat")
 
 
-class ChatError(Exception):
+class ChatError(EngineError):
+    prefix = "chat"
     """A refused chat operation; str() is the reason the caller prints (e.g. `chat: <reason>`)."""
 
 
@@ -618,3 +620,60 @@ def reply_text(reasoning: str | None, content: str, thinking: bool) -> str:
 def reuse_line(reused: int, n_prompt: int) -> str:
     return (f"chat: {reused} of {n_prompt} prompt positions already cached, "
             f"prefill for {n_prompt - reused}")
+
+
+class ChatSetupError(ChatError):
+    """The chat cannot start on these files (no tokenizer, control tokens not declared):
+    exit 2, like a configuration the reference refuses (DESIGN: end-of-turn ids)."""
+    exit_code = EXIT_USAGE
+
+
+# --------------------------------------------------------------------------- streaming
+
+class ReplyStream:
+    """parse_reply while the reply is generated: each id in, (phase, visible text) out.
+
+    Phases: 'thinking' (the reasoning, thinking on), 'response' (the content), 'control'
+    (the closure, the end id and markup, never shown).  Ids that could be the start of
+    the reasoning/response boundary or of the closure are held back until they either
+    complete it (hidden) or cannot (shown), so the concatenated texts of each phase equal
+    parse_reply's reasoning and content for every well-formed turn (test_run_api.py checks
+    that on generated turns).  Each phase has its own UTF-8 stream decoder, flushed when
+    the phase ends, exactly like parse_reply's one-shot decode of each span."""
+
+    def __init__(self, tok, ctl, thinking: bool):
+        from .tokenizer import StreamDecoder
+        think, response, message = (_text_ids(tok, w) for w in ("think", "response", "message"))
+        self._boundary = [ctl.close, *think, ctl.sep, ctl.open, *response, ctl.sep]
+        self._closure = [ctl.close, *response, ctl.sep, ctl.close, *message, ctl.sep]
+        self._added = _added_ids(tok, ctl)
+        self._tok = tok
+        self._decoder = StreamDecoder(tok)
+        self._held: list[int] = []
+        self.phase = "thinking" if thinking else "response"
+
+    def _text(self, ids) -> str:
+        return "".join(self._decoder.push(i) for i in ids if i not in self._added)
+
+    def push(self, tok_id: int) -> tuple[str, str]:
+        if self.phase == "control":
+            return "control", ""
+        pattern = self._boundary if self.phase == "thinking" else self._closure
+        self._held.append(int(tok_id))
+        if self._held == pattern:                      # a boundary or the closure: hidden
+            self._held = []
+            ended, tail = self.phase, self._decoder.flush()
+            self.phase = "response" if ended == "thinking" else "control"
+            return ended, tail
+        k = 0                                          # keep the longest held suffix that
+        while self._held[k:] != pattern[:len(self._held) - k]:   # could still start it
+            k += 1
+        shown, self._held = self._held[:k], self._held[k:]
+        return self.phase, self._text(shown)
+
+    def flush(self) -> str:
+        """End of the stream: what was held back, in the current phase."""
+        if self.phase == "control":
+            return ""
+        held, self._held = self._held, []
+        return self._text(held) + self._decoder.flush()

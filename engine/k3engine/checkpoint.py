@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from .diskio import pread_into
+from .errors import EngineError
 
 __all__ = [
     "CheckpointError", "PartialCheckpointError", "HeaderEntry", "TensorInfo", "Checkpoint",
@@ -35,7 +36,7 @@ SUFFIX = ".safetensors"
 _JSON_WS = b" \t\n\r"
 
 
-class CheckpointError(Exception):
+class CheckpointError(EngineError):
     """A checkpoint that must not be used.  The message names the file and, where known,
     the tensor; both are also kept as attributes."""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+from .errors import EXIT_USAGE, EngineError
 
 __all__ = ["ConfigError", "ModelConfig", "parse_config", "load_config",
            "to_flat_dict", "to_nested_dict"]
@@ -26,7 +27,12 @@ MAX_TOPK = 64
 MAX_FULL_ATTN = 128
 
 
-class ConfigError(ValueError):
+class ConfigError(EngineError, ValueError):
+    exit_code = EXIT_USAGE
+
+    def report(self) -> str:
+        return f"k3: {self}\nABORTED: the model config could not be read with confidence."
+
     """A config that must not be run; the message names the source and the problem."""
 
     def __init__(self, source: str, problem: str):

@@ -1,33 +1,53 @@
 """Exit codes (SYSTEM §6.5) and how each engine failure is reported: one mapping for the
-CLI and the app, so a person sees the same message and code in both."""
+CLI, the REPL, the app and the server, so a person sees the same message and code in all.
+
+A leaf module: the engine's error classes derive from `EngineError` and carry their exit
+code and message prefix, so `describe` needs to import nothing of the engine.
+"""
 from __future__ import annotations
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_OUT, EXIT_DROP, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 5
+
+EXIT_MEANING = {EXIT_OK: "success", EXIT_RUNTIME: "runtime failure",
+                EXIT_USAGE: "usage or configuration", EXIT_OUT: "results not written",
+                EXIT_DROP: "routed expert failed to load", EXIT_INTERRUPTED: "interrupted"}
+
+
+class EngineError(Exception):
+    """A failure the engine reports to a person (as opposed to a bug, which propagates)."""
+    exit_code = EXIT_RUNTIME
+    prefix = "k3"
+
+    def report(self) -> str:
+        """The message exactly as `k3` prints it."""
+        return f"{self.prefix}: {self}"
+
+
+class UsageError(EngineError):
+    """Bad or conflicting options, limits (exit 2); an empty message prints the usage."""
+    exit_code = EXIT_USAGE
+
+
+class PlanRefused(EngineError):
+    """The memory plan refused the run; its refusals were reported with the plan."""
+
+    def __init__(self, plan):
+        super().__init__("\n".join(f"k3: {r.message}" for r in plan.refusals))
+        self.plan = plan
+        self.exit_code = plan.exit_code
+
+    def report(self) -> str:
+        return str(self)
+
+
+class StateUnusable(EngineError):
+    """A sequence state that a failed or stopped forward pass left half advanced
+    (SYSTEM §4.9): it may not be saved, resumed or reused."""
 
 
 def describe(e: BaseException) -> tuple[int, str, str] | None:
     """(exit code, error kind, message) for an engine failure, exactly as `k3` prints it;
     None for an exception that is not an engine failure (a bug: let it propagate)."""
-    from .chat import ChatError
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .experts import ExpertCacheError, ExpertLoadError
-    from .memory import BudgetError
-    from .sampler import SamplerError
-    from .statefile import StateFileError
-    from .tokenizer import TokenizerError
-    kind = type(e).__name__
-    if isinstance(e, ConfigError):
-        return EXIT_USAGE, kind, (f"k3: {e}\nABORTED: the model config could not be read "
-                                  f"with confidence.")
-    if isinstance(e, BudgetError):
-        return e.exit_code, kind, f"k3: {e}"
-    if isinstance(e, ExpertLoadError):
-        return EXIT_DROP, kind, f"RUN INVALID: {e}; the affected token was not emitted"
-    if isinstance(e, (CheckpointError, StateFileError, TokenizerError, ExpertCacheError)):
-        return EXIT_RUNTIME, kind, f"k3: {e}"
-    if isinstance(e, ChatError):
-        return EXIT_RUNTIME, kind, f"chat: {e}"
-    if isinstance(e, SamplerError):
-        return EXIT_USAGE, kind, f"k3: {e}"
+    if isinstance(e, EngineError):
+        return e.exit_code, type(e).__name__, e.report()
     return None

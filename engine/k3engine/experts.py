@@ -41,6 +41,7 @@ from .config import ModelConfig
 from .diskio import ALIGN, PREAD_MAX, AlignedBuffer, align_up, pread_into
 from .names import EXPERT_MATRICES, expert_tensors, layer_prefix
 from .weights import MXFP4, ExpertWeights
+from .errors import EXIT_DROP, EngineError
 
 __all__ = [
     "ExpertLoadError", "ExpertCacheError", "RunTensor", "ExpertRun", "resolve_expert",
@@ -55,7 +56,12 @@ TOKENS_DIVISOR = 1472            # requests per decode token on the real model (
 EMPTY, INFLIGHT = -1, -2         # slot states besides "holds key >= 0" (§4.2)
 
 
-class ExpertLoadError(RuntimeError):
+class ExpertLoadError(EngineError, RuntimeError):
+    exit_code = EXIT_DROP
+
+    def report(self) -> str:
+        return f"RUN INVALID: {self}; the affected token was not emitted"
+
     """An expert that could not be made resident (missing tensor, geometry, a short read
     twice, no evictable slot): a drop.  The token in flight must not be emitted."""
 
@@ -64,7 +70,7 @@ class ExpertLoadError(RuntimeError):
         self.layer, self.expert, self.reason = layer, expert, reason
 
 
-class ExpertCacheError(RuntimeError):
+class ExpertCacheError(EngineError, RuntimeError):
     """The cache cannot be built as asked (budget below top-k + 1 slots, no experts)."""
 
 
@@ -330,32 +336,45 @@ class CacheCounters:
 
 
 class RequestTrace:
-    """Every request the model made, in order, for the whole run (never reset): the
-    trace is independent of cache contents, so it can be replayed at any capacity."""
+    """Every request the model made: running per-(layer, expert) counts (what the heat view
+    and expert_hist.json need, O(layers x experts) to read however long the run), plus the
+    requests in order when `keep_pairs` (what --dump-cache-trace and sim-cache replay:
+    independent of cache contents, so it can be replayed at any capacity).  The plan counts
+    both (memory.ModelFigures.trace_bytes)."""
 
-    def __init__(self, n_layers: int = 0, n_experts: int = 0):
+    def __init__(self, n_layers: int = 0, n_experts: int = 0, keep_pairs: bool = True):
         self.n_layers, self.n_experts = n_layers, n_experts
+        self.keep_pairs = keep_pairs
         self.pairs = array("i")                 # layer, expert, layer, expert, ...
+        self.counts = np.zeros((max(n_layers, 1), max(n_experts, 1)), np.int64)
+        self.requests = 0
 
     def record(self, layer: int, expert: int) -> None:
-        self.pairs.append(layer)
-        self.pairs.append(expert)
+        if layer >= self.counts.shape[0] or expert >= self.counts.shape[1]:
+            grown = np.zeros((max(layer + 1, self.counts.shape[0]),
+                              max(expert + 1, self.counts.shape[1])), np.int64)
+            grown[:self.counts.shape[0], :self.counts.shape[1]] = self.counts
+            self.counts = grown
+        self.counts[layer, expert] += 1
+        self.requests += 1
+        if self.keep_pairs:
+            self.pairs.append(layer)
+            self.pairs.append(expert)
 
-    @property
-    def requests(self) -> int:
-        return len(self.pairs) // 2
+    def counts_grid(self) -> np.ndarray:
+        """Requests per (layer, expert) so far, as float32 [layers, experts] (a copy)."""
+        return self.counts.astype(np.float32)
 
     def histogram(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> requests, non-zero only, ordered by layer then expert."""
-        pairs = np.frombuffer(self.pairs, np.int32).reshape(-1, 2)
-        if not len(pairs):
-            return {}
-        keys, counts = np.unique(pairs, axis=0, return_counts=True)
-        return {(int(L), int(e)): int(n) for (L, e), n in zip(keys, counts)}
+        Ls, es = np.nonzero(self.counts)
+        return {(int(L), int(e)): int(self.counts[L, e]) for L, e in zip(Ls, es)}
 
     def dump(self, directory) -> list[str]:
         """Write DIR/expert_hist.json and DIR/expert_trace.bin (§6.8); the directory must
         exist.  Returns the lines to print."""
+        if not self.keep_pairs:
+            raise RuntimeError("the request trace was not kept for this run (keep_trace)")
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             raise FileNotFoundError(errno.ENOENT, "cache trace directory does not exist",
@@ -436,7 +455,7 @@ class ExpertCache:
                  io_threads: int = DEFAULT_IO_THREADS, direct: bool = True,
                  prefetch: bool = True,
                  fail_reads: Callable[[int, int], bool] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, keep_trace: bool = True):
         self.ck, self.cfg = ck, cfg
         if cfg is not None:
             n_layers = cfg.n_layers if n_layers is None else n_layers
@@ -480,7 +499,7 @@ class ExpertCache:
         self.step = CacheCounters()               # reset at every decode step
         self.total = CacheCounters()              # the whole run
         self.drops = 0
-        self.trace = RequestTrace(n_layers, n_experts)
+        self.trace = RequestTrace(n_layers, n_experts, keep_trace)
 
     # -- public interface -------------------------------------------------------------
 
@@ -901,9 +920,9 @@ class ResidentExperts:
     `CheckpointExperts`): one group holding every requested expert.  Requests are
     logged like the cache's, so `--dump-cache-trace` works on this path too."""
 
-    def __init__(self, source, n_layers: int = 0, n_experts: int = 0):
+    def __init__(self, source, n_layers: int = 0, n_experts: int = 0, keep_trace: bool = True):
         self.source = source
-        self.trace = RequestTrace(n_layers, n_experts)
+        self.trace = RequestTrace(n_layers, n_experts, keep_trace)
 
     def batches(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         group = []

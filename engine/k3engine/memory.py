@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from .diskio import ALIGN, align_up
+from .errors import EngineError
 
 __all__ = [
     "human", "Preset", "PRESETS", "PRESET_NAMES", "AUTO", "list_presets_text",
@@ -144,6 +145,14 @@ class ModelFigures:
     scratch_subs: tuple[tuple[int, int], ...] = ()
     sweep_log_floats: int = 0         # per position fed in a speculative sweep: the logged
                                       # recurrent inputs of every KDA layer (7 P + H each)
+
+    def trace_bytes(self, positions: int, keep_pairs: bool) -> int:
+        """The expert request trace kept for the whole run (--dump-cache-trace): every
+        request as an int32 (layer, expert) pair, topk per MoE layer for every position fed
+        (experts.RequestTrace).  Without it only the running per-(layer, expert) counts are
+        kept: a fixed layers x experts x 8 bytes (437 KB on K3), below what the plan
+        resolves, so the reference's printed figures stay as they are."""
+        return 8 * self.n_moe_layers * self.topk * positions if keep_pairs else 0
 
     @classmethod
     def for_config(cls, cfg, layer_sizes: Sequence[int], expert_bytes: int,
@@ -401,7 +410,7 @@ def plan_trunk(layer_sizes: Sequence[int], budget_bytes: int, ring_want: int | N
 
 # --- budgets: presets, flags in argv order, auto (§5.2, §5.3) ----------------------------
 
-class BudgetError(ValueError):
+class BudgetError(EngineError, ValueError):
     """A budget request that cannot run; `exit_code` is what the CLI exits with."""
 
     def __init__(self, message: str, exit_code: int = 2):
@@ -739,7 +748,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
          layers: int | None = None, baseline_bytes: int = 0, prefix: bool = False,
          baseline_label: str = "python baseline",
          draft_sizes: Sequence[int] | None = None,
-         draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0) -> Plan:
+         draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0,
+         keep_trace: bool = False) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -753,7 +763,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
     `spec` (the sweep width of --spec / --draft-trunk, incremental only) adds what a
     speculative sweep holds; `draft_sizes` (the draft trunk's layer runs) adds hybrid
     decode's draft model: its trunk within `draft_gb`, its own recurrent state with what
-    its proposals hold, and its KV cache."""
+    its proposals hold, and its KV cache.  `keep_trace` (--dump-cache-trace) adds the
+    request trace kept for the whole run to the buffers (trace_bytes)."""
     refusals: list[Refusal] = []
     avail, known, malformed, detail = _availability(available_bytes)
     NL = figures.n_layers if layers is None else int(layers)
@@ -809,7 +820,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
         model_table_bytes=figures.model_table_bytes(ultra),
         expert_cache_bytes=min(int(c_gb * 1e9), figures.expert_pool * figures.expert_slot_bytes),
         recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
-        buffer_bytes=figures.buffer_bytes(positions),
+        buffer_bytes=figures.buffer_bytes(positions) + figures.trace_bytes(positions,
+                                                                           keep_trace),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
         baseline_bytes=int(baseline_bytes),
         draft_bytes=w_draft,
@@ -828,6 +840,38 @@ def plan(figures: ModelFigures, preset: str | None = None,
                 expert_slots=figures.expert_slots(c_gb),
                 expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
                 refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a run asks of the planner (made by run.RunRequest.plan_request)."""
+    budgets: Budgets = Budgets()
+    trunk_ring: int = RING_DEFAULT
+    streamed: bool = False
+    incremental: bool = False
+    positions: int = 1
+    layers: int | None = None
+    baseline_bytes: int = 0
+    baseline_label: str = "python baseline"
+    draft_sizes: Sequence[int] | None = None
+    draft_gb: float = DEFAULT_DRAFT_TRUNK_GB
+    spec: int = 0
+    keep_trace: bool = False
+    prefix: bool = False
+
+
+def plan_for(figures: ModelFigures, req: PlanRequest,
+             available_bytes: "MemProbe | int | None" = None, total_memory: int = 0) -> Plan:
+    """The whole-run plan for a request: the one call every front end makes."""
+    b = req.budgets
+    return plan(figures, preset=AUTO if b.auto else b.preset,
+                trunk_gb=AUTO if b.auto else b.trunk_gb, cache_gb=b.cache_gb,
+                trunk_ring=req.trunk_ring, ultra=b.ultra, streamed=req.streamed,
+                incremental=req.incremental, positions=req.positions,
+                available_bytes=available_bytes, total_memory=total_memory,
+                layers=req.layers, baseline_bytes=req.baseline_bytes, prefix=req.prefix,
+                baseline_label=req.baseline_label, draft_sizes=req.draft_sizes,
+                draft_gb=req.draft_gb, spec=req.spec, keep_trace=req.keep_trace)
 
 
 def _streamed_trunk(sizes: Sequence[int], gb: float, ring: int | None, widen: int,

@@ -17,6 +17,7 @@ import math
 import time
 
 import numpy as np
+from .errors import EXIT_USAGE, EngineError
 
 __all__ = ["SamplerError", "Pcg32", "splitmix64", "select", "Sampler", "clock_seed",
            "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P"]
@@ -31,7 +32,9 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 0.95
 
 
-class SamplerError(ValueError):
+class SamplerError(EngineError, ValueError):
+    exit_code = EXIT_USAGE
+
     """Invalid sampler settings or logits; the chat prints `chat: sampler failed`."""
 
 

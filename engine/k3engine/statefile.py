@@ -36,6 +36,7 @@ from . import kernels as K
 from .atomic import fsync_dir
 from .config import ModelConfig
 from .state import KDAState, MLAState, SequenceState
+from .errors import EngineError
 
 __all__ = ["StateFileError", "StateHeader", "MAGIC", "VERSION", "HEADER_SIZE",
            "HASH_INIT", "model_fingerprint", "state_hash", "save_state", "peek_state",
@@ -62,7 +63,7 @@ _I32_MAX = 2**31 - 1
 _READ_CHUNK = 8 << 20
 
 
-class StateFileError(Exception):
+class StateFileError(EngineError):
     """A state file that cannot be written, or must not be restored.  The message names
     the file and the problem, in the wording of §6.9."""
 

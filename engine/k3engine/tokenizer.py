@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import tiktoken
+from .errors import EngineError
 
 MODEL_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -55,7 +56,7 @@ _PLAIN_LINE = re.compile(rb"([A-Za-z0-9+/]+)(=*) ([0-9]{1,6})\r?")
 _DECIMAL = re.compile(r"[0-9]+")  # ASCII only: str.isdecimal() would accept other scripts' digits
 
 
-class TokenizerError(Exception):
+class TokenizerError(EngineError):
     """A tokenizer file is missing or malformed, or lacks a token the caller needs."""
 
 

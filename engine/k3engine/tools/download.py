@@ -95,7 +95,7 @@ HTTP_TIMEOUT = 60.0                 # seconds without data before a read counts 
 TEXT_PREFIX = "language_model."     # the text tower; vision_tower.* / mm_projector.* are unused
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+from ..errors import EXIT_OK, EXIT_USAGE, EXIT_RUNTIME as EXIT_FAIL  # noqa: E402
 
 
 class DownloadError(Exception):
