@@ -12,7 +12,8 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from k3engine.memory import AUTO, PRESETS, Plan, plan
+from k3engine.memory import AUTO, PRESETS, Plan, plan_for
+from k3engine.run import RunRequest, Sampling, memory_flags, request_from
 
 CUSTOM = "custom"
 # The app renders this label on the plan's baseline line (SYSTEM §5.8).
@@ -53,22 +54,28 @@ class RunSpec:
         """What the CLI's chat plans for: no batch prompt, so gen + 1 (cli.prepare)."""
         return self.gen + 1
 
-    def budget_kwargs(self) -> dict:
-        """preset / trunk_gb / cache_gb for memory.plan, as the CLI resolves its flags."""
-        if self.preset == AUTO:
-            return {"preset": AUTO}
-        if self.preset in PRESETS:
-            return {"preset": self.preset}
-        return {"trunk_gb": float(self.trunk_gb), "cache_gb": float(self.cache_gb)}
+    def request(self, available_override: int | None = None, baseline_bytes: int = 0,
+                total_memory: int = 0) -> RunRequest:
+        """The run API's request for these settings, through the same function that turns
+        `k3`'s flags into one (presets and defaults applied once)."""
+        sampling = Sampling(greedy=True) if self.greedy else Sampling(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None,
+            seed=self.seed or None)
+        return request_from(
+            self.model_dir, memory_flags(self.preset, self.trunk_gb, self.cache_gb),
+            trunk_dir=self.trunk_dir or None, tok_dir=self.tokenizer_dir,
+            trunk_ring=int(self.trunk_ring), threads=int(self.threads), chat=True,
+            gen=int(self.gen), sampling=sampling, thinking=self.thinking, effort=self.effort,
+            baseline_bytes=int(baseline_bytes), baseline_label=BASELINE_LABEL,
+            available_override=available_override, total_memory=int(total_memory))
 
 
 def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,
               total_memory: int = 0) -> Plan:
-    """The whole-run plan for a chat run (incremental, like `k3 --chat`)."""
-    return plan(figures, trunk_ring=int(spec.trunk_ring), streamed=spec.streamed,
-                incremental=True, positions=spec.positions, available_bytes=available,
-                total_memory=total_memory, baseline_bytes=int(baseline_bytes),
-                baseline_label=BASELINE_LABEL, **spec.budget_kwargs())
+    """The whole-run plan for a chat run (incremental, like `k3 --chat`): the plan
+    open_run admits the load under."""
+    req = spec.request(baseline_bytes=baseline_bytes, total_memory=total_memory)
+    return plan_for(figures, req.plan_request(spec.positions), available, total_memory)
 
 
 def _fmt_gb(x: float) -> str:

@@ -22,18 +22,14 @@ import time
 import traceback
 from dataclasses import replace
 
-import numpy as np
 from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
-from .runspec import RunSpec, command_line, make_plan
+from k3engine.errors import EXIT_MEANING, EXIT_RUNTIME, EXIT_USAGE, EngineError
+from k3engine.run import MAX_POSITIONS
 
-EXIT_RUNTIME, EXIT_USAGE, EXIT_DROP = 1, 2, 4
+from .runspec import RunSpec, command_line
+
 HEAT_EVERY = 8                # tokens between expert heat-map refreshes
-MAX_POSITIONS = 36864         # SYSTEM §6.3 (prompt 32768 + gen 4096)
-
-EXIT_MEANING = {0: "success", 1: "runtime failure", 2: "usage or configuration",
-                3: "results not written", 4: "routed expert failed to load",
-                5: "interrupted"}
 
 
 # --------------------------------------------------------------------------- mailboxes
@@ -81,33 +77,24 @@ class Latest:
 # --------------------------------------------------------------------------- errors
 
 def describe_error(e: BaseException) -> dict:
-    """(code, kind, message) exactly as `k3` reports the same failure (cli.main and
-    chat_repl).  Unknown exceptions are reported as runtime failures with their class."""
+    """(code, kind, message) exactly as `k3` reports the same failure (errors.describe).
+    Unknown exceptions are reported as runtime failures with their class."""
     from k3engine.errors import describe
-    kind = type(e).__name__
-    if isinstance(e, PlanRefusedError):
-        return dict(code=e.code, kind="PlanRefused", message=str(e))
-    if isinstance(e, ChatRefusal):
-        return dict(code=e.code, kind="ChatError", message=f"chat: {e}")
     known = describe(e)
     if known is not None:
         code, kind, message = known
         return dict(code=code, kind=kind, message=message)
+    kind = type(e).__name__
     return dict(code=EXIT_RUNTIME, kind=kind, message=f"k3: internal error: {kind}: {e}")
 
 
-class PlanRefusedError(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-class ChatRefusal(Exception):
+class ChatRefusal(EngineError):
     """A chat refusal with the exit code the CLI would use."""
+    prefix = "chat"
 
     def __init__(self, message: str, code: int = EXIT_RUNTIME):
         super().__init__(message)
-        self.code = code
+        self.exit_code = code
 
 
 def messages_of(history) -> list[dict]:
@@ -136,11 +123,7 @@ class EngineWorker(QObject):
     def __init__(self):
         super().__init__()
         self.records, self.progress, self.heat = Mailbox(), Latest(), Latest()
-        self.lm = None
-        self.tok = None
-        self.ctl = None
-        self.figures = None
-        self.plan = None
+        self.run = None                   # k3engine.run.Run: the loaded model and its plan
         self.spec: RunSpec | None = None
         self.available = None
         self.chat = None
@@ -148,7 +131,9 @@ class EngineWorker(QObject):
         self._sampler_key = None
         from k3engine.chat import History
         self.history = History()
-        self._prefill = None              # first-token progress while a prefill runs
+        self._in_turn = False             # prefill progress is posted only during a turn
+        self._prompt_ids = 0
+        self._loaded_event = None
 
     # -- helpers ------------------------------------------------------------------
     def _fail(self, e: BaseException, during: str) -> None:
@@ -165,27 +150,18 @@ class EngineWorker(QObject):
     def _new_session(self) -> None:
         """A fresh ChatSession on the loaded model: the next turn prefills from scratch."""
         self.chat = None
-        if self.lm is None:
+        if self.run is None:
             return
         from k3engine.chat import ChatOptions
-        from k3engine.session import ChatSession
-        spec = self.spec
-        opts = ChatOptions(thinking=spec.thinking, effort=spec.effort)
-        self.chat = ChatSession(self.lm, self.tok, self.ctl, self.history, opts,
-                                self._sampler_for(spec), incremental=True)
+        self.chat = self.run.chat(self.history, self._sampler_for(self.spec))
+        self.chat.opts = ChatOptions(thinking=self.spec.thinking, effort=self.spec.effort)
 
     def _sampler_for(self, spec: RunSpec):
         """One sampler per session and sampling settings (the PCG32 stream is per session,
         seeded per turn), rebuilt only when the settings change."""
-        from k3engine.sampler import Sampler
         key = (spec.greedy, spec.temperature, spec.top_p, spec.top_k, spec.seed)
         if self.sampler is None or key != self._sampler_key:
-            if spec.greedy:
-                self.sampler = Sampler.from_flags(greedy=True)
-            else:
-                self.sampler = Sampler.from_flags(temperature=spec.temperature,
-                                                  top_p=spec.top_p, top_k=spec.top_k or None,
-                                                  seed=spec.seed or None)
+            self.sampler = spec.request().sampling.sampler()
             self._sampler_key = key
         return self.sampler
 
@@ -216,76 +192,72 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False)
 
     def _load(self, spec: RunSpec, available_override, baseline_bytes: int) -> None:
+        """open_run: the same set-up, plan, refusals and load as `k3 --chat`."""
         from k3engine.memory import available_memory, human
-        from k3engine.session import (default_threads, load_model, open_model, read_config,
-                                      set_threads)
-        from k3engine.telemetry import peak_rss_bytes
-        from k3engine.tokenizer import Tokenizer, TokenizerError, control_ids
+        from k3engine.run import open_run
         t0 = time.monotonic()
-        threads = spec.threads or default_threads()
-        set_threads(threads)
-        self.status.emit(f"reading {spec.model_dir}/config.json")
-        cfg, _ = read_config(spec.model_dir)
-        self.status.emit("indexing shards" + (" and checking the packed trunk"
-                                              if spec.trunk_dir else ""))
-        setup = open_model(spec.model_dir, cfg, None, spec.trunk_dir or None)
+        if available_override is not None:
+            available, total = int(available_override), 0
+        else:
+            _, probe = available_memory()
+            available, total = probe.bytes, probe.total or 0
+        req = spec.request(available, baseline_bytes, total)
+        self.status.emit(f"opening {spec.model_dir}" + (" and checking the packed trunk"
+                                                        if spec.trunk_dir else ""))
+        self._loaded_event = None
+        run = open_run(req, self._on_event)
         try:
-            if available_override is not None:
-                available, total = int(available_override), 0
-            else:
-                _, probe = available_memory()
-                available, total = probe, probe.total or 0
-            the_plan = make_plan(setup.figures, spec, available, baseline_bytes, total)
-            self.planned.emit(the_plan.as_event())
-            if the_plan.refusals:
-                raise PlanRefusedError(the_plan.exit_code, "\n".join(
-                    f"k3: {r.message}" for r in the_plan.refusals))
-            self.status.emit("loading the tokenizer")
-            tok = Tokenizer.from_dir(spec.tokenizer_dir)
-            try:
-                ctl = control_ids(tok, None)
-            except TokenizerError as e:
-                raise ChatRefusal(str(e), EXIT_USAGE) from None
-            self.status.emit("binding the model tables" + (" and opening the trunk stream"
-                                                           if spec.trunk_dir else
-                                                           " and the resident trunk"))
-            lm = load_model(setup, plan=the_plan, on_trunk_read=self._on_trunk_read,
-                            cache_bytes=int(the_plan.expert_cache_bytes))
+            from k3engine.run import chat_controls
+            run.ctl = chat_controls(run.tok)       # no control tokens: refused (exit 2)
         except BaseException:
-            setup.ck.close()
+            run.close()
             raise
-        self.lm, self.tok, self.ctl, self.figures, self.plan = lm, tok, ctl, setup.figures, the_plan
-        self.spec, self.available = spec, available
+        self.run, self.spec, self.available = run, spec, available
         self._new_session()
-        tr = lm.trunk
+        lm, cfg, ev = run.lm, run.cfg, self._loaded_event
         info = dict(
             command=command_line(spec), model_dir=spec.model_dir, trunk_dir=spec.trunk_dir,
-            n_layers=setup.n_layers, n_experts=cfg.n_experts,
-            moe_layers=[L for L in range(setup.n_layers) if not cfg.is_dense(L)],
-            layer_kinds=["MLA" if cfg.is_mla(L) else "KDA" for L in range(setup.n_layers)],
-            streamed=tr is not None,
-            pinned_layers=sorted(tr.pinned) if tr is not None else list(range(setup.n_layers)),
-            ring_slots=tr.nslot if tr is not None else 0,
-            slot_bytes=tr.slot_bytes if tr is not None else 0,
-            trunk_total_bytes=sum(setup.figures.layer_sizes[:setup.n_layers]),
-            expert_slots=lm.experts.nslot, expert_slot_bytes=lm.experts.slot_bytes,
-            cache_line=lm.experts.init_line(), plan_lines=the_plan.lines(),
-            plan_total=the_plan.total_bytes, available=the_plan.available_bytes,
-            peak_rss_after_load=peak_rss_bytes(), threads=threads,
-            seconds=time.monotonic() - t0, vocab=cfg.vocab)
+            n_layers=run.nl, n_experts=cfg.n_experts,
+            moe_layers=[L for L in range(run.nl) if not cfg.is_dense(L)],
+            layer_kinds=["MLA" if cfg.is_mla(L) else "KDA" for L in range(run.nl)],
+            streamed=ev.streamed, pinned_layers=list(ev.pinned_layers),
+            ring_slots=ev.ring_slots, slot_bytes=ev.slot_bytes,
+            trunk_total_bytes=sum(run.setup.figures.layer_sizes[:run.nl]),
+            expert_slots=ev.expert_slots, expert_slot_bytes=ev.expert_slot_bytes,
+            cache_line=ev.cache_line, plan_lines=run.plan.lines(),
+            plan_total=run.plan.total_bytes, available=run.plan.available_bytes,
+            peak_rss_after_load=ev.peak_rss_bytes, threads=run.threads,
+            seconds=time.monotonic() - t0, vocab=cfg.vocab, ultra=lm.ultra,
+            streamed_tables=lm.table_stream is not None)
         self.status.emit(f"loaded in {info['seconds']:.1f} s; peak RSS after loading weights "
                          f"{human(info['peak_rss_after_load'])}")
         self.loaded.emit(info)
 
+    def _on_event(self, ev) -> None:
+        """The run API's set-up and progress events (engine thread)."""
+        from k3engine import events as E
+        if isinstance(ev, E.Planned):
+            self.planned.emit(ev.plan.as_event())
+        elif isinstance(ev, E.Loaded):
+            self._loaded_event = ev
+        elif isinstance(ev, E.Indexed):
+            self.status.emit("planning memory")
+        elif isinstance(ev, E.LoadProgress) and ev.phase == "prefill" and self._in_turn:
+            if self.progress.put(dict(phase="prefill", layers=ev.layer + 1,
+                                      n_layers=self.run.nl if self.run else 0,
+                                      done_bytes=ev.done_bytes, total_bytes=ev.total_bytes,
+                                      elapsed_s=ev.elapsed_s, eta_s=ev.eta_s,
+                                      prompt_ids=self._prompt_ids)):
+                self.progressReady.emit()
+
     def _unload(self) -> None:
-        had = self.lm is not None
+        had = self.run is not None
         self.chat = None
-        if self.lm is not None:
+        if self.run is not None:
             try:
-                self.lm.close()
+                self.run.close()
             finally:
-                self.lm = None
-        self.tok = self.ctl = self.plan = None
+                self.run = None
         if had:
             self.unloaded.emit()
 
@@ -295,18 +267,6 @@ class EngineWorker(QObject):
             self._unload()
         except BaseException as e:  # noqa: BLE001
             self._fail(e, "unload")
-
-    def _on_trunk_read(self, L: int, nbytes: int, seconds: float) -> None:
-        """Trunk reads (reader thread or engine thread): first-token progress only."""
-        p = self._prefill
-        if p is None:
-            return
-        with p["lock"]:
-            p["done_bytes"] += nbytes
-            p["layers"] += 1
-            snap = {k: v for k, v in p.items() if k != "lock"}
-        if self.progress.put(snap):
-            self.progressReady.emit()
 
     # -- conversation (works with or without a model) ----------------------------------
     @Slot(object)
@@ -396,7 +356,7 @@ class EngineWorker(QObject):
         self._turn(spec, cancel)
 
     def _turn(self, spec: RunSpec, cancel) -> None:
-        if self.lm is None:
+        if self.run is None:
             self._fail(ChatRefusal("no model is loaded: load one in Setup first", EXIT_USAGE),
                        "turn")
             self.turnFinished.emit({"failed": True, "n": 0})
@@ -411,16 +371,16 @@ class EngineWorker(QObject):
             self._fail(e, "turn")
             self.turnFinished.emit({"failed": True, "n": 0})
         finally:
-            self._prefill = None
+            self._in_turn = False
             self.busyChanged.emit(False)
 
     def _run_turn(self, cancel) -> None:
+        from k3engine import events as E
         from k3engine.chat import ChatError
         from k3engine.memory import human, kv_check
         from k3engine.telemetry import peak_rss_bytes
-        from k3engine.telemetry import rss_bytes
-        from k3engine.tokenizer import StreamDecoder
-        lm, chat, spec, ctl = self.lm, self.chat, self.spec, self.ctl
+        run, chat, spec = self.run, self.chat, self.spec
+        lm, the_plan = run.lm, run.plan
         gen = spec.gen
         try:
             n_prompt = len(chat.render())
@@ -431,115 +391,67 @@ class EngineWorker(QObject):
         if n_prompt + gen + 1 > MAX_POSITIONS:
             raise ChatRefusal(f"rendered transcript is {n_prompt} tokens; current engine limit "
                               f"is 32768 prompt + 4096 generation tokens")
-        kv = kv_check(self.figures, n_prompt + gen + 1, self.available)
+        kv = kv_check(run.setup.figures, n_prompt + gen + 1, self.available)
         if kv.refusal is not None:
             raise ChatRefusal(f"KV cache for {n_prompt + gen + 1} positions needs "
                               f"{human(kv.need_bytes)}, but only {human(kv.available_bytes)} is "
                               f"available; history was preserved")
         self.turnStarted.emit(dict(prompt_ids=n_prompt, gen=gen, command=command_line(spec),
                                    thinking=spec.thinking, t=time.monotonic()))
-        tr = lm.trunk
-        self._prefill = dict(lock=threading.Lock(), phase="prefill", prompt_ids=n_prompt,
-                             done_bytes=0, layers=0,
-                             total_bytes=sum(self.figures.layer_sizes) if tr else 0)
-        decoder = StreamDecoder(self.tok)
-        added = set(self.tok.added)
-        phase = ["thinking" if spec.thinking else "response"]
-        tag = {"open": None, "text": ""}
-        before = [tr.bytes_read if tr else 0, tr.read_seconds if tr else 0.0]
-        t_last = [time.monotonic()]
-        heat_n = [0]
-        lm.experts.reset_step()
-
-        def display(tok_id: int) -> tuple[str, str]:
-            """(phase, visible text) for one id: control tokens and tag names are hidden,
-            reasoning and content are shown, each in its own phase."""
-            if tok_id in (ctl.open, ctl.close):
-                tag["open"], tag["text"] = tok_id == ctl.open, ""
-                return phase[0], ""
-            if tok_id == ctl.sep and tag["open"] is not None:
-                name = tag["text"].strip()
-                if tag["open"] and name == "response":
-                    phase[0] = "response"
-                elif not tag["open"] and name in ("response", "message"):
-                    phase[0] = "closing"
-                elif not tag["open"] and name == "think":
-                    phase[0] = "between"
-                tag["open"] = None
-                return phase[0], ""
-            if tag["open"] is not None:
-                tag["text"] += (self.tok.token_bytes(tok_id) or b"").decode("utf-8", "replace")
-                return phase[0], ""
-            if tok_id in added:
-                return phase[0], ""
-            text = decoder.push(tok_id)
-            return phase[0], text if phase[0] in ("thinking", "response") else ""
-
-        def on_token(i: int, tok_id: int) -> None:
-            if i == 1:
-                self._prefill = None       # the first token is out: prefill is over
-            now = time.monotonic()
-            secs, t_last[0] = now - t_last[0], now
-            ex = lm.experts.step
-            t_bytes = (tr.bytes_read - before[0]) if tr else 0
-            t_s = (tr.read_seconds - before[1]) if tr else 0.0
-            if tr:
-                before[0], before[1] = tr.bytes_read, tr.read_seconds
-            ph, text = display(tok_id)
-            rec = dict(i=i, id=tok_id, text_delta=text, phase=ph, step=i - 1, seconds=secs,
-                       rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(),
-                       trunk_bytes=t_bytes, trunk_read_s=t_s,
-                       trunk_hits=tr.hits if tr else 0, trunk_binds=tr.binds if tr else 0,
-                       expert_requests=ex.requests, expert_hits=ex.hits,
-                       expert_misses=ex.misses, expert_evictions=ex.evictions,
-                       expert_prefetch_reads=ex.prefetch_reads, expert_bytes=ex.bytes_read,
-                       expert_read_s=ex.load_seconds, model_table_bytes=0,
-                       true_resident_hit=ex.true_hit_rate / 100.0,
-                       retention=ex.retention / 100.0, raw_hit=ex.raw_hit_rate / 100.0,
-                       io_share_step=(t_s + ex.load_seconds) / secs if secs > 0 else 0.0,
-                       io_trunk_share=t_s / secs if secs > 0 else 0.0,
-                       io_expert_share=ex.load_seconds / secs if secs > 0 else 0.0,
-                       resident_experts=lm.experts.policy.resident,
-                       pinned_experts=lm.experts.policy.pinned,
-                       plan_total=self.plan.total_bytes,
-                       available=self.plan.available_bytes)
-            lm.experts.reset_step()       # the next token's window (cli: on_step_start)
-            if self.records.put(rec):
-                self.recordsReady.emit()
-            heat_n[0] += 1
-            if heat_n[0] % HEAT_EVERY == 0:
-                self._post_heat()
-
-        res = chat.turn(gen, on_token, cancel)
-        tail = decoder.flush()
+        self._prompt_ids, self._in_turn = n_prompt, True
+        heat_n = 0
+        res, tail = None, ""
+        for ev in run.turn(chat, gen, cancel):
+            if isinstance(ev, E.StepDone):
+                self._in_turn = False      # the first token is out: prefill is over
+                step = ev
+            elif isinstance(ev, E.TokenOut):
+                if ev.id < 0:              # the parser's held-back tail
+                    tail = ev.text
+                    continue
+                t = step.telemetry
+                rec = dict(i=step.step + 1, id=ev.id, text_delta=ev.text, phase=ev.phase,
+                           step=step.step, seconds=step.seconds,
+                           **{k: getattr(t, k) for k in t.EVENT_KEYS},
+                           retention=t.retention_rate / 100.0, raw_hit=t.raw_hit_rate / 100.0,
+                           io_trunk_share=t.io_trunk_share, io_expert_share=t.io_expert_share,
+                           plan_total=the_plan.total_bytes, available=the_plan.available_bytes)
+                if self.records.put(rec):
+                    self.recordsReady.emit()
+                heat_n += 1
+                if heat_n % HEAT_EVERY == 0:
+                    self._post_heat()
+            elif isinstance(ev, E.TurnEnded):
+                res = ev.result
         self._post_heat()
         n = len(res.ids)
+        first_s = res.first_token_seconds
+        decode_s = res.seconds - first_s
         self.turnFinished.emit(dict(
             failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_ids, reused=res.reused,
-            seconds=res.seconds, first_token_seconds=res.first_token_seconds,
-            s_per_token=res.seconds / n if n else 0.0, end_id=res.end_id,
-            end_name=(self.tok.added.get(res.end_id, str(res.end_id))
+            seconds=res.seconds, first_token_seconds=first_s,
+            s_per_token=res.seconds / n if n else 0.0,
+            decode_s_per_token=decode_s / (n - 1) if n > 1 else 0.0,
+            tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            prefill_positions_per_s=(res.prompt_ids - res.reused) / first_s
+            if first_s > 0 else 0.0,
+            end_id=res.end_id,
+            end_name=(run.tok.added.get(res.end_id, str(res.end_id))
                       if res.end_id is not None else None),
             interrupted=res.interrupted, reasoning=res.reasoning, content=res.content,
             tail=tail, gen=gen, thinking=spec.thinking, peak_rss_bytes=peak_rss_bytes(),
-            plan_total=self.plan.total_bytes, available=self.plan.available_bytes,
+            plan_total=the_plan.total_bytes, available=the_plan.available_bytes,
             retention=lm.experts.total.retention / 100.0,
             true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
             expert_bytes_read=lm.experts.total.bytes_read,
-            trunk_bytes_read=tr.bytes_read if tr else 0))
+            trunk_bytes_read=lm.trunk.bytes_read if lm.trunk else 0))
         self._emit_conversation()
 
     def _post_heat(self) -> None:
-        """Requests per (layer, expert) so far, from the cache's request histogram."""
-        lm = self.lm
-        trace = getattr(lm.experts, "trace", None)
-        if trace is None:
-            return
-        grid = np.zeros((max(trace.n_layers, 1), max(trace.n_experts, 1)), np.float32)
-        for (L, e), n in trace.histogram().items():
-            if L < grid.shape[0] and e < grid.shape[1]:
-                grid[L, e] = n
-        if self.heat.put(grid):
+        """Requests per (layer, expert) so far: the trace's running counts, O(layers x
+        experts) however long the session (no pass over the requests)."""
+        grid = self.run.expert_heat() if self.run is not None else None
+        if grid is not None and self.heat.put(grid):
             self.heatReady.emit()
 
     @Slot()
@@ -623,12 +535,12 @@ class EngineHost(QObject):
         self._unload.emit()
 
     def send(self, text: str, spec: RunSpec) -> None:
-        from k3engine.session import Cancel
+        from k3engine.run import Cancel
         self._cancel = Cancel()
         self._send.emit(text, spec, self._cancel)
 
     def regenerate(self, spec: RunSpec) -> None:
-        from k3engine.session import Cancel
+        from k3engine.run import Cancel
         self._cancel = Cancel()
         self._regenerate.emit(spec, self._cancel)
 
@@ -718,4 +630,4 @@ class EngineHost(QObject):
 
 
 __all__ = ["EngineWorker", "EngineHost", "describe_error", "Mailbox", "Latest",
-           "PlanRefusedError", "ChatRefusal", "EXIT_MEANING"]
+           "ChatRefusal", "EXIT_MEANING"]

@@ -1,16 +1,17 @@
-"""`k3 <model> --chat`: the REPL of SYSTEM §9.4 over the engine's ChatSession, with the
-reference's messages, history file handling and exit codes (§9.3, §9.6)."""
+"""`k3 <model> --chat`: the REPL of SYSTEM §9.4 over the run API, with the reference's
+messages, history file handling and exit codes (§9.3, §9.6)."""
 from __future__ import annotations
 
 import sys
 import time
 
-from .chat import (HELP_LINES, USER_PROMPT, ChatError, ChatOptions, History, Message,
-                   apply_system)
+from .chat import HELP_LINES, USER_PROMPT, ChatError, History, Message, apply_system
+from .console import Printer
+from .errors import EXIT_DROP, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EngineError
+from .events import TokenOut, TurnEnded
 from .experts import ExpertLoadError
+from .run import Cancel, RunRequest, chat_controls, open_run
 from .telemetry import Events
-
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_DROP = 0, 1, 2, 4
 
 
 def _read_line() -> str | None:
@@ -22,33 +23,32 @@ def _read_line() -> str | None:
     return line.rstrip("\r\n")
 
 
-def chat_main(o, events: Events) -> int:
-    from .cli import UsageError, load_tokenizer, make_sampler, prepare
-    from .tokenizer import TokenizerError, control_ids
-    opts = ChatOptions(thinking=not o.no_think, effort=o.effort or "max")
+def chat_main(req: RunRequest, history_path: str | None, system: str | None,
+              events: Events) -> int:
     try:
-        history = History.load(o.history) if o.history else History()
-        if o.system is not None and apply_system(history, o.system) and o.history:
-            history.save(o.history)
+        history = History.load(history_path) if history_path else History()
+        if system is not None and apply_system(history, system) and history_path:
+            history.save(history_path)
     except ChatError as e:
         print(f"chat: {e}", file=sys.stderr)
         return EXIT_USAGE
-    tok = load_tokenizer(o.tok)
+    from .tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(req.tok_dir)          # failures exit 1 (SYSTEM §6.5)
+    printer = Printer(events, step_lines=False)
     try:
-        ctl = control_ids(tok, None)
-    except TokenizerError as e:
-        print(f"chat: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        chat_controls(tok)
+    except EngineError as e:
+        print(tok.report_line(), file=sys.stderr)
+        print(e.report(), file=sys.stderr)
+        return e.exit_code
     # Before loading the model, read one user line unless the history ends with one.
     if not history.ends_with_user:
-        line = _next_user_line(history, o)
-        if line is None:
+        if _next_user_line(history, history_path) is None:
+            print(tok.report_line(), file=sys.stderr)
             return EXIT_OK
-    sampler = make_sampler(o)
-    p = prepare(o, events)
-    from .session import Cancel, ChatSession
-    chat = ChatSession(p.lm, tok, ctl, history, opts, sampler, incremental=True)
-    gen = o.gen_n
+    r = open_run(req, printer, tok=tok)
+    chat = r.chat(history)
+    gen = req.gen
     first = True
     code = EXIT_OK
     try:
@@ -62,30 +62,31 @@ def chat_main(o, events: Events) -> int:
                 history.remove_last()
             else:
                 if first:
+                    s = chat.sampler
                     print(f"  XTML prompt: {len(prompt)} ids, generation limit {gen}, "
-                          f"{sampler.mode_text()}, "
-                          + (f"thinking_effort={opts.effort}" if opts.thinking else "thinking off"))
-                    if sampler.banner_line():
-                        print(sampler.banner_line())
+                          f"{s.mode_text()}, "
+                          + (f"thinking_effort={chat.opts.effort}" if chat.opts.thinking
+                             else "thinking off"))
+                    if s.banner_line():
+                        print(s.banner_line())
                 first = False
-                code = _one_turn(chat, gen, events, Cancel())
+                code = _one_turn(r, chat, gen, printer)
                 if code != EXIT_OK:
                     return code
-                if o.history:
-                    history.save(o.history)
-            if _next_user_line(history, o) is None:
+                if history_path:
+                    history.save(history_path)
+            if _next_user_line(history, history_path) is None:
                 return EXIT_OK
     finally:
-        drops = p.lm.experts.drops
-        p.lm.close()
+        drops = r.lm.experts.drops
+        r.close()
         if drops:
             print(f"chat invalid: {drops} routed expert loads failed; transcript kept",
                   file=sys.stderr)
             code = EXIT_DROP
-        del UsageError
 
 
-def _next_user_line(history: History, o) -> str | None:
+def _next_user_line(history: History, history_path: str | None) -> str | None:
     """Read lines until a user message is accepted; None at /exit or end of input."""
     while True:
         line = _read_line()
@@ -99,8 +100,8 @@ def _next_user_line(history: History, o) -> str | None:
             continue
         if line == "/reset":
             history.reset()
-            if o.history:
-                history.save(o.history)
+            if history_path:
+                history.save(history_path)
             print("chat reset")
             continue
         try:
@@ -108,36 +109,39 @@ def _next_user_line(history: History, o) -> str | None:
         except ChatError as e:
             print(f"chat: {e}", file=sys.stderr)
             continue
-        if o.history:
-            history.save(o.history)
+        if history_path:
+            history.save(history_path)
         return line
 
 
-def _one_turn(chat, gen: int, events: Events, cancel) -> int:
+def _one_turn(r, chat, gen: int, printer: Printer) -> int:
     t0 = time.monotonic()
-
-    def on_token(i: int, tok_id: int) -> None:
-        print(f"chat: token {i}/{gen} id {tok_id} ({time.monotonic() - t0:.0f} s)",
-              file=sys.stderr, flush=True)
-        events.emit("token", id=tok_id, text_delta="")
+    res = None
+    n = 0
     try:
-        r = chat.turn(gen, on_token, cancel)
+        for ev in r.turn(chat, gen, Cancel()):
+            if isinstance(ev, TokenOut) and ev.id >= 0:
+                n += 1
+                print(f"chat: token {n}/{gen} id {ev.id} ({time.monotonic() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+            printer(ev)
+            if isinstance(ev, TurnEnded):
+                res = ev.result
     except ChatError as e:
         print(f"chat: malformed assistant turn: {e}", file=sys.stderr)
         return EXIT_RUNTIME
     except ExpertLoadError as e:              # never show a reply computed without an expert
         print(f"chat invalid: {e}; transcript kept", file=sys.stderr)
         return EXIT_DROP
-    events.emit("chat", phase="turn_end", reused_positions=r.reused, end_id=r.end_id)
-    print(f"chat: {r.reused} of {r.prompt_ids} prompt positions already cached, prefill for "
-          f"{r.prompt_ids - r.reused}")
-    if r.end_id is None:
+    print(f"chat: {res.reused} of {res.prompt_ids} prompt positions already cached, prefill "
+          f"for {res.prompt_ids - res.reused}")
+    if res.end_id is None:
         print(f"chat: assistant did not complete an official turn within --gen {gen}; "
               f"transcript is preserved", file=sys.stderr)
         return EXIT_RUNTIME
-    name = chat.tok.added.get(r.end_id, str(r.end_id))
-    print(f"chat: turn ended by {name} ({r.end_id})")
+    name = chat.tok.added.get(res.end_id, str(res.end_id))
+    print(f"chat: turn ended by {name} ({res.end_id})")
     if chat.opts.thinking:
-        print(f"<think>{r.reasoning or ''}</think>")
-    print(f"<response>{r.content}</response>")
+        print(f"<think>{res.reasoning or ''}</think>")
+    print(f"<response>{res.content}</response>")
     return EXIT_OK

@@ -14,18 +14,17 @@ import time
 from dataclasses import dataclass, field
 
 from . import REFERENCE_VERSION, __version__
-from .config import ModelConfig
-from .errors import EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_USAGE, describe
-from .draft import DEFAULT_DRAFT_TOPK
-from .speculative import MAX_DRAFT
-from .memory import (DEFAULT_DRAFT_TRUNK_GB, BudgetError, available_memory, human,
-                     list_presets_text, plan, resolve_budgets)
 from .atomic import write_atomic
-from .report import RULE, STEP_HEADER, out_line, step_line
-from .session import (MAX_GEN, MAX_POSITIONS, MAX_PROMPT, Cancel, RunResult, Step,
-                      default_threads, generate, load_draft, load_model, open_model,
-                      read_config, set_threads)
-from .telemetry import Events, JsonLinesSink, peak_rss_bytes, rss_bytes
+from .console import Printer
+from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_RUNTIME, EXIT_USAGE,
+                     EngineError, PlanRefused, UsageError, describe)
+from .events import Finished
+from .memory import DEFAULT_DRAFT_TRUNK_GB, BudgetError, human, list_presets_text, resolve_budgets
+from .report import RULE, out_line
+from .run import (MAX_GEN, Cancel, Draft, Prompt, Run, RunRequest, Sampling, io_seconds,
+                  open_run, request_from, spec_keys, summary_values)
+from .session import RunResult
+from .telemetry import Events, JsonLinesSink
 
 SUBCOMMANDS = {
     "make-checkpoint": "k3engine.tools.make_checkpoint",
@@ -107,10 +106,6 @@ exit codes
   4  a routed expert failed to load: the affected token was not emitted
   5  interrupted by Ctrl-C: the step in flight completed, state and results were written
 """
-
-
-class UsageError(Exception):
-    pass
 
 
 # flag -> (attribute, takes a value, repeatable)
@@ -214,16 +209,6 @@ def strict_float(flag: str, text: str) -> float:
     if not math.isfinite(v):
         raise UsageError(f"bad {flag} value '{text}': expected a finite number")
     return v
-
-
-def parse_ids(text: str, what: str) -> list[int]:
-    pieces = text.replace(",", " ").split()
-    if not pieces:
-        raise UsageError(f"bad {what}: no ids")
-    for p in pieces:
-        if not p.isdigit():
-            raise UsageError(f"bad {what}: '{p}' is not a non-negative whole number")
-    return [int(p) for p in pieces]
 
 
 def parse_args(argv: list[str]) -> Options:
@@ -341,60 +326,39 @@ def validate_draft(o: Options) -> None:
         o.spec_auto = False
 
 
-def make_sampler(o: Options):
-    from .sampler import Sampler
-    return Sampler.from_flags(
-        temperature=None if o.temperature is None else float(o.temperature),
-        top_p=None if o.top_p is None else float(o.top_p),
-        top_k=None if o.top_k is None else int(o.top_k),
-        seed=None if o.seed is None else int(o.seed), greedy=o.greedy)
+def build_request(o: Options) -> RunRequest:
+    """The RunRequest for these flags (run.request_from applies presets and defaults)."""
+    prompt = None
+    if not o.chat:
+        prompt = Prompt(ids_text=o.ids, ids_file=o.ids_file, text=o.prompt,
+                        text_file=o.prompt_file)
+    draft = None
+    if o.draft_trunk:
+        draft = Draft(o.draft_trunk, draft_gb(o),
+                      None if o.draft_topk is None else int(o.draft_topk), o.draft_cache_only)
+    sampling = Sampling(temperature=None if o.temperature is None else float(o.temperature),
+                        top_p=None if o.top_p is None else float(o.top_p),
+                        top_k=None if o.top_k is None else int(o.top_k),
+                        seed=None if o.seed is None else int(o.seed), greedy=o.greedy)
+    return request_from(
+        o.model_dir, o.memory, trunk_dir=o.trunk, tok_dir=o.tok, config_path=o.config,
+        trunk_ring=int(o.trunk_ring), threads=int(o.threads) if o.threads is not None else 0,
+        layers=None if o.layers is None else strict_int("--layers", o.layers, 1),
+        incremental=o.incremental, chat=o.chat, gen=o.gen_n, stop_ids=tuple(o.stop_ids),
+        prompt=prompt, sampling=sampling, thinking=not o.no_think, effort=o.effort or "max",
+        spec=int(o.spec), spec_auto=o.spec_auto, draft=draft, load_state=o.load_state,
+        save_state=o.save_state, keep_trace=bool(o.dump_cache_trace))
 
 
-def config_line(cfg: ModelConfig, path: str) -> str:
-    n_mla = len(cfg.mla_layers)
-    return (f"config: {os.path.basename(path)} ({cfg.shape} shape) | hidden={cfg.hidden} "
-            f"layers={cfg.n_layers} vocab={cfg.vocab} | {n_mla} MLA + {cfg.n_layers - n_mla} KDA"
-            f" | experts {cfg.n_experts} top{cfg.topk} shared{cfg.n_shared} | latent={cfg.latent}")
-
-
-def load_tokenizer(tok_dir: str):
-    """Tokenizer load failures exit 1 (SYSTEM §6.5)."""
-    from .tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(tok_dir)
-    print(tok.report_line(), file=sys.stderr)
-    return tok
-
-
-def prompt_ids(o: Options, tok) -> list[int]:
-    if o.ids is not None:
-        return parse_ids(o.ids, "--ids")
-    if o.ids_file is not None:
-        try:
-            with open(o.ids_file) as f:
-                return parse_ids(f.read(), f"--ids-file {o.ids_file}")
-        except OSError as e:
-            raise UsageError(f"cannot read --ids-file {o.ids_file}: {e.strerror}") from None
-    if o.prompt_file is not None:
-        try:
-            with open(o.prompt_file, "rb") as f:
-                text = f.read(1 << 30 | 1)
-        except OSError as e:
-            raise UsageError(f"cannot read --prompt-file {o.prompt_file}: {e.strerror}") from None
-        if len(text) > 1 << 30:
-            raise UsageError(f"--prompt-file {o.prompt_file} is larger than 1 GiB")
-        text = text.decode("utf-8", errors="surrogateescape")
-        nbytes = len(text.encode("utf-8", errors="surrogateescape"))
-    else:
-        text = o.prompt
-        nbytes = len(text.encode("utf-8", errors="surrogateescape"))
-    ids = tok.encode(text, True)                   # added tokens recognised in batch prompts
-    print(f"  tokenized: {nbytes} bytes -> {len(ids)} ids")
-    return ids
+def draft_gb(o: Options) -> float:
+    return DEFAULT_DRAFT_TRUNK_GB if o.draft_trunk_gb is None else float(o.draft_trunk_gb)
 
 
 class Interrupts:
     """Ctrl-C (SYSTEM §6.6): the first SIGINT asks the loop to stop after the step in
-    flight and says so at once; the second ends the process (default action)."""
+    flight and says so at once; the second ends the process (default action).  Installed
+    before loading starts, whatever disposition the process inherited (a shell that
+    started it with SIGINT ignored included)."""
 
     MESSAGE = (b"\ninterrupt: the step in flight will complete, then state and results are "
                b"written and the run exits 5.\n           Press Ctrl-C again to kill it now.\n")
@@ -421,250 +385,42 @@ class Interrupts:
             signal.signal(signal.SIGINT, self.old)
 
 
-@dataclass
-class Prepared:
-    """What a run needs after the checks that come before any large allocation."""
-    cfg: ModelConfig
-    nl: int
-    tok: object
-    ids: list[int]
-    lm: object
-    draft: object = None            # hybrid decode's DraftModel
-
-
-def prepare(o: Options, events: Events, positions_extra: int = 0) -> Prepared:
-    """Threads, config, tokenizer, prompt, index, plan (refusals), then the model."""
-    threads = int(o.threads) if o.threads is not None else default_threads()
-    set_threads(threads)
-    print(f"threads: {threads}")
-    cfg, cfg_path = read_config(o.model_dir, o.config)
-    print(config_line(cfg, cfg_path))
-    nl = cfg.n_layers if o.layers is None else strict_int("--layers", o.layers, 1, cfg.n_layers)
-    if nl < cfg.n_layers:
-        print(f"NOTE: binding only the first {nl} of {cfg.n_layers} layers. Output is NOT the "
-              f"full model; use it to test the machinery, not the answers.")
-    tok = load_tokenizer(o.tok) if o.tok else None
-    ids = [] if o.chat else prompt_ids(o, tok)
-    if len(ids) > MAX_PROMPT:
-        raise UsageError(f"prompt has {len(ids)} ids; the limit is {MAX_PROMPT} (refused, "
-                         f"never truncated)")
-    for i in ids + o.stop_ids:
-        if i >= cfg.vocab:
-            raise UsageError(f"token id {i} is outside the vocabulary of {cfg.vocab}")
-    draft_topk = min(DEFAULT_DRAFT_TOPK, cfg.topk) if o.draft_topk is None else int(o.draft_topk)
-    if o.draft_trunk and draft_topk > cfg.topk:
-        raise UsageError(f"--draft-topk {draft_topk} exceeds the model's top-{cfg.topk}")
-    gen = o.gen_n
-    positions = positions_extra + len(ids) + gen + 1
-    if positions > MAX_POSITIONS:
-        raise UsageError(f"prompt {positions_extra + len(ids)} + gen {gen} + 1 exceeds the "
-                         f"{MAX_POSITIONS}-position ceiling")
-    print("K3 Studio engine (Python + Cython), released checkpoint layout")
-    print(f"  model    : {o.model_dir}")
-    if not o.chat:
-        print(f"  prompt   : {len(ids)} tokens, generating {gen}")
-    budgets = resolve_budgets(o.memory)
-    print()
-
-    setup = open_model(o.model_dir, cfg, nl, o.trunk, o.draft_trunk)
-    print(f"indexed {len(setup.ck)} tensors from {len(setup.ck.shards)} shards in "
-          f"{setup.index_seconds:.2f} s")
-    for note in setup.ck.notes:
-        print(f"note: {note}")
-    avail, probe = available_memory()
-    from .memory import AUTO
-    the_plan = plan(setup.figures, preset=AUTO if budgets.auto else budgets.preset,
-                    trunk_gb=AUTO if budgets.auto else budgets.trunk_gb,
-                    cache_gb=budgets.cache_gb, trunk_ring=int(o.trunk_ring), ultra=budgets.ultra,
-                    streamed=bool(o.trunk), incremental=o.incremental or o.chat,
-                    positions=positions, available_bytes=probe, layers=nl,
-                    draft_sizes=setup.draft_sizes, draft_gb=draft_gb(o),
-                    spec=min(int(o.spec), MAX_DRAFT))
-    if the_plan.preset_line():
-        print(the_plan.preset_line())
-    if the_plan.auto is not None:
-        print(the_plan.auto.line)
-    if o.trunk:
-        print(f"trunk on disk : {human(setup.manifest.total_bytes())} total (STREAMED from "
-              f"{o.trunk}, not held in RAM)")
-    print()
-    for line in the_plan.lines():
-        print(line)
-    events.emit("plan", **the_plan.as_event())
-    if the_plan.refusals:
-        for r in the_plan.refusals:
-            print(f"k3: {r.message}", file=sys.stderr)
-        raise PlanRefused(the_plan.exit_code)
-    if the_plan.trunk_plan is not None:
-        for line in the_plan.trunk_plan.lines():
-            print(line)
-
-    tp_plan = the_plan.trunk_plan
-    pinned = set(tp_plan.pinned) if tp_plan is not None else set()
-    pinned_total = sum(setup.manifest.layers[L].nbytes for L in pinned) if pinned else 0
-    first_touch = {"done": 0, "seen": set()}
-
-    def on_read(L, nbytes, seconds):
-        """Token 0 reads every pinned layer once (SYSTEM §3.7): report it as progress so
-        a slow first token never looks like a hang."""
-        if L in pinned and L not in first_touch["seen"]:
-            first_touch["seen"].add(L)
-            first_touch["done"] += nbytes
-            events.emit("load", phase="pinned_first_touch", layer=L,
-                        done_bytes=first_touch["done"], total_bytes=pinned_total)
-    t0 = time.monotonic()
-    lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
-                    cache_bytes=int(the_plan.expert_cache_bytes), ultra=the_plan.ultra)
-    if lm.trunk is not None:
-        tp = lm.trunk
-        events.emit("trunk_open", n_pinned=len(tp.pinned), pinned_layers=sorted(tp.pinned),
-                    ring_slots=tp.nslot, slot_bytes=tp.slot_bytes, direct=tp.direct,
-                    split_first=False)
-        print(f"trunk streaming enabled from {o.trunk} in {time.monotonic() - t0:.1f} s; "
-              f"reads use {'O_DIRECT (page cache bypassed)' if tp.direct else 'buffered I/O'}")
-    else:
-        print(f"resident trunk: {human(lm.trunk_bytes)} in RAM (large matrices kept in the "
-              f"checkpoint's bf16, widened inside the matvec)")
-    if lm.ultra:
-        print(f"final norms: {human(lm.table_bytes)} resident; embedding and lm_head streamed "
-              f"in {lm.bind_seconds:.1f} s")
-    else:
-        print(f"embedding, final norm and lm_head: {human(lm.table_bytes)} in "
-              f"{lm.bind_seconds:.1f} s")
-    print(f"peak RSS after loading weights: {human(peak_rss_bytes())}  (the plan above is a "
-          f"forecast, this is measured)")
-    print(lm.experts.init_line())
-    events.emit("cache_open", nslot=lm.experts.nslot, slot_bytes=lm.experts.slot_bytes)
-    one_slot = lm.ultra and not o.incremental
-    print(f"recurrent state: one {human(lm.model.new_state(0, True).nbytes())} slot, cleared "
-          f"and reused across {nl} layers" if one_slot else
-          f"recurrent state for {nl} layers: {human(lm.model.new_state(0).nbytes())}")
-    draft = None
-    if o.draft_trunk:
-        draft = load_draft(lm, setup, the_plan, positions, draft_topk, o.draft_cache_only)
-        dm, dt = setup.draft_manifest, draft.trunk
-        kind = f"{dm.draft['bits']}-bit derived" if dm.draft else "NOT quantised: exact weights"
-        print(f"draft trunk: {human(dm.total_bytes())} ({kind}), pinned {len(dt.pinned)}/{nl} "
-              f"layers, ring {dt.nslot} slots")
-    return Prepared(cfg, nl, tok, ids, lm, draft)
-
-
-def draft_gb(o: Options) -> float:
-    return DEFAULT_DRAFT_TRUNK_GB if o.draft_trunk_gb is None else float(o.draft_trunk_gb)
-
-
-class PlanRefused(Exception):
-    def __init__(self, code: int):
-        self.code = code
-
-
-def tables_read(lm) -> tuple[int, int, int, float]:
-    """(total, embedding, lm_head) bytes and seconds the streamed model tables read."""
-    st = lm.table_stream
-    if st is None:
-        return 0, 0, 0, 0.0
-    return st.embedding_bytes + st.lm_head_bytes, st.embedding_bytes, st.lm_head_bytes, \
-        st.read_seconds
-
-
-def step_event(lm, s: Step, trunk_before: tuple) -> dict:
-    ex = lm.experts.step
-    tr = lm.trunk
-    t_bytes = (tr.bytes_read - trunk_before[0]) if tr else 0
-    t_s = (tr.read_seconds - trunk_before[1]) if tr else 0.0
-    req = ex.requests
-    return dict(step=s.step, ids=s.ids, seconds=s.seconds, rss_bytes=rss_bytes(),
-                peak_rss_bytes=peak_rss_bytes(), trunk_bytes=t_bytes, trunk_read_s=t_s,
-                trunk_hits=tr.hits if tr else 0, trunk_binds=tr.binds if tr else 0,
-                expert_requests=req, expert_hits=ex.hits, expert_misses=ex.misses,
-                expert_evictions=ex.evictions, expert_prefetch_reads=ex.prefetch_reads,
-                expert_bytes=ex.bytes_read, expert_read_s=ex.load_seconds,
-                model_table_bytes=tables_read(lm)[0] - trunk_before[2],
-                true_resident_hit=ex.true_hit_rate / 100.0,
-                io_share_step=((t_s + ex.load_seconds) / s.seconds) if s.seconds > 0 else 0.0,
-                resident_experts=lm.experts.policy.resident, pinned_experts=lm.experts.policy.pinned)
-
-
 def run(o: Options, events: Events) -> int:
-    prior: list[int] = []
-    hdr = None
-    if o.load_state:
-        from .statefile import peek_state
-        hdr = peek_state(o.load_state)
-        prior = [0] * hdr.nseq                     # sized now, restored after the model loads
-    p = prepare(o, events, positions_extra=len(prior))
-    lm, cfg, tok = p.lm, p.cfg, p.tok
-    gen = o.gen_n
-    if o.tf_check:
-        return tf_check(o, p)
-    state = None
-    if o.load_state:
-        from .statefile import load_state
-        t0 = time.monotonic()
-        state = lm.model.new_state(len(prior) + len(p.ids) + gen + 1)
-        prior = load_state(o.load_state, state)
-        restored = (f"restored {state.n_cached} positions in {time.monotonic() - t0:.2f} s: "
-                    f"decode continues without re-reading the prior context")
-        print(f"resuming from {o.load_state}: {state.n_cached} prior positions, {len(p.ids)} new")
-    if o.incremental:                              # the order of SYSTEM §7.1
-        positions = len(prior) + len(p.ids) + gen + 1
-        per_pos = 4 * sum(cfg.n_heads * (cfg.qk_nope + cfg.v_head) + cfg.qk_rope
-                          for L in range(p.nl) if cfg.is_mla(L))
-        print(f"incremental decode: KV cache {human(per_pos * positions)}"
-              f" for {sum(cfg.is_mla(L) for L in range(p.nl))} MLA layers at {positions} positions")
-    if o.load_state:
-        print(restored)
-    if p.draft is not None:
-        print(f"hybrid decode: draft trunk {o.draft_trunk} ({draft_gb(o):.2f} GB budget) "
-              f"proposes up to {min(int(o.spec), MAX_DRAFT)} tokens per sweep; the exact model "
-              f"verifies them batched (draft routes top-{p.draft.model.router.k} "
-              f"{'among cached experts only' if o.draft_cache_only else 'through the cache'}"
-              f"{'; adaptive width' if o.spec_auto else ''})")
-    elif int(o.spec):
-        print(f"speculative decode: up to {min(int(o.spec), MAX_DRAFT)} drafted tokens per sweep, "
-              f"n-gram lookup, verified batched{'; adaptive width' if o.spec_auto else ''}")
-    print()
-    print(STEP_HEADER)
-    print(RULE)
-    cancel = Cancel()
-    trunk_before = [(0, 0.0, 0)]
+    """A batch run: the run API's events printed as the reference's report."""
+    req = build_request(o)
 
-    def on_step(s: Step) -> None:
-        ex = lm.experts.step
-        tok_id = s.ids[-1] if s.ids else -1
-        print(step_line(s.step, tok_id, s.seconds, ex.raw_hit_rate, ex.bytes_read), flush=True)
-        if s.logits is not None and o.dump_logits:
-            write_atomic(o.dump_logits, s.logits.astype("<f4").tobytes())
-            print(f"wrote {o.dump_logits} ({s.logits.shape[0]} float32 logits)")
+    def on_step(ev) -> None:
+        if ev.logits is not None and o.dump_logits:
+            write_atomic(o.dump_logits, ev.logits.astype("<f4").tobytes())
+            print(f"wrote {o.dump_logits} ({ev.logits.shape[0]} float32 logits)")
         if o.stream_tokens:
-            for i in s.ids:
+            for i in ev.ids:
                 print(f"@K3TOKEN {i}", flush=True)
-        events.emit("step", **step_event(lm, s, trunk_before[0]))
-        for i in s.ids:
-            events.emit("token", id=i, text_delta=stream.push(i) if stream else "")
-        tr = lm.trunk
-        trunk_before[0] = ((tr.bytes_read, tr.read_seconds) if tr else (0, 0.0)) + \
-            (tables_read(lm)[0],)
-
-    from .tokenizer import StreamDecoder
-    stream = StreamDecoder(tok) if tok else None
-    sampler = make_sampler(o)
-    sampler.new_turn(1)                      # batch mode: one stream, turn 1
+    printer = Printer(events, on_step)
+    cancel = Cancel()
     with Interrupts(cancel):
-        res = generate(lm, p.ids, gen, o.incremental, on_step, o.stop_ids, sampler, cancel,
-                       state, prior, on_step_start=lambda g: lm.experts.reset_step(),
-                       spec=int(o.spec), proposer=p.draft, spec_auto=o.spec_auto)
-    return finish(o, lm, p, res, events)
+        r = open_run(req, printer)
+        try:
+            if o.tf_check:
+                return tf_check(o, r)
+            res = None
+            for ev in r.generate(cancel):
+                printer(ev)
+                if isinstance(ev, Finished):
+                    res = ev.result
+            return finish(o, r, res, events)
+        finally:
+            r.close()
 
 
-def tf_check(o: Options, p: Prepared) -> int:
+def tf_check(o: Options, r: Run) -> int:
     """--tf-check (SYSTEM §6.11): one teacher-forced pass, per-position agreement."""
-    ids = p.ids
+    ids = r.ids
     if len(ids) < 2:
         raise UsageError("--tf-check needs at least 2 ids")
     t0 = time.monotonic()
     from .model import greedy
-    logits = p.lm.model.forward(ids, p.lm.model.new_state(len(ids)), all_logits=True)
+    logits = r.lm.model.forward(ids, r.lm.model.new_state(len(ids)), all_logits=True)
     pred = [greedy(row) for row in logits[:-1]]
     n, m = len(pred), sum(a == b for a, b in zip(pred, ids[1:]))
     print(f"teacher-forced agreement: {m}/{n} positions ({100 * m / n:.1f}%) in "
@@ -677,11 +433,11 @@ def tf_check(o: Options, p: Prepared) -> int:
                              f'"tf_agreement":{m / n:.4f}}}\n').encode())
     except OSError:
         pass                                   # silently skipped, as the reference does
-    p.lm.close()
     return EXIT_OK
 
 
-def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
+def finish(o: Options, r: Run, res: RunResult, events: Events) -> int:
+    lm = r.lm
     gen = o.gen_n
     n = len(res.generated_ids)
     if res.stopped_at >= 0:
@@ -689,26 +445,27 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     if res.interrupted:
         print(f"interrupted: {n} of {gen} tokens generated; state, results and reports follow "
               f"as for a finished run")
+    save_failed = False
     if o.save_state:
         if not o.incremental:
             print("k3: --save-state needs --incremental; nothing written", file=sys.stderr)
         else:
-            from .statefile import StateFileError, save_state
             t0 = time.monotonic()
             try:
-                size = save_state(o.save_state, res.state, res.full_ids)
+                size = r.save_state(o.save_state, res)
                 print(f"wrote {o.save_state} ({human(size)}, {res.state.n_cached} positions) in "
                       f"{time.monotonic() - t0:.2f} s")
-            except StateFileError as e:
-                print(f"k3: {e}", file=sys.stderr)
+            except EngineError as e:      # StateFileError, StateUnusable (SYSTEM §4.9)
+                print(e.report(), file=sys.stderr)
+                save_failed = True
     sp = res.spec
-    if p.draft is not None:
+    if r.draft is not None:
         print(f"hybrid decode: {sp.rounds} rounds, {sp.drafted} drafted, {sp.accepted} accepted "
               f"({sp.accepted_pct:.1f}%), mean accepted run "
               f"{sp.mean_run:.2f}")
-        print(f"  draft model: {p.draft.seconds:.1f} s of {res.wall_seconds:.1f} s wall in "
-              f"{p.draft.steps} forward calls; draft trunk read "
-              f"{p.draft.trunk.bytes_read / 1e9:.2f} GB")
+        print(f"  draft model: {r.draft.seconds:.1f} s of {res.wall_seconds:.1f} s wall in "
+              f"{r.draft.steps} forward calls; draft trunk read "
+              f"{r.draft.trunk.bytes_read / 1e9:.2f} GB")
     print(RULE)
     if n:
         print(f"{n} tokens in {res.wall_seconds:.1f} s, {res.wall_seconds / n:.2f} s/token average")
@@ -716,12 +473,12 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
         print(f"prefill only: {res.state.n_cached if res.state else 0} positions cached, "
               f"0 tokens generated")
     print(f"generated ids: {','.join(str(i) for i in res.generated_ids)}")
-    if sp.rounds and p.draft is None:
+    if sp.rounds and r.draft is None:
         print(f"speculative decode: {sp.rounds} sweeps, {sp.drafted} drafted, {sp.accepted} "
               f"accepted ({sp.accepted_pct:.1f}%)")
     text = None
-    if p.tok is not None and n:
-        text = p.tok.decode(res.generated_ids)
+    if r.tok is not None and n:
+        text = r.tok.decode(res.generated_ids)
         print()
         print("--- generated text ---")
         sys.stdout.flush()
@@ -729,27 +486,17 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
         sys.stdout.flush()
         print("-" * 22)
     print()
-    peak = peak_rss_bytes()
-    drops = lm.experts.drops
-    print(f"PEAK RSS for the whole run: {human(peak)}   <- quote this, not the plan")
-    print(f"layers completed: {res.layers_completed}/{p.nl}; routed expert drops: {drops}")
+    values = summary_values(r, res, text)
+    print(f"PEAK RSS for the whole run: {human(values['peak_rss_bytes'])}   <- quote this, "
+          f"not the plan")
+    print(f"layers completed: {res.layers_completed}/{r.nl}; routed expert drops: "
+          f"{values['expert_drops']}")
     print()
     for line in lm.experts.report_lines():
         print(line)
     tr = lm.trunk
-    _, embed_bytes, head_bytes, table_s = tables_read(lm)
-    spt = res.wall_seconds / n if n else 0.0
-    values = dict(prompt_ids=res.prompt_ids, generated_ids=res.generated_ids,
-                  full_ids=res.full_ids, layers=p.nl, layers_requested=p.nl,
-                  layers_completed=res.layers_completed, expert_drops=drops, peak_rss_bytes=peak,
-                  wall_seconds=res.wall_seconds, seconds_per_token=spt,
-                  expert_bytes_read=lm.experts.total.bytes_read,
-                  trunk_bytes_read=tr.bytes_read if tr else 0,
-                  embedding_bytes_read=embed_bytes, lm_head_bytes_read=head_bytes,
-                  ultra_low_memory=lm.ultra, stopped_at=res.stopped_at,
-                  interrupted=res.interrupted, generated_text=text)
     code = EXIT_OK
-    extra = spec_keys(o, p, res)
+    extra = spec_keys(r, res)
     try:
         write_atomic(o.out, out_line(values, extra))
         print(f"wrote {o.out}")
@@ -759,17 +506,17 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
     if o.dump_cache_trace:
         for path in lm.experts.dump_trace(o.dump_cache_trace):
             print(f"wrote {path}")
-    io_s = (tr.read_seconds if tr else 0.0) + lm.experts.total.load_seconds + table_s
+    trunk_s, expert_s, table_s = io_seconds(r)
+    io_s = trunk_s + expert_s + table_s
     if res.wall_seconds > 0:
         print(f"I/O share of wall clock: {100 * io_s / res.wall_seconds:.1f}%  (trunk "
-              f"{tr.read_seconds if tr else 0.0:.1f} s + experts "
-              f"{lm.experts.total.load_seconds:.1f} s + model tables {table_s:.1f} s of "
+              f"{trunk_s:.1f} s + experts {expert_s:.1f} s + model tables {table_s:.1f} s of "
               f"{res.wall_seconds:.1f} s)")
         print(f"  both figures are WHOLE-RUN totals over {len(res.steps)} steps")
     if tr is not None:
         print()
         print("trunk [final]")
-        print(f"  pinned {len(tr.pinned)}/{p.nl} layers, ring {tr.nslot} slots")
+        print(f"  pinned {len(tr.pinned)}/{r.nl} layers, ring {tr.nslot} slots")
         print(f"  binds {tr.binds}, hits {tr.hits} ({100 * tr.hits / max(tr.binds, 1):.1f}%), "
               f"reads {tr.misses}")
         rate = tr.bytes_read / tr.read_seconds / 1e6 if tr.read_seconds > 0 else 0.0
@@ -778,34 +525,15 @@ def finish(o: Options, lm, p: Prepared, res: RunResult, events: Events) -> int:
                    text.decode("utf-8", errors="replace"), io_share=io_s / res.wall_seconds
                    if res.wall_seconds > 0 else 0.0)
     events.emit("summary", **summary)
-    if p.draft is not None:
-        p.draft.close()
-    lm.close()
-    if res.expert_drop is not None:              # 4 > 3 > 5 > 0 (SYSTEM §6.5)
+    if res.expert_drop is not None:              # 4 > 3 > 1 (state not saved) > 5 > 0
         print(f"RUN INVALID: {res.expert_drop}; the affected token was not emitted",
               file=sys.stderr)
         return EXIT_DROP
+    if code == EXIT_OK and save_failed:
+        code = EXIT_RUNTIME
     if code == EXIT_OK and res.interrupted:
         code = EXIT_INTERRUPTED
     return code
-
-
-def spec_keys(o: Options, p: Prepared, res: RunResult) -> dict:
-    """The SF extension keys of --out for speculative and hybrid decode (readers ignore
-    unknown keys, SYSTEM §6.7)."""
-    if not int(o.spec):
-        return {}
-    sp = res.spec
-    keys = dict(spec_rounds=sp.rounds, spec_drafted=sp.drafted, spec_accepted=sp.accepted)
-    if p.draft is not None:
-        keys.update(draft_trunk=o.draft_trunk, draft_trunk_gb=draft_gb(o),
-                    draft_topk=p.draft.model.router.k, draft_cache_only=o.draft_cache_only,
-                    draft_seconds=round(p.draft.seconds, 4), draft_forwards=p.draft.steps,
-                    draft_trunk_bytes_read=p.draft.trunk.bytes_read)
-    if o.spec_auto:
-        keys.update(spec_auto=True, spec_auto_final_width=sp.width,
-                    spec_auto_mean_width=round(sp.width_sum / max(sp.rounds, 1), 4))
-    return keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -832,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             events.sinks.append(sink)
         if o.chat:
             from .chat_repl import chat_main
-            return chat_main(o, events)
+            return chat_main(build_request(o), o.history, o.system, events)
         return run(o, events)
     except UsageError as e:
         msg = str(e)
@@ -842,9 +570,10 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE, end="", file=sys.stderr)
         events.emit("error", code=EXIT_USAGE, kind="UsageError", message=msg)
         return EXIT_USAGE
-    except PlanRefused as e:
-        events.emit("error", code=e.code, kind="PlanRefused", message="memory plan refused")
-        return e.code
+    except PlanRefused as e:                   # its refusals were printed with the plan
+        events.emit("error", code=e.exit_code, kind="PlanRefused",
+                    message="memory plan refused")
+        return e.exit_code
     except Exception as e:
         known = describe(e)
         if known is None:

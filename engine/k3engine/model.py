@@ -10,6 +10,7 @@ import numpy as np
 
 from . import kernels as K
 from .config import ModelConfig
+from .errors import StateUnusable
 from .state import KDAState, MLAState, SequenceState
 from .weights import (DenseWeights, ExpertSource, KDAWeights, LayerWeights, MLAWeights,
                       MoEWeights, WeightProvider, mv)
@@ -205,9 +206,17 @@ class Model:
     def new_state(self, capacity: int, shared_recurrent: bool = False) -> SequenceState:
         return SequenceState(self.cfg, capacity, self.n_layers, shared_recurrent)
 
-    def forward(self, ids, state: SequenceState, all_logits: bool = False) -> np.ndarray:
+    def forward(self, ids, state: SequenceState, all_logits: bool = False, cancel=None,
+                on_layer=None) -> np.ndarray:
         """Run the new ids through the model, advancing `state`.  Returns the logits of
-        the last position [V], or of every position [T, V] with all_logits."""
+        the last position [V], or of every position [T, V] with all_logits.
+
+        `cancel` (truthy when a stop was asked) is a safe point between layers: the pass
+        raises Stopped.  A pass that raises for any reason leaves `state` poisoned (some
+        layers advanced, others not), and a poisoned state is refused here.
+        `on_layer(L, T)` is called after each layer (prefill progress)."""
+        if state.poisoned:
+            raise StateUnusable(f"sequence state is unusable: {state.poisoned}")
         cfg = self.cfg
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         T = ids.shape[0]
@@ -218,22 +227,37 @@ class Model:
         n_boundaries = -(-self.n_layers // cfg.attn_res_block)
         stack = AttnResStack(n_boundaries, T, cfg.hidden)
         self.layers_completed = 0
-        for L in range(self.n_layers):
-            if state.shared_recurrent and cfg.is_kda(L):
-                state.layers[L].reset()                           # the one shared slot
-            lw = self.weights.layer(L)
-            try:
-                h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts, cfg,
-                                  self.router)
-            finally:
-                self.weights.release(L)
-            self.layers_completed = L + 1
+        try:
+            for L in range(self.n_layers):
+                if cancel:
+                    raise Stopped(f"stopped after layer {L} of {self.n_layers}")
+                if state.shared_recurrent and cfg.is_kda(L):
+                    state.layers[L].reset()                       # the one shared slot
+                lw = self.weights.layer(L)
+                try:
+                    h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts,
+                                      cfg, self.router)
+                finally:
+                    self.weights.release(L)
+                self.layers_completed = L + 1
+                if on_layer is not None:
+                    on_layer(L, T)
+        except BaseException as e:
+            if isinstance(e, Stopped) and self.layers_completed == 0:
+                raise                                             # nothing was advanced
+            state.poisoned = (f"a forward pass over {T} positions ended at layer "
+                              f"{self.layers_completed} of {self.n_layers} ({type(e).__name__})")
+            raise
         state.n_cached = n_past + T
         o = stack.aggregate(h, tables.phi_out, cfg.rms_eps)       # one more before the norm
         rows = o if all_logits else o[T - 1:]
         logits = tables.project(rmsnorm(np.ascontiguousarray(rows), tables.final_norm,
                                         cfg.rms_eps))
         return logits if all_logits else logits[0]
+
+
+class Stopped(Exception):
+    """A stop request honoured inside a forward pass (between layers)."""
 
 
 def greedy(logits: np.ndarray) -> int:

@@ -18,7 +18,8 @@ from .experts import ExpertCache, ExpertLoadError, ResidentExperts
 from .config import ConfigError, ModelConfig, load_config
 from .draft import DraftModel, DraftRouter, ResidentOnly
 from .memory import ModelFigures, Plan
-from .model import Model, greedy
+from .errors import UsageError
+from .model import Model, Stopped, greedy
 from .names import expert_tensors, layer_tensors, model_tensors
 from .sampler import Sampler
 from .speculative import SpecCounters, SpecWidth, spec_step
@@ -173,14 +174,19 @@ def _injected_failure() -> Callable[[int, int], bool] | None:
     spec = os.environ.get("K3_FAIL_EXPERT")
     if not spec:
         return None
-    layer, expert = spec.split(",")
-    return lambda L, e: L == int(layer) and expert in ("*", str(e))
+    parts = spec.split(",")
+    if len(parts) != 2 or not (parts[0].isascii() and parts[0].isdigit()) or \
+            not (parts[1] == "*" or (parts[1].isascii() and parts[1].isdigit())):
+        raise UsageError(f"K3_FAIL_EXPERT={spec!r}: expected LAYER,EXPERT (EXPERT may be *)")
+    layer, expert = int(parts[0]), parts[1]
+    return lambda L, e: L == layer and expert in ("*", str(e))
 
 
 def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                n_layers: int | None = None, plan: Plan | None = None,
                on_trunk_read: Callable[[int, int, float], None] | None = None,
-               cache_bytes: int | None = None, ultra: bool = False) -> LoadedModel:
+               cache_bytes: int | None = None, ultra: bool = False,
+               keep_trace: bool = True) -> LoadedModel:
     """Bind the model tables and the trunk (resident, or streamed when the setup has a
     packed trunk and `plan` chose its pinned set and ring).  Routed experts come from a
     bounded cache of `cache_bytes`, or are read once and kept when it is None.  `ultra`
@@ -203,9 +209,10 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
     else:
         weights = ResidentWeights(binder, nl)
         trunk_bytes = weights.trunk_nbytes()
-    experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl, fail_reads=_injected_failure()) \
+    experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl, fail_reads=_injected_failure(),
+                          keep_trace=keep_trace) \
         if cache_bytes else ResidentExperts(CheckpointExperts(binder), cfg.n_layers,
-                                            cfg.n_experts)
+                                            cfg.n_experts, keep_trace)
     table_bytes = deep_nbytes(tables) if not ultra else \
         tables.final_norm.nbytes + tables.phi_out.nbytes
     return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,
@@ -268,14 +275,34 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
              state: SequenceState | None = None, prior_ids: Iterable[int] = (),
              on_step_start: Callable[[int], None] | None = None, spec: int = 0,
              proposer=None, spec_auto: bool = False) -> RunResult:
-    """The decode loop of SYSTEM §6.4.  Incremental: step 0 feeds everything not yet cached
-    (a resumed state's pending token plus the new prompt), later steps one token with the
-    carried state.  Otherwise every step recomputes the whole sequence from a fresh state
-    (the reference's default); both give the same ids by construction (§4.10).  `cancel`
-    is checked at the top of each step, so the step in flight always completes.  `spec`
-    > 0 (incremental, greedy) verifies up to `spec` drafts in one sweep: same ids, fewer
-    steps.  Drafts come from `proposer` (a draft model) or n-gram lookup; `spec_auto`
-    adapts the sweep width (SpecWidth)."""
+    """generate_steps with a callback per step; returns the RunResult."""
+    steps = generate_steps(lm, prompt_ids, gen, incremental, stop_ids, sampler, cancel,
+                           state, prior_ids, on_step_start, spec, proposer, spec_auto)
+    while True:
+        try:
+            s = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_step:
+            on_step(s)
+
+
+def generate_steps(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool,
+                   stop_ids: Iterable[int] = (), sampler: Sampler | None = None,
+                   cancel: Cancel | None = None, state: SequenceState | None = None,
+                   prior_ids: Iterable[int] = (),
+                   on_step_start: Callable[[int], None] | None = None, spec: int = 0,
+                   proposer=None, spec_auto: bool = False, stop_in_pass: bool = False):
+    """The decode loop of SYSTEM §6.4, yielding each Step and returning the RunResult.
+    Incremental: step 0 feeds everything not yet cached (a resumed state's pending token
+    plus the new prompt), later steps one token with the carried state.  Otherwise every
+    step recomputes the whole sequence from a fresh state (the reference's default); both
+    give the same ids by construction (§4.10).  `cancel` is honoured at the top of each
+    step (the step in flight completes, as SIGINT does in the reference, §6.6) and, with
+    `stop_in_pass`, also between the layers of a pass over the prompt (the app's and the
+    server's Stop: the pass is abandoned, the state poisoned, nothing emitted from it).  `spec` > 0 (incremental, greedy) verifies
+    up to `spec` drafts in one sweep: same ids, fewer steps.  Drafts come from `proposer`
+    (a draft model) or n-gram lookup; `spec_auto` adapts the sweep width (SpecWidth)."""
     model = lm.model
     res = RunResult(list(prompt_ids), list(prior_ids))
     seq = res.prior_ids + res.prompt_ids
@@ -304,12 +331,18 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
                 width.update(res.spec.drafted - before_d, res.spec.accepted - before_a)
                 res.spec.width = width.n
             elif incremental:
-                logits = model.forward(seq[state.n_cached:], state)
+                # a one-token step always completes; a prompt pass may stop between layers
+                logits = model.forward(seq[state.n_cached:], state,
+                                       cancel=cancel if stop_in_pass and g == 0 else None)
             else:
                 state.reset()
-                logits = model.forward(seq, state)
+                logits = model.forward(seq, state, cancel=cancel if stop_in_pass else None)
         except ExpertLoadError as e:          # never emit a token computed without an expert
             res.expert_drop = str(e)
+            res.layers_completed = model.layers_completed
+            break
+        except Stopped:
+            res.interrupted = True
             res.layers_completed = model.layers_completed
             break
         if not emitted and left > 0:
@@ -324,8 +357,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], gen: int, incremental: bool
         res.layers_completed = model.layers_completed
         seq += emitted
         res.generated_ids += emitted
-        if on_step:
-            on_step(step)
+        yield step
         g += 1
         if hit is not None:
             break
@@ -374,39 +406,61 @@ class ChatSession:
         self.history.reset()
         self.state, self.record = None, []
 
-    def _prefill(self, prompt: list[int], gen: int) -> tuple[np.ndarray, int]:
+    def _prefill(self, prompt: list[int], gen: int, cancel=None, on_layer=None
+                 ) -> tuple[np.ndarray, int]:
         from .chat import reuse_positions
         from .state import grown
         model = self.lm.model
         if not self.incremental:
             self.state = model.new_state(len(prompt) + gen + 1)
-            return model.forward(prompt, self.state), 0
-        cached = self.state.n_cached if self.state is not None else 0
-        reuse = reuse_positions(self.record, prompt, cached=cached)
+            return model.forward(prompt, self.state, cancel=cancel, on_layer=on_layer), 0
+        usable = self.state is not None and not self.state.poisoned
+        cached = self.state.n_cached if usable else 0
+        reuse = reuse_positions(self.record, prompt, cached=cached) if usable else 0
         if reuse == 0:
             self.state, self.record = model.new_state(len(prompt) + gen + 1), []
         else:
             self.state = grown(self.state, len(prompt) + gen + 1)
         tail = prompt[reuse:]
         try:
-            logits = model.forward(tail, self.state)
-        except Exception:
-            self.state, self.record = None, []     # a failed forward clears the record
+            logits = model.forward(tail, self.state, cancel=cancel, on_layer=on_layer)
+        except BaseException:
+            # a failed or stopped pass poisons the state: the next turn starts afresh
+            self.state, self.record = None, []
             raise
         self.record += tail
         return logits, reuse
 
     def turn(self, gen: int, on_token: Callable[[int, int], None] | None = None,
              cancel: Cancel | None = None) -> TurnResult:
-        """Generate the assistant's reply to the history (which ends with a user message).
-        On a closed turn the parsed reply is appended to the history; otherwise the
-        history is left as it was (the caller decides what to tell the person)."""
+        """turn_steps with a callback per token; returns the TurnResult."""
+        steps = self.turn_steps(gen, cancel)
+        while True:
+            try:
+                kind, value = next(steps)
+            except StopIteration as done:
+                return done.value
+            if kind == "token" and on_token:
+                on_token(*value)
+
+    def turn_steps(self, gen: int, cancel: Cancel | None = None, on_layer=None):
+        """Generate the assistant's reply to the history (which ends with a user message),
+        yielding ("prefill", prompt length) and then ("token", (n, id)) per id; returns
+        the TurnResult.  A stop is honoured between the prompt pass's layers (no token is
+        emitted, the state is dropped) and between tokens.  On a closed turn the parsed
+        reply is appended to the history; otherwise the history is left as it was (the
+        caller decides what to tell the person)."""
         from .chat import Message, parse_reply
         model = self.lm.model
         t0 = time.monotonic()
         prompt = self.render()
         self.sampler.new_turn(self.turn0 + self.turns_done + 1)
-        logits, reuse = self._prefill(prompt, gen)
+        yield "prefill", len(prompt)
+        try:
+            logits, reuse = self._prefill(prompt, gen, cancel, on_layer)
+        except Stopped:
+            now = time.monotonic() - t0
+            return TurnResult([], len(prompt), 0, now, now, None, True)
         first = time.monotonic() - t0
         out: list[int] = []
         end_ids = set(self.ctl.end_ids)
@@ -414,8 +468,7 @@ class ChatSession:
         while True:
             tok_id = self.sampler.sample(logits)
             out.append(tok_id)
-            if on_token:
-                on_token(len(out), tok_id)
+            yield "token", (len(out), tok_id)
             if tok_id in end_ids or len(out) >= gen:
                 break
             if cancel:

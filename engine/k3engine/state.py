@@ -61,6 +61,11 @@ class SequenceState:
         self.capacity = int(capacity)
         self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
         self.n_cached = 0
+        # Why the state is unusable, or None.  A forward pass that fails or is stopped
+        # part-way has advanced some layers' recurrent state and not others (trap: the
+        # half-advanced state, SYSTEM §4.9); it must never be saved, resumed or reused.
+        # Set by Model.forward, cleared only by reset(); test_run_api.py springs it.
+        self.poisoned: str | None = None
         # Full recompute under --ultra-low-memory keeps ONE recurrent slot for every KDA
         # layer: a layer's state is dead once it returns, so it is cleared and reused.
         self.shared_recurrent = shared_recurrent
@@ -73,6 +78,7 @@ class SequenceState:
     def reset(self) -> None:
         """Fresh sequence: zero recurrent state, empty caches (full recompute, §6.2)."""
         self.n_cached = 0
+        self.poisoned = None
         for st in self.layers:
             if isinstance(st, KDAState):
                 st.reset()

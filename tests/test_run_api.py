@@ -1,0 +1,348 @@
+"""The run API (k3engine.run): one request builder for every front end, typed events, the
+poisoned state after a failed or stopped pass, stops inside a prefill, the streaming reply
+parser against parse_reply, and the layering (errors is a leaf, no front-end cycles)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_helpers import GOLDEN_SEED, golden_prompt, make_tiny
+from k3engine import events as E
+from k3engine.errors import StateUnusable
+from k3engine.memory import PRESETS
+from k3engine.run import Cancel, Prompt, open_run, request_from
+from test_cli import GOLDEN, k3
+
+ENGINE = Path(__file__).resolve().parents[1] / "engine" / "k3engine"
+APP = Path(__file__).resolve().parents[1] / "app" / "k3studio"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("run") / "tiny", GOLDEN_SEED)
+
+
+@pytest.fixture(scope="module")
+def trunk(tiny, tmp_path_factory):
+    from k3engine.trunk import pack_trunk
+    d = tmp_path_factory.mktemp("run") / "trunk"
+    pack_trunk(tiny, str(d))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
+    d = tmp_path_factory.mktemp("run") / "demo"
+    make_checkpoint(str(d), dims_config("demo"), seed=9)
+    return str(d)
+
+
+def collect(gen):
+    evs = list(gen)
+    return evs, next(e.result for e in evs if isinstance(e, (E.Finished, E.TurnEnded)))
+
+
+# ---- one request builder -------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", sorted(PRESETS) + ["auto"])
+def test_cli_flags_and_app_settings_build_the_same_request(preset, tiny, trunk):
+    """`k3 ... --chat --preset P` and the app's preset P give one RunRequest."""
+    from k3engine.cli import build_request, parse_args
+    from k3studio.runspec import RunSpec
+    o = parse_args([tiny, "--chat", "--tok", tiny, "--trunk", trunk, "--preset", preset,
+                    "--gen", "256", "--thinking-effort", "low", "--greedy"])
+    cli = build_request(o)
+    app = RunSpec(model_dir=tiny, trunk_dir=trunk, tok_dir=tiny, preset=preset,
+                  gen=256, effort="low").request()
+    print(f"[gate] preset {preset}: cli budgets {cli.budgets} == app budgets {app.budgets}")
+    assert cli.budgets == app.budgets
+    for f in ("model_dir", "trunk_dir", "tok_dir", "trunk_ring", "chat", "incremental",
+              "gen", "thinking", "effort", "spec", "draft"):
+        assert getattr(cli, f) == getattr(app, f), f
+    assert cli.sampling.sampler().greedy and app.sampling.sampler().greedy
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_plan_and_load_agree_for_every_preset(preset, tiny, trunk):
+    """What open_run planned is what it loaded: streamed tables under ultra, the planned
+    pinned set and ring, the planned cache slots."""
+    req = request_from(tiny, [("--preset", preset)], trunk_dir=trunk, tok_dir=None,
+                       chat=False, gen=2, prompt=Prompt(ids=(1, 2, 3)),
+                       available_override=64 << 30)
+    seen = []
+    r = open_run(req, seen.append)
+    try:
+        p, lm = r.plan, r.lm
+        loaded = next(e for e in seen if isinstance(e, E.Loaded))
+        print(f"[gate] preset {preset}: plan ultra={p.ultra} pinned={p.trunk_plan.pinned} "
+              f"ring={p.trunk_plan.ring_slots} slots={p.expert_slots}; loaded "
+              f"ultra={lm.ultra} pinned={loaded.pinned_layers} ring={loaded.ring_slots} "
+              f"slots={loaded.expert_slots}")
+        assert lm.ultra == p.ultra == PRESETS[preset].ultra
+        assert (lm.table_stream is not None) == p.ultra
+        assert loaded.pinned_layers == tuple(p.trunk_plan.pinned)
+        all_pinned = len(p.trunk_plan.pinned) == r.nl      # nothing streams: no ring
+        assert loaded.ring_slots == (0 if all_pinned else p.trunk_plan.ring_slots)
+        assert loaded.expert_slots == p.expert_slots
+    finally:
+        r.close()
+
+
+def test_app_worker_streams_the_tables_under_ultra(qtbot, demo, tmp_path):
+    """The app's ultra preset loads streamed embedding/lm_head tables (the worker used to
+    plan them streamed and keep them resident)."""
+    from k3engine.trunk import pack_trunk
+    from k3studio.runspec import RunSpec
+    from k3studio.worker import EngineHost
+    t = tmp_path / "trunk"
+    pack_trunk(demo, str(t))
+    host = EngineHost()
+    try:
+        spec = RunSpec(model_dir=demo, trunk_dir=str(t), tok_dir=demo, preset="ultra", gen=4)
+        with qtbot.waitSignal(host.loaded, timeout=120000) as blocker:
+            host.load(spec, available_override=64 << 30)
+        info = blocker.args[0]
+        print(f"[gate] app ultra: ultra={info['ultra']} streamed tables "
+              f"{info['streamed_tables']}")
+        assert info["ultra"] and info["streamed_tables"]
+    finally:
+        host.shutdown()
+
+
+# ---- events and figures ------------------------------------------------------------------
+
+def test_generate_yields_typed_events_with_the_golden_ids(tiny):
+    req = request_from(tiny, incremental=True, gen=6,
+                       prompt=Prompt(ids=tuple(GOLDEN["prompt_ids"])))
+    seen = []
+    r = open_run(req, seen.append)
+    try:
+        evs, res = collect(r.generate())
+    finally:
+        r.close()
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds[:2] == ["ThreadsSet", "ConfigRead"] and "Planned" in kinds and \
+        kinds[-1] == "Loaded"
+    steps = [e for e in evs if isinstance(e, E.StepDone)]
+    tokens = [e.id for e in evs if isinstance(e, E.TokenOut)]
+    print(f"[gate] run API ids {tokens} vs golden {GOLDEN['generated_ids'][:6]}")
+    assert tokens == res.generated_ids == GOLDEN["generated_ids"][:6]
+    assert [s.step for s in steps] == list(range(6))
+    assert steps[0].telemetry.expert_requests > 0 and steps[0].logits is not None
+
+
+# ---- poisoned state (SYSTEM §4.9) -------------------------------------------------------
+
+def test_failed_pass_poisons_the_state_and_nothing_reuses_it(tiny, monkeypatch):
+    monkeypatch.setenv("K3_FAIL_EXPERT", "2,*")
+    req = request_from(tiny, [("--cache-gb", "0.001")], incremental=True, gen=4,
+                       prompt=Prompt(ids=(96, 45, 40)))
+    r = open_run(req)
+    try:
+        evs, res = collect(r.generate())
+        assert res.expert_drop is not None and res.generated_ids == []
+        assert res.state.poisoned, "a pass that failed part-way must mark the state"
+        print(f"[gate] poisoned: {res.state.poisoned}")
+        with pytest.raises(StateUnusable):
+            r.save_state(os.devnull, res)
+        with pytest.raises(StateUnusable):
+            r.lm.model.forward([1], res.state)
+    finally:
+        r.close()
+
+
+def test_cli_writes_no_state_after_exit_4_and_resume_refuses(tiny, tmp_path):
+    st = tmp_path / "s.k3st"
+    p = k3(tiny, "--ids", "96", "--gen", "8", "--incremental", "--save-state", st,
+           "--out", tmp_path / "o.json", env={"K3_FAIL_EXPERT": "2,5"})
+    print(f"[gate] K3_FAIL_EXPERT=2,5: exit {p.returncode}, state file written {st.exists()}")
+    assert p.returncode == 4 and not st.exists()
+    assert "not written" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_chat_turn_after_a_failed_pass_starts_afresh(demo, monkeypatch):
+    """A chat whose turn failed part-way never reuses that state: the next turn prefills
+    from scratch and gives the ids a fresh session gives."""
+    from k3engine.chat import History, Message
+    monkeypatch.setenv("K3_FAIL_EXPERT", "2,*")
+    req = request_from(demo, [("--cache-gb", "0.05")], tok_dir=demo, chat=True, gen=3)
+    r = open_run(req)
+    try:
+        chat = r.chat(History([Message("user", "Hello")]))
+        from k3engine.experts import ExpertLoadError
+        with pytest.raises(ExpertLoadError):
+            collect(r.turn(chat))
+        assert chat.state is None and chat.record == []
+        r.lm.experts._fail_reads = None
+        _, res = collect(r.turn(chat))
+        fresh = r.chat(History([Message("user", "Hello")]))
+        _, want = collect(r.turn(fresh))
+    finally:
+        r.close()
+    print(f"[gate] after a failure: {res.ids} (reused {res.reused}) vs fresh {want.ids}")
+    assert res.reused == 0 and res.ids == want.ids
+
+
+# ---- stop inside a prefill ---------------------------------------------------------------
+
+def test_stop_inside_a_long_streamed_prefill(demo, tmp_path):
+    """A stop asked during a 300-position prefill on a streamed budget is honoured at the
+    next layer boundary; the turn emits nothing, and the next turn is exact."""
+    from k3engine.chat import History, Message
+    from k3engine.trunk import pack_trunk
+    t = tmp_path / "trunk"
+    pack_trunk(demo, str(t))
+    req = request_from(demo, [("--trunk-gb", "0"), ("--cache-gb", "0.02")], trunk_dir=str(t),
+                       tok_dir=demo, chat=True, gen=2)
+    layers = []
+    cancel = Cancel()
+
+    def sink(ev):
+        if isinstance(ev, E.LoadProgress) and ev.phase == "prefill":
+            layers.append(ev.layer)
+            if ev.layer == 2:
+                cancel.set()                 # asked while layer 3 is about to run
+    r = open_run(req, sink)
+    try:
+        text = " ".join(f"word{i}" for i in range(150))
+        chat = r.chat(History([Message("user", text)]))
+        _, res = collect(r.turn(chat, cancel=cancel))
+        assert res.interrupted and res.ids == [] and res.prompt_ids >= 256
+        stopped_after = max(layers)
+        layers.clear()
+        _, again = collect(r.turn(chat))
+        fresh = r.chat(History([Message("user", text)]))
+        _, want = collect(r.turn(fresh))
+    finally:
+        r.close()
+    print(f"[gate] stop in a {res.prompt_ids}-position prefill: honoured after layer "
+          f"{stopped_after + 1} of {r.nl}; next turn {again.ids} vs fresh {want.ids}")
+    assert stopped_after == 2
+    assert again.ids == want.ids and again.reused == 0
+
+
+# ---- the streaming reply parser ----------------------------------------------------------
+
+def test_reply_stream_equals_parse_reply(demo):
+    from k3engine.chat import ReplyStream, parse_reply
+    from k3engine.run import chat_controls
+    from k3engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(demo)
+    ctl = chat_controls(tok)
+    rng = np.random.default_rng(5)
+    words = ["hello", " wörld", " 🙂", " think", " response", " message", "\n", " ë", " 42"]
+
+    def enc(s):
+        return list(tok.encode(s, False))
+    closure = [ctl.close, *enc("response"), ctl.sep, ctl.close, *enc("message"), ctl.sep]
+    boundary = [ctl.close, *enc("think"), ctl.sep, ctl.open, *enc("response"), ctl.sep]
+    n = 0
+    for case in range(200):
+        thinking = bool(case % 2)
+        reasoning = "".join(rng.choice(words, rng.integers(0, 6)))
+        content = "".join(rng.choice(words, rng.integers(1, 6)))
+        ids = (enc(reasoning) + boundary if thinking else []) + enc(content) + closure + \
+            [ctl.end_ids[case % 2]]
+        want = parse_reply(tok, ctl, ids, thinking)
+        s = ReplyStream(tok, ctl, thinking)
+        got = {"thinking": "", "response": "", "control": ""}
+        for i in ids:
+            phase, text = s.push(i)
+            got[phase] += text
+        got[s.phase] += s.flush()
+        assert (got["thinking"] if thinking else None) == want[0] or \
+            (not thinking and want[0] is None)
+        assert got["response"] == want[1], (case, got, want)
+        assert got["control"] == ""
+        n += 1
+    print(f"[gate] ReplyStream == parse_reply on {n} generated turns")
+
+
+# ---- the heat histogram is O(layers x experts) ----------------------------------------------
+
+def test_request_trace_counts_without_keeping_pairs():
+    from k3engine.experts import RequestTrace
+    t = RequestTrace(3, 4, keep_pairs=False)
+    for L, e in [(0, 1), (2, 3), (0, 1), (1, 0)]:
+        t.record(L, e)
+    assert t.histogram() == {(0, 1): 2, (1, 0): 1, (2, 3): 1}
+    assert t.requests == 4 and len(t.pairs) == 0
+    assert t.counts_grid()[0, 1] == 2
+    with pytest.raises(RuntimeError):
+        t.dump("/tmp")
+
+
+# ---- SIGINT before loading ---------------------------------------------------------------
+
+def test_sigint_during_load_is_kept_even_if_inherited_ignored(demo, tmp_path):
+    """A process started with SIGINT ignored still gets our handler before loading, so a
+    Ctrl-C during the load ends the run with exit 5 after it (not lost)."""
+    import signal
+    code = ("import signal, sys, os, threading\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "import k3engine.run as R\n"
+            "real = R.load_model\n"
+            "def slow(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(*a, **k)\n"
+            "R.load_model = slow\n"
+            "from k3engine.cli import main\n"
+            f"sys.exit(main([{demo!r}, '--ids', '1,2,3', '--gen', '4', '--incremental',"
+            f" '--out', {str(tmp_path / 'o.json')!r}]))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                     signal.SIG_IGN))
+    print(f"[gate] SIGINT during load with SIG_IGN inherited: exit {p.returncode}")
+    assert p.returncode == 5, p.stderr[-800:]
+    assert "interrupt: the step in flight will complete" in p.stderr
+
+
+# ---- layering ------------------------------------------------------------------------------
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                out.add(mod.split(".")[0] if mod else "")
+                out.update(a.name for a in node.names if not mod)
+            elif mod.startswith("k3engine"):
+                parts = mod.split(".")
+                out.add(parts[1] if len(parts) > 1 else "")
+                if len(parts) == 1:
+                    out.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("k3engine."):
+                    out.add(a.name.split(".")[1])
+    return out - {""}
+
+
+def test_layering():
+    """errors is a leaf; the REPL does not import the CLI; the app's worker talks to the
+    run API, not to the cache's or the trunk's modules."""
+    assert _imports(ENGINE / "errors.py") == set()
+    assert "cli" not in _imports(ENGINE / "chat_repl.py")
+    worker = _imports(APP / "worker.py")
+    print(f"[gate] worker imports from k3engine: {sorted(worker)}")
+    assert not worker & {"experts", "trunk", "session", "bind", "checkpoint", "model"}
+    for front in ("cli.py", "chat_repl.py"):
+        assert not _imports(ENGINE / front) & {"trunk", "bind", "checkpoint"}, front
+
+
+def test_exit_codes_live_only_in_errors():
+    import re
+    pat = re.compile(r"^\s*EXIT_\w+\s*(,\s*EXIT_\w+\s*)*=", re.M)
+    offenders = [str(p) for p in list(ENGINE.rglob("*.py")) + list(APP.rglob("*.py"))
+                 if p.name != "errors.py" and pat.search(p.read_text())]
+    assert offenders == []
