@@ -346,20 +346,30 @@ class RequestTrace:
         self.n_layers, self.n_experts = n_layers, n_experts
         self.keep_pairs = keep_pairs
         self.pairs = array("i")                 # layer, expert, layer, expert, ...
-        self.counts = np.zeros((max(n_layers, 1), max(n_experts, 1)), np.int64)
+        self._rows, self._cols = max(n_layers, 1), max(n_experts, 1)
+        self._counts = array("q", bytes(8 * self._rows * self._cols))   # flat, row-major
         self.requests = 0
 
     def record(self, layer: int, expert: int) -> None:
-        if layer >= self.counts.shape[0] or expert >= self.counts.shape[1]:
-            grown = np.zeros((max(layer + 1, self.counts.shape[0]),
-                              max(expert + 1, self.counts.shape[1])), np.int64)
-            grown[:self.counts.shape[0], :self.counts.shape[1]] = self.counts
-            self.counts = grown
-        self.counts[layer, expert] += 1
+        if layer >= self._rows or expert >= self._cols:
+            self._grow(layer + 1, expert + 1)
+        self._counts[layer * self._cols + expert] += 1   # an array item: ~50 ns, no NumPy
         self.requests += 1
         if self.keep_pairs:
             self.pairs.append(layer)
             self.pairs.append(expert)
+
+    def _grow(self, rows: int, cols: int) -> None:
+        old = self.counts
+        self._rows, self._cols = max(rows, self._rows), max(cols, self._cols)
+        grown = np.zeros((self._rows, self._cols), np.int64)
+        grown[:old.shape[0], :old.shape[1]] = old
+        self._counts = array("q", grown.tobytes())
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Requests per (layer, expert) so far, int64 [layers, experts] (a view)."""
+        return np.frombuffer(self._counts, np.int64).reshape(self._rows, self._cols)
 
     def counts_grid(self) -> np.ndarray:
         """Requests per (layer, expert) so far, as float32 [layers, experts] (a copy)."""
@@ -367,8 +377,9 @@ class RequestTrace:
 
     def histogram(self) -> dict[tuple[int, int], int]:
         """(layer, expert) -> requests, non-zero only, ordered by layer then expert."""
-        Ls, es = np.nonzero(self.counts)
-        return {(int(L), int(e)): int(self.counts[L, e]) for L, e in zip(Ls, es)}
+        c = self.counts
+        Ls, es = np.nonzero(c)
+        return {(int(L), int(e)): int(c[L, e]) for L, e in zip(Ls, es)}
 
     def dump(self, directory) -> list[str]:
         """Write DIR/expert_hist.json and DIR/expert_trace.bin (§6.8); the directory must
