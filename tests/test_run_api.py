@@ -346,3 +346,50 @@ def test_exit_codes_live_only_in_errors():
     offenders = [str(p) for p in list(ENGINE.rglob("*.py")) + list(APP.rglob("*.py"))
                  if p.name != "errors.py" and pat.search(p.read_text())]
     assert offenders == []
+
+
+# ---- an incomplete reply continues exactly --------------------------------------------------
+
+@pytest.mark.parametrize("stop", ["limit", "cancel"])
+def test_continue_gives_the_uninterrupted_ids(demo, stop):
+    from k3engine.chat import History, Message
+    req = request_from(demo, tok_dir=demo, chat=True, gen=8)
+    r = open_run(req)
+    try:
+        whole = r.chat(History([Message("user", "Hello")]))
+        _, want = collect(r.turn(whole, gen=8))
+        chat = r.chat(History([Message("user", "Hello")]))
+        if stop == "limit":
+            _, a = collect(r.turn(chat, gen=3))
+        else:
+            cancel = Cancel()
+            evs = []
+            for ev in r.turn(chat, gen=8, cancel=cancel):
+                evs.append(ev)
+                if isinstance(ev, E.TokenOut) and len(
+                        [e for e in evs if isinstance(e, E.TokenOut) and e.id >= 0]) == 3:
+                    cancel.set()                 # Stop after the third token
+            a = next(e.result for e in evs if isinstance(e, E.TurnEnded))
+        assert a.end_id is None and chat.incomplete_reply == a.ids
+        evs, b = collect(r.turn(chat, gen=8 - len(a.ids), resume=True))
+        new = [e.id for e in evs if isinstance(e, E.TokenOut) and e.id >= 0]
+    finally:
+        r.close()
+    print(f"[gate] continue after {stop}: {a.ids} + {new} vs uninterrupted {want.ids}")
+    assert b.continued == len(a.ids) and b.ids == a.ids + new
+    assert b.ids == want.ids[:len(b.ids)] and len(b.ids) == len(want.ids)
+
+
+def test_continue_refused_when_the_conversation_changed(demo):
+    from k3engine.chat import ChatError, History, Message
+    r = open_run(request_from(demo, tok_dir=demo, chat=True, gen=2))
+    try:
+        h = History([Message("user", "Hello")])
+        chat = r.chat(h)
+        collect(r.turn(chat))
+        h.remove_last()
+        h.add(Message("user", "Something else"))
+        with pytest.raises(ChatError):
+            collect(r.turn(chat, resume=True))
+    finally:
+        r.close()

@@ -1,0 +1,67 @@
+"""`k3 --chat` at a terminal (a real pseudo-terminal): the reply text streams as it is
+generated, a reply that reaches --gen keeps the REPL open, /continue goes on, /exit ends
+with 0.  The non-terminal output is the golden's (test_cli_golden.py, case `chat`)."""
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
+    d = tmp_path_factory.mktemp("tty") / "demo"
+    make_checkpoint(str(d), dims_config("demo"), seed=9)
+    return str(d)
+
+
+def read_until(fd, needle: bytes, buf: bytearray, timeout: float = 240) -> bytes:
+    """Read until `needle` appears in what came since the last call; consume up to it."""
+    end = time.monotonic() + timeout
+    while needle not in buf:
+        if time.monotonic() > end:
+            raise AssertionError(f"no {needle!r} in {bytes(buf[-600:])!r}")
+        r, _, _ = select.select([fd], [], [], 1)
+        if r:
+            try:
+                buf += os.read(fd, 4096)
+            except OSError:
+                break
+    cut = buf.index(needle) + len(needle)
+    got = bytes(buf[:cut])
+    del buf[:cut]
+    return got
+
+
+def test_repl_streams_text_and_continues_at_a_terminal(demo):
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "k3engine", demo, "--chat", "--tok", demo,
+                          "--gen", "3"], stdin=slave, stdout=slave, stderr=slave,
+                         close_fds=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    buf = bytearray()
+    try:
+        read_until(master, b"user> ", buf)
+        os.write(master, b"Hello\n")
+        out = read_until(master, b"/continue goes on", buf)
+        first = out.split(b"Hello", 1)[1]
+        assert b"[3 tokens" in first and b"chat: token" not in first, first[-400:]
+        assert b"\x1b[2m" in first                  # the thinking streamed, dimmed
+        read_until(master, b"user> ", buf)
+        os.write(master, b"/continue\n")
+        out = read_until(master, b"/continue goes on", buf)
+        assert b"[3 tokens" in out, out[-400:]
+        read_until(master, b"user> ", buf)
+        os.write(master, b"/exit\n")
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    print("[cli] chat at a terminal: streamed, /continue, /exit -> 0")
