@@ -270,14 +270,19 @@ class Run:
         pinned_total = sum(setup.manifest.layers[L].nbytes for L in pinned) if pinned else 0
         seen: set[int] = set()
         done = [0]
+        started = [0.0]
 
         def on_read(L, nbytes, seconds):
             """Token 0 reads every pinned layer once (SYSTEM §3.7): report it as progress
-            so a slow first token never looks like a hang."""
+            (bytes, elapsed, an ETA at the rate so far) so a slow first token never looks
+            like a hang."""
             if L in pinned and L not in seen:
+                if not seen:
+                    started[0] = time.monotonic() - seconds
                 seen.add(L)
                 done[0] += nbytes
-                sink(E.LoadProgress("pinned_first_touch", L, done[0], pinned_total))
+                sink(E.LoadProgress("pinned_first_touch", L, done[0], pinned_total,
+                                    *_eta(started[0], done[0], pinned_total)))
         t0 = time.monotonic()
         lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
                         cache_bytes=int(the_plan.expert_cache_bytes), ultra=the_plan.ultra,
@@ -464,13 +469,19 @@ class Run:
                 state["t0"] = time.monotonic()
                 state["done"] = 0
             state["done"] += sizes[L] if L < len(sizes) else 0
-            el = time.monotonic() - state["t0"]
-            frac = state["done"] / total if total else 1.0
-            eta = el * (1 - frac) / frac if frac > 0 else None
+            progress = E.LoadProgress("prefill", L, state["done"], total,
+                                      *_eta(state["t0"], state["done"], total))
             if L == self.nl - 1:
                 state["t0"] = None
-            return E.LoadProgress("prefill", L, state["done"], total, el, eta)
+            return progress
         return on_layer
+
+
+def _eta(t0: float, done: int, total: int) -> tuple[float, float | None]:
+    """(elapsed, seconds left at the rate so far) of a phase that started at t0."""
+    elapsed = time.monotonic() - t0
+    frac = done / total if total else 1.0
+    return elapsed, (elapsed * (1 - frac) / frac if frac > 0 else None)
 
 
 def chat_controls(tok):
