@@ -414,27 +414,22 @@ class Run:
         return ChatSession(self.lm, self.tok, self.ctl, history, opts,
                            sampler or self.req.sampling.sampler(), incremental=True)
 
-    def turn(self, chat, gen: int | None = None, cancel: Cancel | None = None,
-             resume: bool = False) -> Iterator[E.Event]:
+    def turn(self, chat, gen: int | None = None, cancel: Cancel | None = None
+             ) -> Iterator[E.Event]:
         """One chat turn as events: TurnStarted, LoadProgress('prefill') per layer of the
         prompt pass, then per token StepDone and TokenOut (phase from the streaming reply
         parser), then TurnEnded(TurnResult).  A stop during the prefill ends the turn with
-        no tokens (the state it left is not reused).  `resume` continues the chat's
-        incomplete reply (ChatSession.turn_steps); its carried ids are parsed again first so
-        the phases of the new text are right, and only the new ids are emitted."""
+        no tokens (the state it left is not reused)."""
         from .chat import ReplyStream
         gen = self.req.gen if gen is None else gen
         lm = self.lm
         parser = ReplyStream(self.tok, chat.ctl, chat.opts.thinking)
-        if resume:
-            for i in chat.incomplete_reply or ():
-                parser.push(i)
         self._trunk_mark = ((lm.trunk.bytes_read, lm.trunk.read_seconds) if lm.trunk
                             else (0, 0.0)) + (tables_read(lm)[0],)
         lm.experts.reset_step()
         t_last = [time.monotonic()]
         progress = self._prefill_layer_cb()
-        turn = chat.turn_steps(gen, cancel, resume=resume,
+        turn = chat.turn_steps(gen, cancel,
                                on_layer=lambda L, T: self.sink(progress(L, T)))
         while True:
             try:

@@ -381,7 +381,6 @@ class TurnResult:
     interrupted: bool = False
     reasoning: str | None = None
     content: str | None = None
-    continued: int = 0                 # ids carried over from the incomplete reply resumed
 
 
 class ChatSession:
@@ -398,15 +397,6 @@ class ChatSession:
         self.turns_done = 0
         self.state: SequenceState | None = None
         self.record: list[int] = []    # the exact ids fed so far (the prefix record)
-        # An incomplete reply (stopped, or the limit came first): its ids, the transcript
-        # it answers and the record length when it stopped.  Every id but the last was fed,
-        # so `turn_steps(resume=True)` continues it exactly where it stopped.
-        self._partial: tuple[list[int], list[int], int] | None = None
-
-    @property
-    def incomplete_reply(self) -> list[int] | None:
-        """The ids of the reply that can be continued, or None."""
-        return None if self._partial is None else list(self._partial[0])
 
     def render(self) -> list[int]:
         from .chat import encode_prompt, render_segments
@@ -414,7 +404,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history.reset()
-        self.state, self.record, self._partial = None, [], None
+        self.state, self.record = None, []
 
     def _prefill(self, prompt: list[int], gen: int, cancel=None, on_layer=None
                  ) -> tuple[np.ndarray, int]:
@@ -442,9 +432,9 @@ class ChatSession:
         return logits, reuse
 
     def turn(self, gen: int, on_token: Callable[[int, int], None] | None = None,
-             cancel: Cancel | None = None, resume: bool = False) -> TurnResult:
+             cancel: Cancel | None = None) -> TurnResult:
         """turn_steps with a callback per token; returns the TurnResult."""
-        steps = self.turn_steps(gen, cancel, resume=resume)
+        steps = self.turn_steps(gen, cancel)
         while True:
             try:
                 kind, value = next(steps)
@@ -453,46 +443,33 @@ class ChatSession:
             if kind == "token" and on_token:
                 on_token(*value)
 
-    def turn_steps(self, gen: int, cancel: Cancel | None = None, on_layer=None,
-                   resume: bool = False):
+    def turn_steps(self, gen: int, cancel: Cancel | None = None, on_layer=None):
         """Generate the assistant's reply to the history (which ends with a user message),
         yielding ("prefill", prompt length) and then ("token", (n, id)) per id; returns
         the TurnResult.  A stop is honoured between the prompt pass's layers (no token is
         emitted, the state is dropped) and between tokens.  On a closed turn the parsed
-        reply is appended to the history; otherwise the history is left as it was and the
-        reply is kept as incomplete: `resume=True` continues it (up to `gen` more ids) with
-        the same ids an uninterrupted turn gives."""
+        reply is appended to the history; otherwise the history is left as it was (the
+        caller decides what to tell the person)."""
         from .chat import Message, parse_reply
         model = self.lm.model
         t0 = time.monotonic()
-        if resume:
-            out, prompt, fed = self._resumable()
-            from .state import grown
-            self.state = grown(self.state, len(prompt) + len(out) + gen + 1)
-            yield "prefill", len(prompt)
-            logits = model.forward([out[-1]], self.state)       # the one id not yet fed
-            self.record.append(out[-1])
-            reuse, limit = len(prompt), len(out) + gen
-        else:
-            self._partial = None
-            prompt = self.render()
-            self.sampler.new_turn(self.turn0 + self.turns_done + 1)
-            yield "prefill", len(prompt)
-            try:
-                logits, reuse = self._prefill(prompt, gen, cancel, on_layer)
-            except Stopped:
-                now = time.monotonic() - t0
-                return TurnResult([], len(prompt), 0, now, now, None, True)
-            out, limit = [], gen
-        carried = len(out)
+        prompt = self.render()
+        self.sampler.new_turn(self.turn0 + self.turns_done + 1)
+        yield "prefill", len(prompt)
+        try:
+            logits, reuse = self._prefill(prompt, gen, cancel, on_layer)
+        except Stopped:
+            now = time.monotonic() - t0
+            return TurnResult([], len(prompt), 0, now, now, None, True)
         first = time.monotonic() - t0
+        out: list[int] = []
         end_ids = set(self.ctl.end_ids)
         interrupted = False
         while True:
             tok_id = self.sampler.sample(logits)
             out.append(tok_id)
             yield "token", (len(out), tok_id)
-            if tok_id in end_ids or len(out) >= limit:
+            if tok_id in end_ids or len(out) >= gen:
                 break
             if cancel:
                 interrupted = True
@@ -504,26 +481,9 @@ class ChatSession:
                 self.state.reset()
                 logits = model.forward(prompt + out, self.state)
         res = TurnResult(out, len(prompt), reuse, time.monotonic() - t0, first,
-                         out[-1] if out and out[-1] in end_ids else None, interrupted,
-                         continued=carried)
+                         out[-1] if out and out[-1] in end_ids else None, interrupted)
         if res.end_id is not None:
-            self._partial = None
-            res.reasoning, res.content = parse_reply(self.tok, self.ctl, out,
-                                                     self.opts.thinking)
+            res.reasoning, res.content = parse_reply(self.tok, self.ctl, out, self.opts.thinking)
             self.history.add(Message("assistant", res.content, res.reasoning))
             self.turns_done += 1
-        elif self.incremental:
-            self._partial = (out, prompt, len(self.record))
         return res
-
-    def _resumable(self) -> tuple[list[int], list[int], int]:
-        """The incomplete reply, if the conversation and the state are as it left them."""
-        from .chat import ChatError
-        if self._partial is None or self.state is None or self.state.poisoned:
-            raise ChatError("there is no incomplete reply to continue")
-        out, prompt, fed = self._partial
-        if len(self.record) != fed or self.render() != prompt:
-            self._partial = None
-            raise ChatError("the conversation changed since the reply stopped; it cannot be "
-                            "continued")
-        return list(out), prompt, fed
