@@ -414,23 +414,28 @@ class Run:
         return ChatSession(self.lm, self.tok, self.ctl, history, opts,
                            sampler or self.req.sampling.sampler(), incremental=True)
 
-    def turn(self, chat, gen: int | None = None, cancel: Cancel | None = None
-             ) -> Iterator[E.Event]:
+    def turn(self, chat, gen: int | None = None, cancel: Cancel | None = None,
+             resume: bool = False) -> Iterator[E.Event]:
         """One chat turn as events: TurnStarted, LoadProgress('prefill') per layer of the
         prompt pass, then per token StepDone and TokenOut (phase from the streaming reply
         parser), then TurnEnded(TurnResult).  A stop during the prefill ends the turn with
-        no tokens (the state it left is not reused)."""
+        no tokens (the state it left is not reused).  resume=True continues the session's
+        incomplete reply (ChatSession.continue_steps) for up to `gen` more ids: no prefill,
+        steps numbered on from the reply's ids."""
         from .chat import ReplyStream
         gen = self.req.gen if gen is None else gen
         lm = self.lm
         parser = ReplyStream(self.tok, chat.ctl, chat.opts.thinking)
+        if resume and chat.pending is not None:
+            for tok_id in chat.pending.ids:     # the parser picks up the reply's phase
+                parser.push(tok_id)
         self._trunk_mark = ((lm.trunk.bytes_read, lm.trunk.read_seconds) if lm.trunk
                             else (0, 0.0)) + (tables_read(lm)[0],)
         lm.experts.reset_step()
         t_last = [time.monotonic()]
         progress = self._prefill_layer_cb()
-        turn = chat.turn_steps(gen, cancel,
-                               on_layer=lambda L, T: self.sink(progress(L, T)))
+        turn = (chat.continue_steps(gen, cancel) if resume else
+                chat.turn_steps(gen, cancel, on_layer=lambda L, T: self.sink(progress(L, T))))
         while True:
             try:
                 kind, value = next(turn)

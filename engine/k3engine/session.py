@@ -381,6 +381,24 @@ class TurnResult:
     interrupted: bool = False
     reasoning: str | None = None
     content: str | None = None
+    continued: int = 0                 # ids of an incomplete reply this turn resumed
+
+
+# Recurrent-state snapshots kept for forks (an edited earlier message): at most this many
+# bytes in all, newest first.  One snapshot is the KDA state (626 MB on the released model,
+# so there an edit re-prefills; ~13 MB on `mid`, ~0.1 MB on the demo).
+FORK_SNAPSHOT_BYTES = 64 << 20
+
+
+@dataclass
+class PendingReply:
+    """A reply that stopped without its end id (Stop, or the limit): every id but the last
+    is fed to the state, the last was sampled and not yet fed -- exactly where an
+    uninterrupted turn would be before its next forward, so `continue_steps` resumes with
+    the same ids."""
+    ids: list[int]
+    prompt_ids: int
+    reused: int
 
 
 class ChatSession:
@@ -397,6 +415,10 @@ class ChatSession:
         self.turns_done = 0
         self.state: SequenceState | None = None
         self.record: list[int] = []    # the exact ids fed so far (the prefix record)
+        self.pending: PendingReply | None = None
+        # (position, recurrent snapshot): the state after record[:position], taken where a
+        # user message starts, so an edit of that message reuses everything before it
+        self.forks: list[tuple[int, list[np.ndarray]]] = []
 
     def render(self) -> list[int]:
         from .chat import encode_prompt, render_segments
@@ -404,7 +426,49 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history.reset()
-        self.state, self.record = None, []
+        self._drop_state()
+
+    def _drop_state(self) -> None:
+        self.state, self.record, self.pending, self.forks = None, [], None, []
+
+    def _user_boundary(self, prompt: list[int]) -> int:
+        """Where the last user message starts in `prompt` (the rendered history without it
+        is a prefix of the full render: segments are encoded independently, §9.2)."""
+        from .chat import History, encode_prompt, render_segments
+        msgs = list(self.history)
+        if len(msgs) < 2 or msgs[-1].role != "user":
+            return 0
+        try:
+            head = encode_prompt(self.tok, render_segments(History(msgs[:-1]), self.opts,
+                                                           generation_prompt=False))
+        except Exception:              # noqa: BLE001 - no fork point, nothing else changes
+            return 0
+        return len(head) if prompt[:len(head)] == head else 0
+
+    def _fork_for(self, prompt: list[int]) -> int:
+        """Restore the newest snapshot whose positions `prompt` starts with (an edited or
+        regenerated earlier turn): returns the positions it covers, 0 for none."""
+        from .state import restore
+        for pos, snap in reversed(self.forks):
+            if 0 < pos < len(prompt) and pos <= len(self.record) \
+                    and self.record[:pos] == prompt[:pos]:
+                restore(self.state, snap)
+                self.state.n_cached = pos      # later MLA rows are overwritten as it goes
+                self.record = self.record[:pos]
+                self.forks = [(p, s) for p, s in self.forks if p <= pos]
+                return pos
+        return 0
+
+    def _keep_fork(self, pos: int) -> None:
+        from .state import snapshot
+        snap = snapshot(self.state)
+        size = sum(a.nbytes for a in snap)
+        self.forks = [(p, s) for p, s in self.forks if p < pos] + [(pos, snap)]
+        while self.forks and sum(a.nbytes for _, s in self.forks for a in s) \
+                > FORK_SNAPSHOT_BYTES:
+            self.forks.pop(0)                  # the oldest go first
+        if size > FORK_SNAPSHOT_BYTES:
+            self.forks = []
 
     def _prefill(self, prompt: list[int], gen: int, cancel=None, on_layer=None
                  ) -> tuple[np.ndarray, int]:
@@ -417,18 +481,29 @@ class ChatSession:
         usable = self.state is not None and not self.state.poisoned
         cached = self.state.n_cached if usable else 0
         reuse = reuse_positions(self.record, prompt, cached=cached) if usable else 0
+        if reuse == 0 and usable:
+            reuse = self._fork_for(prompt)
         if reuse == 0:
             self.state, self.record = model.new_state(len(prompt) + gen + 1), []
+            self.forks = []
         else:
             self.state = grown(self.state, len(prompt) + gen + 1)
-        tail = prompt[reuse:]
+        # Split the pass where the last user message starts and keep a snapshot there:
+        # an edit of that message later forks from it.  Chunking a prefill does not change
+        # a bit (DESIGN invariant), so the split costs only the copy.
+        cut = self._user_boundary(prompt) - reuse
+        parts = [prompt[reuse:reuse + cut], prompt[reuse + cut:]] if cut > 0 else \
+            [prompt[reuse:]]
         try:
-            logits = model.forward(tail, self.state, cancel=cancel, on_layer=on_layer)
+            for i, part in enumerate(parts):
+                logits = model.forward(part, self.state, cancel=cancel, on_layer=on_layer)
+                self.record += part
+                if i == 0 and len(parts) == 2:
+                    self._keep_fork(len(self.record))
         except BaseException:
             # a failed or stopped pass poisons the state: the next turn starts afresh
-            self.state, self.record = None, []
+            self._drop_state()
             raise
-        self.record += tail
         return logits, reuse
 
     def turn(self, gen: int, on_token: Callable[[int, int], None] | None = None,
@@ -450,10 +525,9 @@ class ChatSession:
         emitted, the state is dropped) and between tokens.  On a closed turn the parsed
         reply is appended to the history; otherwise the history is left as it was (the
         caller decides what to tell the person)."""
-        from .chat import Message, parse_reply
-        model = self.lm.model
         t0 = time.monotonic()
         prompt = self.render()
+        self.pending = None
         self.sampler.new_turn(self.turn0 + self.turns_done + 1)
         yield "prefill", len(prompt)
         try:
@@ -461,29 +535,67 @@ class ChatSession:
         except Stopped:
             now = time.monotonic() - t0
             return TurnResult([], len(prompt), 0, now, now, None, True)
-        first = time.monotonic() - t0
-        out: list[int] = []
+        return (yield from self._decode(prompt, [], logits, reuse, gen, cancel, t0,
+                                        time.monotonic() - t0))
+
+    def continue_steps(self, gen: int, cancel: Cancel | None = None):
+        """Resume the incomplete reply (`pending`) for up to `gen` more ids, exactly as the
+        uninterrupted turn would have gone on: its last id is fed now, and the sampler's
+        stream was not restarted.  Yields like turn_steps; the TurnResult's ids are the whole
+        reply.  Refused (ValueError) when there is nothing to continue."""
+        p = self.pending
+        if p is None or self.state is None or self.state.poisoned or not self.incremental:
+            raise ValueError("there is no incomplete reply to continue")
+        from .state import grown
+        t0 = time.monotonic()
+        yield "prefill", p.prompt_ids
+        self.pending = None
+        self.state = grown(self.state, p.prompt_ids + len(p.ids) + gen + 1)
+        try:
+            logits = self.lm.model.forward([p.ids[-1]], self.state)
+        except BaseException:
+            self._drop_state()
+            raise
+        self.record.append(p.ids[-1])
+        return (yield from self._decode(None, list(p.ids), logits, p.reused,
+                                        len(p.ids) + gen, cancel, t0,
+                                        time.monotonic() - t0, p.prompt_ids))
+
+    def _decode(self, prompt, out: list[int], logits, reuse: int, gen: int, cancel, t0: float,
+                first: float, n_prompt: int | None = None):
+        """Sample, yield, feed until an end id, `gen` ids in `out`, or a stop."""
+        from .chat import Message, parse_reply
+        model = self.lm.model
+        base = len(out)
         end_ids = set(self.ctl.end_ids)
         interrupted = False
-        while True:
-            tok_id = self.sampler.sample(logits)
-            out.append(tok_id)
-            yield "token", (len(out), tok_id)
-            if tok_id in end_ids or len(out) >= gen:
-                break
-            if cancel:
-                interrupted = True
-                break
-            if self.incremental:
-                logits = model.forward([tok_id], self.state)
-                self.record.append(tok_id)
-            else:
-                self.state.reset()
-                logits = model.forward(prompt + out, self.state)
-        res = TurnResult(out, len(prompt), reuse, time.monotonic() - t0, first,
-                         out[-1] if out and out[-1] in end_ids else None, interrupted)
+        try:
+            while True:
+                tok_id = self.sampler.sample(logits)
+                out.append(tok_id)
+                yield "token", (len(out), tok_id)
+                if tok_id in end_ids or len(out) >= gen:
+                    break
+                if cancel:
+                    interrupted = True
+                    break
+                if self.incremental:
+                    logits = model.forward([tok_id], self.state)
+                    self.record.append(tok_id)
+                else:
+                    self.state.reset()
+                    logits = model.forward(prompt + out, self.state)
+        except BaseException:
+            self._drop_state()
+            raise
+        n_prompt = len(prompt) if n_prompt is None else n_prompt
+        res = TurnResult(out, n_prompt, reuse, time.monotonic() - t0, first,
+                         out[-1] if out and out[-1] in end_ids else None, interrupted,
+                         continued=base)
         if res.end_id is not None:
             res.reasoning, res.content = parse_reply(self.tok, self.ctl, out, self.opts.thinking)
             self.history.add(Message("assistant", res.content, res.reasoning))
             self.turns_done += 1
+        elif out and self.incremental:
+            self.pending = PendingReply(list(out), n_prompt, reuse)
         return res
