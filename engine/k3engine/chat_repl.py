@@ -121,11 +121,11 @@ def _next_user_line(history: History, history_path: str | None, chat=None) -> st
         if line == "":
             continue
         if line == CONTINUE:
-            if chat is not None and chat.incomplete_reply is not None:
+            if chat is not None and chat.pending is not None:
                 return line
             print("chat: there is no incomplete reply to continue", file=sys.stderr)
             continue
-        if chat is not None and chat.incomplete_reply is not None and history.ends_with_user:
+        if chat is not None and chat.pending is not None and history.ends_with_user:
             history.remove_last()                 # a new message replaces the unanswered one
         if line == "/help":
             for h in HELP_LINES:
