@@ -45,7 +45,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 QUICKSTART, TESTCMD = "<!-- quickstart-command -->", "<!-- test-command -->"
-QUIT_AFTER = os.environ.get("K3_README_QUIT_AFTER", "40")   # seconds the app stays open (it makes the demo model first: 12 s was too short on a loaded 2-core machine)
+# seconds the app stays open: it makes the demo model first (12 s was too short on a
+# loaded 2-core machine)
+QUIT_AFTER = os.environ.get("K3_README_QUIT_AFTER", "40")
 
 
 def readme_command(marker: str) -> str:
