@@ -46,10 +46,13 @@ def make_app(argv: list[str] | None = None):
     from PySide6.QtGui import QFont
     from PySide6.QtWidgets import QApplication
 
-    from . import APP_NAME, ORG_NAME, __version__, appres
+    from . import APP_NAME, __version__, appres
     app = QApplication.instance() or QApplication(argv or [sys.argv[0]])
     app.setApplicationName(APP_NAME)
-    app.setOrganizationName(ORG_NAME)
+    # No organisation name: Qt puts AppDataLocation under <org>/<app>, and with both
+    # "K3 Studio" the data folder was ~/.local/share/K3 Studio/K3 Studio (settings name the
+    # organisation themselves: settings.default_store).
+    app.setOrganizationName("")
     app.setApplicationVersion(__version__)
     app.setDesktopFileName("k3studio")
     app.setWindowIcon(appres.app_icon())
@@ -58,7 +61,8 @@ def make_app(argv: list[str] | None = None):
         font.setPointSizeF(10)
         app.setFont(font)
     app.setStyle("Fusion")
-    app.setStyleSheet(appres.style_sheet())
+    appres.apply_theme(app, "system")      # the window applies the saved choice
+    _quiet_font_warnings()
     # Python's cyclic GC runs in whichever thread happens to allocate; if it frees a Qt
     # widget on the engine or a task thread, Qt deadlocks or crashes.  Collect on a GUI
     # timer instead (pyqtgraph's GarbageCollector disables the automatic collector).
@@ -67,6 +71,18 @@ def make_app(argv: list[str] | None = None):
         app._k3studio_gc = GarbageCollector(interval=1.0)
     _warn_known_bad_toolkit()
     return app
+
+
+def _quiet_font_warnings() -> None:
+    """"OpenType support missing for "DejaVu Sans", script 11" (dozens of lines): Qt logs it
+    when text in a script no installed font can shape -- here Devanagari and others in a
+    reply -- falls back through fonts without those OpenType tables.  The glyphs show (or
+    not) either way; the warning only fills the console.  Installing a font that covers
+    the script (e.g. fonts-noto-core) is the real cure; the app silences just this category
+    unless the person set QT_LOGGING_RULES themselves."""
+    from PySide6.QtCore import QLoggingCategory
+    if "QT_LOGGING_RULES" not in os.environ:
+        QLoggingCategory.setFilterRules("qt.text.font.db.warning=false")
 
 
 def _warn_known_bad_toolkit() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib.resources
 
-from PySide6.QtCore import QByteArray
-from PySide6.QtGui import QIcon, QPixmap
+from PySide6.QtCore import QByteArray, Qt
+from PySide6.QtGui import QColor, QIcon, QPalette, QPixmap
 
 PACKAGE = "k3studio_resources"
 
@@ -26,9 +26,50 @@ def read_bytes(name: str) -> bytes | None:
     return res.read_bytes() if res.is_file() else None
 
 
-def style_sheet() -> str:
-    data = read_bytes("style.qss")
+THEMES = ("system", "light", "dark")
+
+
+def style_sheet(dark: bool = False) -> str:
+    data = read_bytes("style-dark.qss" if dark else "style.qss")
     return data.decode("utf-8") if data else ""
+
+
+def system_is_dark() -> bool:
+    """The platform's colour scheme (Qt >= 6.5); Unknown (e.g. Xvfb, offscreen) is light."""
+    from PySide6.QtGui import QGuiApplication
+    hints = QGuiApplication.styleHints()
+    scheme = getattr(hints, "colorScheme", None)
+    return scheme is not None and scheme() == Qt.ColorScheme.Dark
+
+
+def is_dark(theme: str) -> bool:
+    return theme == "dark" or (theme not in ("light", "dark") and system_is_dark())
+
+
+def dark_palette() -> QPalette:
+    p = QPalette()
+    roles = {QPalette.Window: "#1e2128", QPalette.WindowText: "#e6e9f2",
+             QPalette.Base: "#262a33", QPalette.AlternateBase: "#22252d",
+             QPalette.ToolTipBase: "#2a2e38", QPalette.ToolTipText: "#e6e9f2",
+             QPalette.Text: "#e6e9f2", QPalette.Button: "#2a2e38",
+             QPalette.ButtonText: "#e6e9f2", QPalette.BrightText: "#ff7b72",
+             QPalette.Link: "#7aa5ff", QPalette.Highlight: "#2f6fe0",
+             QPalette.HighlightedText: "#ffffff", QPalette.PlaceholderText: "#7d8599",
+             QPalette.Mid: "#3a3f4d", QPalette.Dark: "#15171c", QPalette.Shadow: "#0b0c0f",
+             QPalette.Light: "#3a3f4d", QPalette.Midlight: "#30343f"}
+    for role, colour in roles.items():
+        p.setColor(role, QColor(colour))
+    for role in (QPalette.Text, QPalette.ButtonText, QPalette.WindowText):
+        p.setColor(QPalette.Disabled, role, QColor("#6c7386"))
+    return p
+
+
+def apply_theme(app, theme: str) -> bool:
+    """Palette + style sheet for `theme` ("system", "light" or "dark"); returns dark?"""
+    dark = is_dark(theme)
+    app.setPalette(dark_palette() if dark else app.style().standardPalette())
+    app.setStyleSheet(style_sheet(dark))
+    return dark
 
 
 def app_icon() -> QIcon:

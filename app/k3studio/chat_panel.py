@@ -13,13 +13,14 @@ from typing import Callable
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFrame,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
                                QProgressBar, QPushButton, QScrollArea, QSizePolicy, QSpinBox,
                                QToolButton, QVBoxLayout, QWidget)
 
 from k3engine.memory import human
 
+from .markdown_view import MarkdownView
 from .runspec import RunSpec
 
 ROLE_TITLE = {"user": "You", "assistant": "K3", "system": "System prompt"}
@@ -37,8 +38,16 @@ class MessageWidget(QFrame):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(10, 6, 10, 6)
         lay.setSpacing(4)
-        title = QLabel(f"<b>{ROLE_TITLE.get(role, role)}</b>")
-        lay.addWidget(title)
+        head = QHBoxLayout()
+        head.setContentsMargins(0, 0, 0, 0)
+        head.addWidget(QLabel(f"<b>{ROLE_TITLE.get(role, role)}</b>"), 1)
+        self.copy_btn = QToolButton()
+        self.copy_btn.setObjectName("copy_message")
+        self.copy_btn.setText("Copy")
+        self.copy_btn.setToolTip("Copy this message (its Markdown text)")
+        self.copy_btn.clicked.connect(self.copy)
+        head.addWidget(self.copy_btn)
+        lay.addLayout(head)
         self.think_toggle = QToolButton()
         self.think_toggle.setObjectName("thinking_toggle")
         self.think_toggle.setCheckable(True)
@@ -49,17 +58,12 @@ class MessageWidget(QFrame):
         self.think_frame.setObjectName("thinking")
         tl = QVBoxLayout(self.think_frame)
         tl.setContentsMargins(8, 2, 4, 2)
-        self.thinking = QLabel()
-        self.thinking.setWordWrap(True)
-        self.thinking.setTextFormat(Qt.PlainText)
-        self.thinking.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.thinking = MarkdownView(markdown=False)
         tl.addWidget(self.thinking)
         lay.addWidget(self.think_toggle)
         lay.addWidget(self.think_frame)
-        self.content = QLabel()
-        self.content.setWordWrap(True)
-        self.content.setTextFormat(Qt.PlainText)
-        self.content.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        # the model's replies are Markdown; what a person typed is shown as typed
+        self.content = MarkdownView(markdown=role == "assistant")
         lay.addWidget(self.content)
         self.progress = QProgressBar()
         self.progress.setMaximumHeight(14)
@@ -79,7 +83,7 @@ class MessageWidget(QFrame):
         self._content = content
         self._has_thinking = False
         self.set_reasoning(reasoning, expanded=False)
-        self.content.setText(content)
+        self.content.set_text(content)
         self.content.setVisible(bool(content) or role != "assistant")
         self.set_stats(stats)
         self.set_note(note)
@@ -92,7 +96,7 @@ class MessageWidget(QFrame):
         if not self._reasoning:
             self.think_toggle.setChecked(True)       # open while it streams
         self._reasoning += text
-        self.thinking.setText(self._reasoning)
+        self.thinking.append(text)
         self._update_toggle()
 
     def append_content(self, text: str) -> None:
@@ -101,21 +105,29 @@ class MessageWidget(QFrame):
         if not self._content and self._reasoning:
             self.think_toggle.setChecked(False)      # the answer started: fold the thoughts
         self._content += text
-        self.content.setText(self._content)
+        self.content.append(text)
         self.content.setVisible(True)
 
     def set_reasoning(self, text: str | None, expanded: bool) -> None:
         """None: no thinking block at all (thinking off); "" or text: a block."""
         self._has_thinking = text is not None and self.role == "assistant"
         self._reasoning = text or ""
-        self.thinking.setText(self._reasoning)
+        self.thinking.set_text(self._reasoning)
         self.think_toggle.setChecked(expanded)
         self._update_toggle()
 
     def set_content(self, text: str) -> None:
         self._content = text
-        self.content.setText(text)
+        self.content.set_text(text)
         self.content.setVisible(True)
+
+    def flush(self) -> None:
+        """The stream ended: render what the throttle still holds."""
+        self.thinking.flush()
+        self.content.flush()
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self._content)
 
     def set_stats(self, text: str) -> None:
         self.stats.setText(text)
@@ -139,13 +151,36 @@ class MessageWidget(QFrame):
 
     def _update_toggle(self) -> None:
         n = len(self._reasoning)
-        self.think_toggle.setText(f"Thinking ({n} characters)" if n else "Thinking (empty)")
+        self.think_toggle.setText(f"Thinking ({n} characters)" if n else "Thinking…")
         self.think_toggle.setVisible(self._has_thinking)
         self._toggle(self.think_toggle.isChecked())
 
     @property
     def has_thinking(self) -> bool:
         return self._has_thinking
+
+
+class MessageInput(QPlainTextEdit):
+    """The message box: Enter (or Ctrl+Enter) sends, Shift+Enter starts a new line, Tab
+    and Shift+Tab move the focus (a tab character is never what a chat message wants)."""
+
+    submitted = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setTabChangesFocus(True)
+
+    def keyPressEvent(self, e) -> None:
+        if e.key() in (Qt.Key_Return, Qt.Key_Enter):
+            if e.modifiers() & Qt.ShiftModifier:
+                # a plain "\n": Qt's own Shift+Enter inserts U+2028, a line separator that
+                # would reach the model as a different character
+                self.insertPlainText("\n")
+            else:
+                self.submitted.emit()
+            e.accept()
+            return
+        super().keyPressEvent(e)
 
 
 def stats_text(info: dict) -> str:
@@ -181,15 +216,8 @@ class ChatPanel(QWidget):
         bar = QHBoxLayout()
         self.model_label = QLabel("No model loaded: load one in Setup.")
         self.model_label.setObjectName("hint")
-        self.new_btn = QPushButton("New")
-        self.new_btn.setToolTip("Start a new conversation (keeps the system prompt)")
-        self.open_btn = QPushButton("Open…")
-        self.open_btn.setToolTip("Open a conversation saved as JSONL (k3 --history format)")
-        self.save_btn = QPushButton("Save…")
-        self.save_btn.setToolTip("Save the conversation as JSONL (k3 --history format)")
-        bar.addWidget(self.model_label, 1)
-        for b in (self.new_btn, self.open_btn, self.save_btn):
-            bar.addWidget(b)
+        self.model_label.setWordWrap(True)
+        bar.addWidget(self.model_label, 1)     # New / Open / Export: the sidebar and menus
 
         sysrow = QHBoxLayout()
         self.system = QLineEdit()
@@ -267,8 +295,10 @@ class ChatPanel(QWidget):
         g.addLayout(rows)
 
         # -- input --------------------------------------------------------------------
-        self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Message K3…  (Ctrl+Enter sends)")
+        self.input = MessageInput()
+        self.input.setObjectName("message_input")
+        self.input.setPlaceholderText("Message K3…  (Enter sends, Shift+Enter: new line, "
+                                      "Esc stops)")
         self.input.setMaximumHeight(90)
         self.send_btn = QPushButton("Send")
         self.send_btn.setObjectName("primary")
@@ -311,11 +341,13 @@ class ChatPanel(QWidget):
         self.stop_btn.clicked.connect(self.stop)
         self.regen_btn.clicked.connect(self.regenerate)
         self.edit_btn.clicked.connect(self.edit_last)
-        self.new_btn.clicked.connect(self.new_conversation)
-        self.open_btn.clicked.connect(self._open_dialog)
-        self.save_btn.clicked.connect(self._save_dialog)
         self.system.editingFinished.connect(self._system_edited)
-        QShortcut(QKeySequence("Ctrl+Return"), self.input, self.send)
+        self.input.submitted.connect(self.send)
+        # Esc stops a reply anywhere in the window; enabled only while one is generated so
+        # it never steals Esc from an editor (renaming a conversation) otherwise.
+        self.esc = QShortcut(QKeySequence(Qt.Key_Escape), self, self.stop,
+                             context=Qt.WindowShortcut)
+        self.esc.setEnabled(False)
         for w in (self.thinking, self.greedy):
             w.toggled.connect(self._settings_changed)
         self.effort.currentIndexChanged.connect(self._settings_changed)
@@ -389,6 +421,7 @@ class ChatPanel(QWidget):
             return
         self.draft = None
         self.input.clear()
+        self.input.setFocus()
         self.generating = True          # until turnFinished (or an error before it)
         self._update_buttons()
         self.host.send(text, self._spec_fn())
@@ -402,7 +435,12 @@ class ChatPanel(QWidget):
         self.host.regenerate(self._spec_fn())
 
     def stop(self) -> None:
+        if not self.generating:
+            return
         self.host.stop()
+        # focus first: disabling the focused Stop button would hand the focus to the next
+        # widget in the chain (it was the command-line field)
+        self.input.setFocus()
         self.stop_btn.setEnabled(False)
         self.stop_btn.setText("Stopping…")
 
@@ -417,27 +455,14 @@ class ChatPanel(QWidget):
         self.host.take_back()
         self.input.setFocus()
 
-    def new_conversation(self) -> None:
+    def reset_view(self) -> None:
+        """Another conversation (new or opened): its replies' stats and draft are not ours."""
         self.draft = None
         self.stats.clear()
-        self.host.new_conversation(self.system.text())
-
-    def _open_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open conversation", "",
-                                              "Conversations (*.jsonl);;All files (*)")
-        if path:
-            self.open_conversation(path)
 
     def open_conversation(self, path: str) -> None:
-        self.draft = None
-        self.stats.clear()
+        self.reset_view()
         self.host.open_conversation(path)
-
-    def _save_dialog(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Save conversation", "conversation.jsonl",
-                                              "Conversations (*.jsonl);;All files (*)")
-        if path:
-            self.host.save_conversation(path)
 
     def _system_edited(self) -> None:
         current = next((m["content"] for m in self.messages if m["role"] == "system"), "")
@@ -535,6 +560,9 @@ class ChatPanel(QWidget):
         self.prefill.setVisible(False)
         self.generating = False
         live = self.live
+        if live is not None:
+            live.flush()
+        self.input.setFocus()            # ready for the next message, whatever happened
         if info.get("failed"):
             if live is not None and (live.content_text or live.reasoning_text):
                 self.draft = dict(content=live.content_text,
@@ -570,14 +598,15 @@ class ChatPanel(QWidget):
     def _update_buttons(self) -> None:
         busy = self.host.busy or self.generating
         self.send_btn.setEnabled(self.loaded and not busy)
+        if self.stop_btn.hasFocus() and not self.generating:
+            self.input.setFocus()
         self.stop_btn.setEnabled(self.generating)
+        self.esc.setEnabled(self.generating)
         if not self.generating:
             self.stop_btn.setText("Stop")
         has_user = any(m["role"] == "user" for m in self.messages)
         self.regen_btn.setEnabled(self.loaded and not busy and has_user)
         self.edit_btn.setEnabled(not busy and has_user)
-        for b in (self.new_btn, self.open_btn, self.save_btn):
-            b.setEnabled(not busy)
 
     # -- scrolling: follow the stream unless the person scrolled up ----------------------
     def _user_scrolled(self, v: int) -> None:

@@ -12,9 +12,29 @@ DEMO_LABEL = "Demo model: random weights, the output is not language"
 
 
 def data_dir() -> str:
-    """Per-user data directory (QStandardPaths AppDataLocation)."""
+    """Per-user data directory (QStandardPaths AppDataLocation: the app name once, since
+    make_app sets no organisation name)."""
     from PySide6.QtCore import QStandardPaths
-    return QStandardPaths.writableLocation(QStandardPaths.AppDataLocation)
+    root = QStandardPaths.writableLocation(QStandardPaths.AppDataLocation)
+    migrate_doubled(root)
+    return root
+
+
+def migrate_doubled(root: str) -> None:
+    """Up to 0.1.0 the folder was <data>/K3 Studio/K3 Studio (organisation and application
+    both "K3 Studio"): move what is there up one level, never over an existing entry."""
+    from . import APP_NAME
+    old = os.path.join(root, APP_NAME)
+    if os.path.basename(os.path.normpath(root)) != APP_NAME or not os.path.isdir(old):
+        return
+    for name in os.listdir(old):
+        dest = os.path.join(root, name)
+        if not os.path.exists(dest):
+            os.replace(os.path.join(old, name), dest)
+    try:
+        os.rmdir(old)
+    except OSError:
+        pass                     # something was left (a name clash): keep it, lose nothing
 
 
 def demo_paths(root: str) -> tuple[str, str]:

@@ -29,6 +29,7 @@ EXPERT_COLOR = "#e08a1b"      # amber: the experts
 RSS_COLOR = "#7b3fb5"
 OK_COLOR = "#2e8b57"
 BAD_COLOR = "#c0392b"
+EMPTY_TEXT = "no tokens yet"
 INITIAL_CAPACITY = 4096       # one reply at the largest --gen; doubles if a session grows
 
 # CSV columns, in order: the per-token record's keys
@@ -170,6 +171,19 @@ class PlotsPanel(QWidget):
         v.ci.layout.setRowStretchFactor(2, 3)
         v.ci.layout.setRowStretchFactor(3, 1)
 
+        # Empty state: a plot without points says so instead of showing pyqtgraph's default
+        # 0..1 axes (or a -400..400 x0.001 range for an empty fill curve).
+        self._token_plots = (self.p_rss, self.p_spt, self.p_io, self.p_gb, self.p_hit)
+        self.empty_items = {}
+        for p, text in [(p, EMPTY_TEXT) for p in self._token_plots] + [
+                (self.p_heat, "no expert requests yet"), (self.p_map, "no model loaded")]:
+            t = pg.TextItem(text, anchor=(0.5, 0.5), color="#8a93a8")
+            p.addItem(t, ignoreBounds=True)
+            self.empty_items[p] = t
+        self._set_empty(self._token_plots, True)
+        self._set_empty((self.p_heat, self.p_map), True)
+        self.archive: list[tuple[str, Series]] = []   # earlier runs' series (exportable)
+
         self.curves = {
             "rss": self.c_rss, "peak": self.c_peak, "spt": self.c_spt,
             "io_total": self.c_io_total, "io_trunk": self.c_io_trunk,
@@ -202,6 +216,44 @@ class PlotsPanel(QWidget):
         lay.addWidget(self.view, 1)
         lay.addWidget(self.details)
 
+    def set_dark(self, dark: bool) -> None:
+        """Plot chrome for the theme (the series colours carry meaning and stay)."""
+        bg, fg = ("#1e2128", "#c9cfdd") if dark else ("w", "#2b3245")
+        self.view.setBackground(bg)
+        for p in self._token_plots + (self.p_heat, self.p_map):
+            for ax in ("left", "bottom"):
+                a = p.getAxis(ax)
+                a.setPen(fg)
+                a.setTextPen(fg)
+            p.titleLabel.setAttr("color", fg)
+            p.titleLabel.setText(p.titleLabel.text)
+        self.c_spt.setPen(_pen(fg))
+        self.c_spt.setSymbolBrush(fg)
+        self.c_ret.setPen(_pen(fg))
+
+    def _set_empty(self, plots, empty: bool) -> None:
+        for p in plots:
+            item = self.empty_items[p]
+            if getattr(item, "_shown", None) is empty:
+                continue                         # only on a change (this runs per batch)
+            item._shown = empty
+            item.setVisible(empty)
+            for ax in ("left", "bottom"):
+                if p is not self.p_map or ax == "bottom":
+                    p.showAxis(ax, not empty)
+            if empty:
+                p.disableAutoRange()
+                p.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+                item.setPos(0.5, 0.5)
+            elif p is self.p_hit:
+                p.enableAutoRange(x=True)
+                p.setYRange(0, 100)
+            elif p is not self.p_map:
+                p.enableAutoRange()
+
+    def is_empty(self, p) -> bool:
+        return bool(self.empty_items[p]._shown)
+
     # -- inputs -------------------------------------------------------------------------
     def set_model(self, info: dict | None) -> None:
         """The loaded model's shape: trunk map and plan/available lines."""
@@ -209,8 +261,10 @@ class PlotsPanel(QWidget):
         if info is None:
             self.map_bars.setOpts(x=[], height=[], brushes=[])
             self.map_label = ""
+            self._set_empty((self.p_map,), True)
             self._details()
             return
+        self._set_empty((self.p_map,), False)
         n = info["n_layers"]
         pinned = set(info["pinned_layers"])
         brushes = [pg.mkBrush(TRUNK_COLOR) if L in pinned else pg.mkBrush("#c9cfdd")
@@ -264,6 +318,7 @@ class PlotsPanel(QWidget):
 
     def set_heat(self, grid: np.ndarray) -> None:
         self.heat = grid
+        self._set_empty((self.p_heat,), False)
         self.heat_img.setImage(grid, autoLevels=True)
         self.heat_img.setRect(-0.5, -0.5, grid.shape[1], grid.shape[0])
         self.heat_label = (f"expert heat: {int(grid.sum())} requests over "
@@ -273,6 +328,22 @@ class PlotsPanel(QWidget):
     def clear(self) -> None:
         self.series.clear()
         self._redraw()
+
+    def reset(self, label: str) -> None:
+        """A new model or a new conversation: start the token axis at 1 again, keeping the
+        previous series (exportable: `export_csv(path, archived=-1)`)."""
+        if self.series.n:
+            old = Series(CSV_COLUMNS, max(self.series.n, 1))
+            for c in CSV_COLUMNS:
+                old.data[c][:self.series.n] = self.series.view(c)
+            old.n = self.series.n
+            self.archive.append((label, old))
+            del self.archive[:-4]            # a few earlier runs, not the whole session
+        self.heat = None
+        self.heat_img.clear()
+        self.heat_label = ""
+        self._set_empty((self.p_heat,), True)
+        self.clear()
 
     # -- drawing --------------------------------------------------------------------
     def _redraw(self) -> None:
@@ -292,6 +363,7 @@ class PlotsPanel(QWidget):
         self.c_true.setData(x, s.view("true_resident_hit") * 100)
         self.c_ret.setData(x, s.view("retention") * 100)
         self.c_raw.setData(x, s.view("raw_hit") * 100)
+        self._set_empty(self._token_plots, s.n == 0)
         if s.n:
             top = max(float(peak.max()), float(self.plan_total))
             # the available line is far above a small model's RSS: keep it out of the scale
@@ -322,8 +394,9 @@ class PlotsPanel(QWidget):
     def export_png(self, path: str) -> bool:
         return self.view.grab().save(path, "PNG")
 
-    def export_csv(self, path: str) -> None:
-        s = self.series
+    def export_csv(self, path: str, archived: int | None = None) -> None:
+        """The current series, or `archived` (an index into `archive`, -1 the latest)."""
+        s = self.series if archived is None else self.archive[archived][1]
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(CSV_COLUMNS)

@@ -41,7 +41,9 @@ class StudioSettings:
     top_p: float = 0.95
     top_k: int = 0
     seed: int = 0                     # 0 with sampling on = a fresh clock seed
-    conversation_path: str = ""
+    conversation_path: str = ""       # the open conversation's file (reopened on start)
+    # look: "system" follows the platform's colour scheme, or "light" / "dark"
+    theme: str = "system"
     # window
     geometry: bytes = b""
     splitter: bytes = b""

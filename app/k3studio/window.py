@@ -16,9 +16,13 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMainWindow, QPushBu
 from k3engine.memory import human
 from k3engine.telemetry import rss_bytes
 
-from . import APP_NAME, demo
+from . import APP_NAME, appres, demo
 from . import settings as settings_mod
 from .chat_panel import ChatPanel
+from .conversation_library import ConversationLibrary
+from .conversations import ConversationStore, default_root
+from .conversations_panel import ConversationsPanel
+from .menus import build_menus
 from .memory_panel import MemoryPanel
 from .plots_panel import PlotsPanel
 from .runspec import RunSpec, command_line, from_settings
@@ -69,19 +73,25 @@ class MainWindow(QMainWindow):
         self.loaded_spec: RunSpec | None = None
         self._autoload = False
         self.setWindowTitle(APP_NAME)
-        self.resize(1400, 900)
+        self._default_size()
 
         self.host = EngineHost(self)
         self.setup = SetupPanel(self.data_dir)
         self.memory = MemoryPanel(self.spec)
         self.chat = ChatPanel(self.host, self.spec)
         self.plots = PlotsPanel()
+        store = ConversationStore(default_root(self.data_dir))
+        store.purge_trash()                  # deletions of an earlier session are final
+        self.library = ConversationLibrary(store, self.host, self)
+        self.sidebar = ConversationsPanel(store)
 
         self.splitter = QSplitter(Qt.Horizontal)
+        self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(self.chat)
         self.splitter.addWidget(self.plots)
-        self.splitter.setStretchFactor(0, 2)
-        self.splitter.setStretchFactor(1, 3)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 2)
+        self.splitter.setStretchFactor(2, 3)
         self.tabs = QTabWidget()
         self.tabs.addTab(self.setup, "Setup")
         self.tabs.addTab(self.memory, "Memory")
@@ -133,12 +143,29 @@ class MainWindow(QMainWindow):
         h.turnFinished.connect(self._turn_finished)
         h.errored.connect(self._errored)
 
+        # conversations
+        lib = self.library
+        self.sidebar.openRequested.connect(lib.open)
+        self.sidebar.newRequested.connect(self.new_conversation)
+        self.sidebar.deleted.connect(lib.forget)
+        lib.changed.connect(self.sidebar.set_current)
+        lib.switched.connect(self._switched)
+        lib.wantsModel.connect(self._conversation_model)
+        lib.failed.connect(lambda why: self.statusBar().showMessage(why, 15000))
+        self._shown_conversation = self._plotted_model = ""
+        self.actions_by_name = build_menus(self)
+        self.dark = False
+        self.set_theme(self.settings.theme)
+
         self._restore_window()
         if not self.settings.model_dir:
             self.tabs.setCurrentIndex(TAB_SETUP)
         self._show_rss()
         self.chat.show_command()
-        h.new_conversation(self.settings.system_prompt)
+        last = self.settings.conversation_path
+        if not (last and os.path.dirname(last) == store.root and os.path.isfile(last)
+                and lib.open(store.id_of(last))):
+            lib.new(self.settings.system_prompt)
 
     # -- the current run ---------------------------------------------------------------
     def spec(self) -> RunSpec:
@@ -160,14 +187,17 @@ class MainWindow(QMainWindow):
         s.geometry = bytes(self.saveGeometry().data())
         s.splitter = bytes(self.splitter.saveState().data())
         s.tab = self.tabs.currentIndex()
+        s.conversation_path = self.library.path
         settings_mod.save(self.store, s)
 
     def _restore_window(self) -> None:
         s = self.settings
         if s.geometry:
             self.restoreGeometry(s.geometry)
-        if not (s.splitter and self.splitter.restoreState(s.splitter)):
-            self.splitter.setSizes([560, 840])       # the plots get the larger share
+        if not (s.splitter and self.splitter.restoreState(s.splitter)
+                and self.splitter.count() == len(self.splitter.sizes())):
+            w = max(self.width(), 1000)
+            self.splitter.setSizes([w * 17 // 100, w * 43 // 100, w * 40 // 100])
         self.tabs.setCurrentIndex(min(max(s.tab, 0), self.tabs.count() - 1))
 
     # -- model lifecycle -------------------------------------------------------------
@@ -196,7 +226,11 @@ class MainWindow(QMainWindow):
         self.demo_label.setVisible(is_demo)
         self.chat.set_model(f"<b>{name}</b> · {how}" + (" · <b>DEMO: random weights</b>"
                                                          if is_demo else ""), True)
+        self.plots.reset(f"model {self._plotted_model or 'none'}")   # token axis from 1
+        self._plotted_model = name
         self.plots.set_model(info)
+        spec = self.loaded_spec
+        self.library.set_model(spec.model_dir, spec.trunk_dir, spec.tok_dir)
         self.memory.show_measured(info["plan_total"], info["peak_rss_after_load"])
         self.tabs.setCurrentIndex(TAB_CHAT)
 
@@ -255,6 +289,46 @@ class MainWindow(QMainWindow):
     def _demo_ready(self, model: str, trunk: str) -> None:
         self.settings.demo_offered = True
         self._collect()
+
+    # -- conversations and look ---------------------------------------------------------
+    def new_conversation(self) -> None:
+        if self.host.busy:
+            return
+        self.library.new(self.chat.system.text())
+
+    def _switched(self, cid: str) -> None:
+        """New or another conversation: its own stats, and the plots start again at token 1
+        (the previous series stays exportable)."""
+        self.chat.reset_view()
+        self.plots.reset(f"conversation {self._shown_conversation or 'new'}")
+        self._shown_conversation = cid
+
+    def _conversation_model(self, model: str, trunk: str, tok: str) -> None:
+        """An opened conversation names another model that is on disk: load it (after the
+        live checks pass, like --demo)."""
+        if self.host.busy:
+            return
+        self._autoload = True
+        self.setup.set_paths(model, trunk, tok)
+
+    def set_theme(self, theme: str) -> None:
+        from PySide6.QtWidgets import QApplication
+        self.settings.theme = theme if theme in appres.THEMES else "system"
+        self.dark = appres.apply_theme(QApplication.instance(), self.settings.theme)
+        self.plots.set_dark(self.dark)
+        for key in appres.THEMES:
+            a = self.actions_by_name.get(f"theme_{key}")
+            if a is not None:
+                a.setChecked(key == self.settings.theme)
+
+    def _default_size(self) -> None:
+        """1280x800, or the screen's available area when that is smaller; every panel
+        stays usable down to 1024x700."""
+        screen = self.screen().availableGeometry() if self.screen() else None
+        w, h = 1280, 800
+        if screen is not None and screen.width() > 0:
+            w, h = min(w, screen.width()), min(h, screen.height())
+        self.resize(w, h)
 
     # -- misc ------------------------------------------------------------------------
     def _show_rss(self) -> None:

@@ -21,11 +21,15 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes, mode: int = 0o666) -> None:
+    """`mode` (before the umask) is the new file's: 0o600 for files holding conversation
+    content, set when the temp file is created so the content is never readable by others."""
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        if os.path.exists(tmp):
+            os.unlink(tmp)      # a stale temp of ours keeps its old mode otherwise
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -138,7 +138,7 @@ def test_conversations_as_engine_jsonl(qtbot, window, tmp_path):
     """New / save / open use the engine's History format (k3 --history)."""
     window.chat.system.setText("Be brief.")
     with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT):
-        window.chat.new_btn.click()
+        window.actions_by_name["new"].trigger()         # File > New (Ctrl+N)
     path = tmp_path / "conv.jsonl"
     with open(path, "w") as f:
         f.write('{"role":"system","content":"Be brief."}\n'

@@ -1,0 +1,125 @@
+"""Which conversation is open, kept saved: the glue between the engine's transcript, the
+conversations folder and the sidebar.
+
+Every snapshot of the transcript the engine sends (after each accepted message and each
+turn) is written to the open conversation's files -- nothing waits for a Save.  A
+conversation gets its files with its first user message, so New never leaves empty files
+behind and never loses the previous conversation (it stays in the list).  Opening one
+restores its transcript on the engine and, when the model it was run on is on disk and is
+not the one loaded, selects and loads that model (`wantsModel`).
+"""
+from __future__ import annotations
+
+import os
+
+from PySide6.QtCore import QObject, Signal
+
+from .conversations import ConversationStore, Meta, history_of
+
+
+class ConversationLibrary(QObject):
+    changed = Signal(str)             # the open conversation (id, "" = new) or its entry
+    switched = Signal(str)            # another conversation is open (new: "")
+    wantsModel = Signal(str, str, str)    # model_dir, trunk_dir, tok_dir to load
+    failed = Signal(str)              # a file could not be written or read: why
+
+    def __init__(self, store: ConversationStore, host, parent=None):
+        super().__init__(parent)
+        self.store = store
+        self.host = host
+        self.current: str | None = None
+        self.meta: Meta | None = None
+        self.model: tuple[str, str, str] = ("", "", "")   # what the engine has loaded
+        self._saved: list[dict] | None = None
+        self._opening = False
+        host.conversation.connect(self._snapshot)
+
+    # -- the open conversation ----------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self.store.path(self.current) if self.current else ""
+
+    def new(self, system_prompt: str = "") -> None:
+        self.current, self.meta, self._saved = None, None, None
+        self.host.new_conversation(system_prompt)
+        self.switched.emit("")
+        self.changed.emit("")
+
+    def open(self, cid: str) -> bool:
+        """Open a conversation of the folder; False (and `failed`) when it cannot be read."""
+        try:
+            history, meta = self.store.load(cid)
+        except Exception as e:          # noqa: BLE001 - shown, the open one stays
+            self.failed.emit(f"{self.store.path(cid)}: {e}")
+            return False
+        self.current, self.meta = cid, meta
+        self._saved = None
+        self._opening = True
+        self.host.open_conversation(self.store.path(cid))
+        self.switched.emit(cid)
+        self.changed.emit(cid)
+        want = (meta.model_dir, meta.trunk_dir, meta.tok_dir)
+        if (meta.model_dir and want != self.model
+                and os.path.isfile(os.path.join(meta.model_dir, "config.json"))):
+            self.wantsModel.emit(*want)
+        return True
+
+    def import_file(self, path: str) -> str | None:
+        """A §9.1 file from anywhere becomes a conversation of the folder (a copy)."""
+        from k3engine.chat import History
+        try:
+            history = History.load(path)
+        except Exception as e:          # noqa: BLE001
+            self.failed.emit(str(e))
+            return None
+        cid = self.store.new_id()
+        self.store.save(cid, history, Meta(cid, title=os.path.splitext(
+            os.path.basename(path))[0]))
+        self.open(cid)
+        return cid
+
+    def forget(self, cid: str) -> None:
+        """The open conversation was deleted: continue in a new one."""
+        if cid == self.current:
+            self.new(next((m["content"] for m in self.host.messages
+                           if m["role"] == "system"), ""))
+
+    def set_model(self, model_dir: str, trunk_dir: str, tok_dir: str) -> None:
+        """The model now loaded; the open conversation remembers it from its next save."""
+        self.model = (model_dir, trunk_dir, tok_dir)
+
+    def set_incomplete(self, incomplete: dict | None) -> None:
+        """A stopped or limit-hit reply (or None once it is completed or dropped): kept in
+        the sidecar, never in the .jsonl (conversations.py)."""
+        if self.meta is None:
+            return
+        self.meta.incomplete = incomplete
+        self._write(self.host.messages, force=True)
+
+    # -- saving -------------------------------------------------------------------------
+    def _snapshot(self, msgs: list) -> None:
+        if self._opening:                # the transcript just read: nothing new to write
+            self._opening = False
+            self._saved = list(msgs)
+            return
+        self._write(msgs)
+
+    def _write(self, msgs: list, force: bool = False) -> None:
+        if not any(m["role"] == "user" for m in msgs):
+            return                       # nothing said yet: no file
+        if not force and msgs == self._saved:
+            return
+        if self.current is None:
+            self.current = self.store.new_id()
+            self.meta = Meta(self.current)
+            self.changed.emit(self.current)
+        meta = self.meta
+        if self.model[0]:
+            meta.model_dir, meta.trunk_dir, meta.tok_dir = self.model
+        try:
+            self.store.save(self.current, history_of(msgs), meta)
+        except Exception as e:          # noqa: BLE001 - the transcript stays on the engine
+            self.failed.emit(f"could not save the conversation: {e}")
+            return
+        self._saved = list(msgs)
+        self.changed.emit(self.current)   # the list refreshes (new title, new order)
