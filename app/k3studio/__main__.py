@@ -82,7 +82,8 @@ def _quiet_font_warnings() -> None:
     unless the person set QT_LOGGING_RULES themselves."""
     from PySide6.QtCore import QLoggingCategory
     if "QT_LOGGING_RULES" not in os.environ:
-        QLoggingCategory.setFilterRules("qt.text.font.db.warning=false")
+        # Qt 6 logs it at info level (enabled by default for this category)
+        QLoggingCategory.setFilterRules("qt.text.font.db.info=false\nqt.text.font.db.warning=false")
 
 
 def _warn_known_bad_toolkit() -> None:

@@ -282,11 +282,16 @@ class ChatPanel(QWidget):
         self.seed.setSpecialValueText("seed: clock")
         self.seed.setToolTip("PCG32 seed (k3 --seed); 0 = a fresh seed from the clock")
         g.setSpacing(6)
+        # a spin box's size hint is its widest text ("seed 2147483647"): let them shrink
+        for w in (self.limit, self.temperature, self.top_p, self.top_k, self.seed):
+            w.setMinimumWidth(80)
         row1, row2 = QHBoxLayout(), QHBoxLayout()
-        for w in (self.thinking, self.effort, self.limit):
+        # the sampling row shows only when sampling is on (greedy ignores it), which keeps
+        # the panel usable at 1024x700
+        for w in (self.thinking, self.effort, self.limit, self.greedy):
             row1.addWidget(w)
         row1.addStretch(1)
-        for w in (self.greedy, self.temperature, self.top_p, self.top_k, self.seed):
+        for w in (self.temperature, self.top_p, self.top_k, self.seed):
             row2.addWidget(w)
         row2.addStretch(1)
         rows = QVBoxLayout()
@@ -400,6 +405,7 @@ class ChatPanel(QWidget):
         on = not self.greedy.isChecked()
         for w in (self.temperature, self.top_p, self.top_k, self.seed):
             w.setEnabled(on)
+            w.setVisible(on)
         self.effort.setEnabled(self.thinking.isChecked())
 
     def show_command(self) -> None:

@@ -41,6 +41,9 @@ class ConversationsPanel(QWidget):
         self.search.setClearButtonEnabled(True)
         self.list = QListWidget()
         self.list.setObjectName("conversations")
+        self.list.setTextElideMode(Qt.ElideRight)         # long titles end in "…"
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.list.setUniformItemSizes(True)
         self.list.setEditTriggers(QListWidget.EditKeyPressed | QListWidget.SelectedClicked)
         self.list.setToolTip("Double-click or F2 to rename; Delete to remove (with Undo)")
         self.empty = QLabel("No conversations yet: send a message and it appears here.")

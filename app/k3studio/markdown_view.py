@@ -170,14 +170,13 @@ class MarkdownView(QWidget):
         if not delta:
             return
         self._text += delta
-        if self._timer.isActive():
-            self._cheap_append(delta)
-            return
         wait_ms = RENDER_MS - (time.monotonic() - self._last) * 1000.0
-        if wait_ms <= 0:
+        if wait_ms <= 0:                 # due (the timer may be late behind a busy loop)
+            self._timer.stop()
             self._render()
-        else:
-            self._cheap_append(delta)
+            return
+        self._cheap_append(delta)
+        if not self._timer.isActive():
             self._timer.start(int(wait_ms) + 1)
 
     def flush(self) -> None:

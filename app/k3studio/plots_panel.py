@@ -19,8 +19,8 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QMenu, QPushButton,
+                               QVBoxLayout, QWidget)
 
 from k3engine.memory import human
 
@@ -30,6 +30,7 @@ RSS_COLOR = "#7b3fb5"
 OK_COLOR = "#2e8b57"
 BAD_COLOR = "#c0392b"
 EMPTY_TEXT = "no tokens yet"
+TITLE_SIZE = "9.5pt"          # short titles at a modest size: two columns fit in ~380 px
 INITIAL_CAPACITY = 4096       # one reply at the largest --gen; doubles if a session grows
 
 # CSV columns, in order: the per-token record's keys
@@ -95,7 +96,8 @@ class PlotsPanel(QWidget):
         f.setPointSize(9)
 
         def plot(row, col, title, units=None, left=None, colspan=1):
-            p = v.addPlot(row=row, col=col, colspan=colspan, title=title)
+            p = v.addPlot(row=row, col=col, colspan=colspan)
+            p.setTitle(title, size=TITLE_SIZE)
             p.showGrid(x=True, y=True, alpha=0.25)
             p.setLabel("bottom", "token")
             if left:
@@ -121,19 +123,19 @@ class PlotsPanel(QWidget):
             self.p_rss.addItem(line, ignoreBounds=True)
 
         # seconds per token
-        self.p_spt = plot(0, 1, "Seconds per token", "s", "time")
+        self.p_spt = plot(0, 1, "Seconds/token", "s", "time")
         self.c_spt = self.p_spt.plot(name="s/token", pen=_pen("#2b3245"), symbol="o",
                                      symbolSize=3, symbolBrush="#2b3245")
 
         # I/O share, trunk/expert split (stacked: trunk below, experts on top)
-        self.p_io = plot(1, 0, "I/O share per token", None, "%")
+        self.p_io = plot(1, 0, "I/O share", None, "%")
         self.c_io_total = self.p_io.plot(name="experts", pen=_pen(EXPERT_COLOR),
                                          fillLevel=0, brush=_brush(EXPERT_COLOR))
         self.c_io_trunk = self.p_io.plot(name="trunk", pen=_pen(TRUNK_COLOR),
                                          fillLevel=0, brush=_brush(TRUNK_COLOR, 110))
 
         # bytes read per token, split
-        self.p_gb = plot(1, 1, "Read per token", "B", "read")
+        self.p_gb = plot(1, 1, "Read/token", "B", "read")
         self.c_gb_total = self.p_gb.plot(name="experts", pen=_pen(EXPERT_COLOR), fillLevel=0,
                                          brush=_brush(EXPERT_COLOR))
         self.c_gb_trunk = self.p_gb.plot(name="trunk", pen=_pen(TRUNK_COLOR), fillLevel=0,
@@ -148,7 +150,8 @@ class PlotsPanel(QWidget):
                                                                            dash=True))
 
         # expert heat: requests per (layer, expert)
-        self.p_heat = v.addPlot(row=2, col=1, title="Expert heat")
+        self.p_heat = v.addPlot(row=2, col=1)
+        self.p_heat.setTitle("Expert heat", size=TITLE_SIZE)
         self.p_heat.setLabel("bottom", "expert")
         self.p_heat.setLabel("left", "layer")
         self.p_heat.invertY(True)
@@ -158,7 +161,8 @@ class PlotsPanel(QWidget):
         self.heat = None
 
         # trunk map: pinned vs ring, one cell per layer
-        self.p_map = v.addPlot(row=3, col=0, colspan=2, title="Trunk map")
+        self.p_map = v.addPlot(row=3, col=0, colspan=2)
+        self.p_map.setTitle("Trunk map", size=TITLE_SIZE)
         self.p_map.hideAxis("left")
         self.p_map.setLabel("bottom", "layer")
         self.p_map.setMouseEnabled(x=False, y=False)
@@ -199,14 +203,19 @@ class PlotsPanel(QWidget):
         self.details.setObjectName("hint")
         self.details.setWordWrap(True)
         self.map_label = self.heat_label = ""
-        self.png_btn = QPushButton("Export PNG…")
-        self.csv_btn = QPushButton("Export CSV…")
+        self.png_btn = QPushButton("PNG…")
+        self.png_btn.setToolTip("Export the plots as a PNG image")
+        self.csv_btn = QPushButton("CSV…")
+        self.csv_btn.setToolTip("Export one row per token as CSV (the previous model's or "
+                                "conversation's series too, from the menu)")
         self.clear_btn = QPushButton("Clear")
         self.png_btn.clicked.connect(self._png_dialog)
         self.csv_btn.clicked.connect(self._csv_dialog)
         self.clear_btn.clicked.connect(self.clear)
         top = QHBoxLayout()
-        top.addWidget(QLabel("<b>Telemetry</b> (one point per generated token)"), 1)
+        title = QLabel("<b>Telemetry</b>")
+        title.setToolTip("One point per generated token")
+        top.addWidget(title, 1)
         for b in (self.clear_btn, self.png_btn, self.csv_btn):
             top.addWidget(b)
         lay = QVBoxLayout(self)
@@ -238,6 +247,8 @@ class PlotsPanel(QWidget):
                 continue                         # only on a change (this runs per batch)
             item._shown = empty
             item.setVisible(empty)
+            if p.legend is not None:
+                p.legend.setVisible(not empty)
             for ax in ("left", "bottom"):
                 if p is not self.p_map or ax == "bottom":
                     p.showAxis(ax, not empty)
@@ -303,9 +314,9 @@ class PlotsPanel(QWidget):
         self._title_rss()
 
     def _title_rss(self) -> None:
-        # the available line is usually far off a small model's scale: say it in the title
-        self.p_rss.setTitle(f"RSS vs plan (available {human(self.available)})"
-                            if self.available else "RSS vs plan")
+        # the available line is usually far off a small model's scale: say it in the
+        # summary line (the plot's title stays short)
+        self._redraw()
 
     def on_records(self, records: list) -> None:
         """One row per generated token; one redraw per batch."""
@@ -378,9 +389,11 @@ class PlotsPanel(QWidget):
                 f"{100 * s.view('true_resident_hit')[-1]:.1f}% · retention "
                 f"{100 * s.view('retention')[-1]:.1f}% · read "
                 f"{human(gb_t[-1] + s.view('expert_bytes')[-1])}/token · peak RSS "
-                f"{human(peak[-1])}")
+                f"{human(peak[-1])}" + (f" · available {human(self.available)}"
+                                        if self.available else ""))
         else:
-            self.summary.setText("Plots fill as tokens are generated.")
+            self.summary.setText("Plots fill as tokens are generated." + (
+                f" Available memory {human(self.available)}." if self.available else ""))
 
     def point_counts(self) -> dict[str, int]:
         """How many points each curve holds (tests: one per generated token)."""
@@ -411,7 +424,17 @@ class PlotsPanel(QWidget):
             self.export_png(path)
 
     def _csv_dialog(self) -> None:
+        archived = None
+        if self.archive:              # which series: the current one or an earlier run's
+            menu = QMenu(self)
+            menu.addAction("Current series").setData(None)
+            for i, (label, old) in enumerate(self.archive):
+                menu.addAction(f"Earlier: {label} ({old.n} tokens)").setData(i)
+            chosen = menu.exec(self.csv_btn.mapToGlobal(self.csv_btn.rect().bottomLeft()))
+            if chosen is None:
+                return
+            archived = chosen.data()
         path, _ = QFileDialog.getSaveFileName(self, "Export telemetry", "k3-telemetry.csv",
                                               "CSV (*.csv)")
         if path:
-            self.export_csv(path)
+            self.export_csv(path, archived)

@@ -1,34 +1,88 @@
 """Screenshots of K3 Studio on the demo model, for docs/.
 
     xvfb-run -a -s "-screen 0 1600x1000x24" env QT_QPA_PLATFORM=xcb \\
-        python -m k3studio.screenshot docs/
+        python -m k3studio.screenshot docs/ [--theme light|dark] [--size 1024x700]
 
 opens the real window (X11 under Xvfb), makes the demo model in a temporary data
 directory, loads it with a small trunk budget (so the trunk map shows pinned layers and a
-ring) and a small expert cache (so the hit rate moves), runs a short generation and saves:
+ring) and a small expert cache (so the hit rate moves), and saves (SUFFIX is "" for the
+light theme, "-dark" for the dark one):
 
-  k3studio-chat.png     the main window mid-generation, plots filling
-  k3studio-memory.png   the memory panel with the live plan and measured peak RSS
-  k3studio-setup.png    the setup view with the checks and the doctor
+  k3studio-markdown SUFFIX.png  a saved conversation whose reply has Markdown and a code
+                               block, with the conversation list beside it
+  k3studio-chat SUFFIX.png      the window mid-generation, plots filling
+  k3studio-prefill SUFFIX.png   a long prompt's prefill: progress, elapsed time and ETA
+  k3studio-memory SUFFIX.png    the memory panel with the live plan and measured peak RSS
+  k3studio-setup SUFFIX.png     the setup view with the checks and the doctor
+  k3studio-error SUFFIX.png     a refusal (a folder that is not a model) with its fix
 
-Without a display it falls back to Qt's offscreen platform (same widgets, rendered to an
-image), so it also runs in CI.  Settings go to a temporary INI file: a person's own
-settings are never touched.
+The demo model has random weights, so its own replies are noise: the Markdown shot shows a
+conversation written into the conversations folder first (the rendering is the same for a
+reply the model streams).  Without a display it falls back to Qt's offscreen platform.
+Settings and conversations go to a temporary directory: a person's own are never touched.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
 
-WIDTH, HEIGHT = 1500, 940
 GEN = 48
 SHOT_AT = 24              # tokens generated when the mid-generation shot is taken
 
+MARKDOWN_REPLY = """A mixture-of-experts layer has a small **router** that scores every expert \
+for the current token and runs only the best few:
+
+1. the router computes one score per expert (a matrix-vector product),
+2. the top *k* scores are kept and normalised into weights,
+3. the token's output is the weighted sum of those experts' outputs.
+
+```python
+def moe(x, router, experts, k=8):
+    scores = router @ x
+    top = scores.argsort()[-k:]
+    w = softmax(scores[top])
+    return sum(wi * experts[i](x) for wi, i in zip(w, top))
+```
+
+Only `k` of the experts are read per token, which is why K3 Studio can stream them from \
+disk: the expert cache keeps the ones that are asked for most."""
+
+OTHER_CONVERSATIONS = [
+    ("How much memory does the trunk need?", "About 3 GB pinned is a good start."),
+    ("Summarise the design document", "It describes one engine with three faces."),
+]
+
+
+def seed_conversations(data_dir: str) -> str:
+    """Write the demo conversations into the folder; returns the Markdown one's file."""
+    from k3engine.chat import History, Message
+
+    from .conversations import ConversationStore, Meta, default_root
+    store = ConversationStore(default_root(data_dir))
+    for q, a in OTHER_CONVERSATIONS:
+        cid = store.new_id()
+        store.save(cid, History([Message("user", q), Message("assistant", a)]), Meta(cid))
+    cid = store.new_id()
+    store.save(cid, History([Message("system", "You are K3, a careful assistant."),
+                             Message("user", "How does a mixture-of-experts model decide "
+                                             "which experts to run?"),
+                             Message("assistant", MARKDOWN_REPLY, "The user asks about "
+                                     "routing; explain top-k with a short example.")]),
+               Meta(cid, title="Mixture-of-experts routing"))
+    return store.path(cid)
+
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    out = os.path.abspath(argv[0] if argv else "docs")
+    ap = argparse.ArgumentParser(prog="python -m k3studio.screenshot")
+    ap.add_argument("out", nargs="?", default="docs")
+    ap.add_argument("--theme", choices=("light", "dark"), default="light")
+    ap.add_argument("--size", default="1280x800", help="window size WxH")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    out = os.path.abspath(args.out)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    suffix = "" if args.theme == "light" else "-dark"
     os.makedirs(out, exist_ok=True)
     if not os.environ.get("QT_QPA_PLATFORM"):
         os.environ["QT_QPA_PLATFORM"] = "xcb" if os.environ.get("DISPLAY") else "offscreen"
@@ -41,68 +95,101 @@ def main(argv: list[str] | None = None) -> int:
     from .__main__ import make_app
     app = make_app()
     from .window import TAB_CHAT, TAB_MEMORY, TAB_SETUP, MainWindow
+    data = os.path.join(tmp, "data")
     store = QSettings(os.path.join(tmp, "settings.ini"), QSettings.IniFormat)
-    store.setValue("preset", "custom")
-    store.setValue("trunk_gb", 0.006)
-    store.setValue("cache_gb", 0.006)
-    store.setValue("threads", 1)
-    store.setValue("gen", GEN)
-    store.setValue("system_prompt", "You are K3, a careful assistant.")
-    win = MainWindow(store=store, data_dir=os.path.join(tmp, "data"))
-    win.resize(WIDTH, HEIGHT)
+    for k, v in dict(preset="custom", trunk_gb=0.006, cache_gb=0.006, threads=1, gen=GEN,
+                     system_prompt="You are K3, a careful assistant.", theme=args.theme,
+                     conversation_path=seed_conversations(data)).items():
+        store.setValue(k, v)
+    win = MainWindow(store=store, data_dir=data)
+    win.resize(width, height)
     win.show()
     platform = QGuiApplication.platformName()
     saved: list[str] = []
-    state = {"shot": False, "code": 0}
+    state = {"shot": False, "code": 0, "phase": "markdown"}
 
     def grab(name: str) -> None:
         app.processEvents()
-        path = os.path.join(out, name)
-        if platform == "xcb":
-            pm = win.screen().grabWindow(win.winId())
-        else:
-            pm = win.grab()
+        path = os.path.join(out, f"k3studio-{name}{suffix}.png")
+        pm = win.screen().grabWindow(win.winId()) if platform == "xcb" else win.grab()
         pm.save(path, "PNG")
         saved.append(path)
         print(f"wrote {path} ({pm.width()}x{pm.height()}, {platform})", flush=True)
 
     def loaded(_info) -> None:
+        if state["phase"] != "markdown":
+            return
         win.tabs.setCurrentIndex(TAB_CHAT)
+        QTimer.singleShot(400, markdown_shot)
+
+    def markdown_shot() -> None:
+        grab("markdown")
+        state["phase"] = "chat"
+        win.new_conversation()
         win.chat.input.setPlainText("Explain in one paragraph how a mixture-of-experts model "
                                     "decides which experts to run.")
-        QTimer.singleShot(200, win.chat.send)
+        QTimer.singleShot(300, win.chat.send)
 
     def records(_r) -> None:
-        if not state["shot"] and win.plots.series.n >= SHOT_AT:
+        if state["phase"] == "chat" and not state["shot"] and win.plots.series.n >= SHOT_AT:
             state["shot"] = True
-            grab("k3studio-chat.png")
+            grab("chat")
+
+    def progress(p) -> None:
+        if state["phase"] == "prefill" and not state["shot"] and p.get("eta_s") is not None \
+                and p.get("done_bytes", 0) * 2 >= p.get("total_bytes", 1):
+            state["shot"] = True
+            grab("prefill")
+            win.chat.stop()
 
     def finished(_info) -> None:
-        QTimer.singleShot(300, after)
+        if state["phase"] == "chat":
+            QTimer.singleShot(300, after_chat)
+        elif state["phase"] == "prefill":
+            QTimer.singleShot(300, after_prefill)
 
-    def after() -> None:
+    def after_chat() -> None:
         if not state["shot"]:
-            grab("k3studio-chat.png")
+            grab("chat")
         win.tabs.setCurrentIndex(TAB_MEMORY)
-        grab("k3studio-memory.png")
+        grab("memory")
         win.tabs.setCurrentIndex(TAB_SETUP)
-        grab("k3studio-setup.png")
+        grab("setup")
         win.tabs.setCurrentIndex(TAB_CHAT)
-        win.close()
+        # a long prompt, so the prefill lasts long enough to be seen
+        state["phase"], state["shot"] = "prefill", False
+        win.new_conversation()
+        win.chat.input.setPlainText(" ".join(["Tell me about experts and routers."] * 120))
+        QTimer.singleShot(300, win.chat.send)
+
+    def after_prefill() -> None:
+        if not state["shot"]:
+            grab("prefill")
+        state["phase"] = "error"
+        bad = os.path.join(tmp, "not-a-model")
+        os.makedirs(bad, exist_ok=True)
+        with open(os.path.join(bad, "notes.txt"), "w") as f:
+            f.write("not a model\n")
+        win.tabs.setCurrentIndex(TAB_SETUP)
+        win.setup.set_paths(bad, "", "")
+        QTimer.singleShot(1500, lambda: (grab("error"), win.close()))
 
     def failed(info) -> None:
+        if state["phase"] == "error":
+            return
         print(f"engine error: {info['message']}", file=sys.stderr)
         state["code"] = 1
         win.close()
 
     win.host.loaded.connect(loaded)
     win.host.records.connect(records)
+    win.host.prefillProgress.connect(progress)
     win.host.turnFinished.connect(finished)
     win.host.errored.connect(failed)
     QTimer.singleShot(100, lambda: win.use_demo(autoload=True))
-    QTimer.singleShot(300_000, lambda: (print("timed out", file=sys.stderr), win.close()))
+    QTimer.singleShot(600_000, lambda: (print("timed out", file=sys.stderr), win.close()))
     app.exec()
-    return state["code"] if len(saved) == 3 else 1
+    return state["code"] if len(saved) == 6 else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,149 @@
+"""The conversation list through the real window: conversations are saved as they happen
+(one §9.1 JSONL file each, 0600, titles in a sidecar), renamed, deleted with Undo, searched,
+exported, and the last one reopens after a restart with the model it was run on."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from PySide6.QtCore import Qt
+
+from k3engine.chat import History, Message
+from k3studio.conversations import Meta
+
+from .app_helpers import TIMEOUT, load, send
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_conversation_is_saved_as_it_happens(qtbot, window, demo_model):
+    load(qtbot, window, *demo_model)
+    store = window.library.store
+    assert store.list() == [] and window.sidebar.list.count() == 0
+    assert window.sidebar.empty.isVisible()
+    send(qtbot, window, "What is a trunk?")
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 1, timeout=TIMEOUT)
+    cid = window.library.current
+    path = store.path(cid)
+    # the transcript is exactly what the engine's reader takes (k3 --history)
+    hist = History.load(path)
+    assert [m.role for m in hist][-1] == "user"           # the demo reply hit the limit
+    assert hist[-1].content == "What is a trunk?"
+    # titles (and all §9.1 cannot hold) live in the sidecar, which k3 never reads
+    meta_path = path[:-len(".jsonl")] + ".meta.json"
+    meta = json.load(open(meta_path))
+    assert meta["title"] == "What is a trunk?" and meta["model_dir"] == demo_model[0]
+    assert _mode(path) == 0o600 and _mode(meta_path) == 0o600
+    assert window.sidebar.titles() == ["What is a trunk?"]
+    # the folder is under the data directory, named once
+    assert store.root == os.path.join(window.data_dir, "conversations")
+
+
+def test_new_rename_search_delete_undo(qtbot, window, tmp_path):
+    store = window.library.store
+    for q in ("Apples and pears", "Routing experts", "Pears only"):
+        cid = store.new_id()
+        store.save(cid, History([Message("user", q), Message("assistant", f"re: {q}")]),
+                   Meta(cid))
+    window.sidebar.refresh()
+    assert sorted(window.sidebar.titles()) == ["Apples and pears", "Pears only",
+                                               "Routing experts"]
+    # search by title and by text (the reply), case-insensitive, every word
+    window.sidebar.search.setText("pears")
+    assert sorted(window.sidebar.titles()) == ["Apples and pears", "Pears only"]
+    window.sidebar.search.setText("RE: routing")
+    assert window.sidebar.titles() == ["Routing experts"]
+    window.sidebar.search.setText("nothing like this")
+    assert window.sidebar.titles() == [] and "Nothing matches" in window.sidebar.empty.text()
+    window.sidebar.search.clear()
+    # rename in place (the list item's editor), stored in the sidecar
+    item = next(window.sidebar.list.item(i) for i in range(3)
+                if window.sidebar.list.item(i).text() == "Pears only")
+    cid = item.data(Qt.UserRole)
+    item.setText("Only pears, renamed")
+    assert store.meta(cid).title == "Only pears, renamed"
+    assert "Only pears, renamed" in window.sidebar.titles()
+    assert History.load(store.path(cid))[0].content == "Pears only"     # transcript untouched
+    # open it from the list, then delete it: the window continues in a new conversation
+    with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT) as b:
+        window.library.open(cid)
+    assert b.args[0][0]["content"] == "Pears only"
+    window.sidebar.delete(cid)
+    assert not os.path.exists(store.path(cid)) and window.library.current is None
+    assert window.sidebar.undo_bar.isVisibleTo(window.sidebar)
+    assert "Only pears, renamed" not in window.sidebar.titles()
+    window.sidebar.undo_btn.click()
+    assert os.path.exists(store.path(cid)) and "Only pears, renamed" in window.sidebar.titles()
+    # export: the JSONL is the reference format, the Markdown is readable
+    out_j, out_m = tmp_path / "x.jsonl", tmp_path / "x.md"
+    window.sidebar.export(cid, str(out_j), "jsonl")
+    window.sidebar.export(cid, str(out_m), "md")
+    assert History.load(str(out_j)) == History.load(store.path(cid))
+    md = out_m.read_text()
+    assert md.startswith("# Only pears, renamed") and "## You" in md and "re: Pears only" in md
+    # a deletion not undone is final at the next start
+    window.sidebar.delete(cid)
+    store.purge_trash()
+    assert not store.undo_delete(cid)
+
+
+def test_new_keeps_the_previous_conversation(qtbot, window, demo_model):
+    load(qtbot, window, *demo_model)
+    send(qtbot, window, "First conversation")
+    first = window.library.current
+    with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT) as b:
+        window.actions_by_name["new"].trigger()
+    assert [m for m in b.args[0] if m["role"] != "system"] == []
+    assert window.library.current is None
+    send(qtbot, window, "Second conversation")
+    qtbot.waitUntil(lambda: window.sidebar.list.count() == 2, timeout=TIMEOUT)
+    assert window.library.current != first
+    assert window.sidebar.titles() == ["Second conversation", "First conversation"]
+
+
+def test_the_last_conversation_and_its_model_reopen_after_restart(qtbot, store, tmp_path,
+                                                                  demo_model):
+    from k3studio.window import MainWindow
+    data = str(tmp_path / "data")
+    win = MainWindow(store=store, data_dir=data)
+    qtbot.addWidget(win)
+    win.show()
+    load(qtbot, win, *demo_model)
+    send(qtbot, win, "Remember me")
+    qtbot.waitUntil(lambda: win.library.current is not None, timeout=TIMEOUT)
+    cid = win.library.current
+    # another model selected afterwards (not loaded): the conversation still names its own
+    win.close()
+    store.setValue("model_dir", "")
+    store.sync()
+
+    win2 = MainWindow(store=store, data_dir=data)
+    qtbot.addWidget(win2)
+    with qtbot.waitSignal(win2.host.loaded, timeout=TIMEOUT) as b:
+        win2.show()
+    assert b.args[0]["model_dir"] == demo_model[0]
+    assert win2.library.current == cid
+    qtbot.waitUntil(lambda: any(m["content"] == "Remember me" for m in win2.host.messages),
+                    timeout=TIMEOUT)
+    assert win2.sidebar.list.currentItem().text() == "Remember me"
+    win2.close()
+
+
+def test_import_a_file_from_elsewhere(qtbot, window, tmp_path):
+    src = tmp_path / "elsewhere.jsonl"
+    src.write_text('{"role":"user","content":"Imported"}\n'
+                   '{"role":"assistant","content":"Yes"}\n')
+    with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT) as b:
+        cid = window.library.import_file(str(src))
+    assert [m["content"] for m in b.args[0]] == ["Imported", "Yes"]
+    assert History.load(window.library.store.path(cid)) == History.load(str(src))
+    assert window.sidebar.titles() == ["elsewhere"]
+    # a malformed file is refused with the engine's message, nothing is added
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"role":"user","content":"x"}\n\n')
+    with qtbot.waitSignal(window.library.failed, timeout=TIMEOUT) as b:
+        assert window.library.import_file(str(bad)) is None
+    assert "is blank" in b.args[0] and window.sidebar.titles() == ["elsewhere"]
