@@ -1,11 +1,13 @@
-"""Chat panel: the conversation, streamed as it is generated, with the thinking block
-collapsible, Stop / Regenerate / Edit last, the system prompt, thinking and sampling
-settings, conversations as the engine's JSONL history, and stats under every reply.
+"""Chat panel: the conversation, streamed as it is generated (Markdown), with the thinking
+block collapsible, Stop / Continue / Regenerate, Edit on every message of the person, the
+system prompt, thinking and sampling settings, and honest stats under every reply.
 
 The conversation itself lives on the engine worker; this panel renders the snapshots it
 sends and the per-token records of the reply in flight.  A reply that stops without an end
-id (limit reached, Stop pressed, error) is shown as a draft that is not part of the
-conversation, which stays usable: send again, regenerate, or edit the last message.
+id (limit reached, Stop pressed) stays on screen as an incomplete reply, marked as such:
+Continue resumes it from the retained state (exactly: the ids of an uninterrupted turn),
+Regenerate answers again, and a new message answers it (it then joins the transcript).
+A failed reply (an error) is shown as a draft outside the conversation.
 """
 from __future__ import annotations
 
@@ -46,8 +48,19 @@ class MessageWidget(QFrame):
         self.copy_btn.setText("Copy")
         self.copy_btn.setToolTip("Copy this message (its Markdown text)")
         self.copy_btn.clicked.connect(self.copy)
+        self.edit_btn = QToolButton()
+        self.edit_btn.setObjectName("copy_message")
+        self.edit_btn.setText("Edit")
+        self.edit_btn.setToolTip("Edit this message: the conversation continues from it "
+                                 "(what came after is dropped; the model's state up to it "
+                                 "is reused)")
+        head.addWidget(self.edit_btn)
         head.addWidget(self.copy_btn)
         lay.addLayout(head)
+        # only once it has a parent: setVisible(True) on a parentless widget shows it as a
+        # window of its own, which takes the activation (and the focus) from the main one
+        self.edit_btn.setVisible(role == "user")
+        self.index = -1                      # position in the transcript (set by the panel)
         self.think_toggle = QToolButton()
         self.think_toggle.setObjectName("thinking_toggle")
         self.think_toggle.setCheckable(True)
@@ -184,15 +197,43 @@ class MessageInput(QPlainTextEdit):
 
 
 def stats_text(info: dict) -> str:
+    """Per-reply figures.  The first token carries the whole prefill, so the decode rate
+    (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none."""
     n = info["n"]
-    parts = [f"{n} token{'s' if n != 1 else ''}",
-             f"{info['s_per_token']:.3f} s/token",
-             f"first token {info['first_token_seconds']:.2f} s",
-             f"{info['reused']} of {info['prompt_ids']} prompt positions reused"]
+    parts = [f"{n} token{'s' if n != 1 else ''}"
+             + (f" (continued after {info['continued']})" if info.get("continued") else "")]
+    if info.get("continued"):
+        parts.append(f"first new token {info['first_token_seconds']:.2f} s")
+    else:
+        new = info["prompt_ids"] - info["reused"]
+        parts.append(f"first token {info['first_token_seconds']:.2f} s (prefill {new} "
+                     f"position{'s' if new != 1 else ''} at "
+                     f"{info.get('prefill_positions_per_s', 0.0):.1f}/s; "
+                     f"{info['reused']} of {info['prompt_ids']} reused)")
+    if n > 1:
+        parts.append(f"decode {info['tokens_per_s']:.2f} tokens/s = "
+                     f"{info['decode_s_per_token']:.3f} s/token after the first")
+    if info.get("read_bytes") is not None:
+        parts.append(f"read {human(info['read_bytes'])}")
     if info.get("end_name"):
         parts.append(f"ended by {info['end_name']}")
     parts.append(f"peak RSS {human(info['peak_rss_bytes'])}")
     return " · ".join(parts)
+
+
+def progress_text(p: dict) -> str:
+    """Prefill progress: layers done of the prompt pass, elapsed time and an ETA from the
+    layers done so far (the run API's LoadProgress)."""
+    frac = p["done_bytes"] / p["total_bytes"] if p.get("total_bytes") else 0.0
+    eta = p.get("eta_s")
+    left = f" · about {_secs(eta)} left" if eta is not None else ""
+    return (f"Reading the prompt: {p['prompt_ids']} positions · layer {p['layers']}/"
+            f"{p.get('n_layers') or '?'} ({100 * frac:.0f}%) · {_secs(p.get('elapsed_s', 0))} "
+            f"elapsed{left}")
+
+
+def _secs(s: float) -> str:
+    return f"{s:.1f} s" if s < 90 else f"{int(s // 60)} min {int(s % 60)} s"
 
 
 class ChatPanel(QWidget):
@@ -204,7 +245,10 @@ class ChatPanel(QWidget):
         self._spec_fn = spec_fn
         self.messages: list[dict] = []
         self.stats: dict[int, str] = {}          # assistant ordinal -> stats line
-        self.draft: dict | None = None           # a reply that is not in the conversation
+        self.draft: dict | None = None           # a failed reply (not in the conversation)
+        self.pending: dict | None = None         # the incomplete last reply (the worker's)
+        self.pending_stats = ""
+        self.editing: int | None = None          # index of the user message being edited
         self.live: MessageWidget | None = None   # the reply being streamed
         self.generating = False
         self.loaded = False
@@ -310,13 +354,29 @@ class ChatPanel(QWidget):
         self.stop_btn = QPushButton("Stop")
         self.stop_btn.setObjectName("danger")
         self.stop_btn.setToolTip("Stop after the token being computed (a safe point)")
+        self.continue_btn = QPushButton("Continue")
+        self.continue_btn.setToolTip("Resume the stopped reply where it stopped, from the "
+                                     "retained state (the same tokens as if it had not "
+                                     "stopped), for up to the limit more tokens")
         self.regen_btn = QPushButton("Regenerate")
         self.regen_btn.setToolTip("Answer the last message again")
         self.edit_btn = QPushButton("Edit last")
-        self.edit_btn.setToolTip("Take the last message back into the input box to edit it")
+        self.edit_btn.setToolTip("Edit your last message (Edit on any message of yours "
+                                 "edits that one)")
         col = QVBoxLayout()
-        for b in (self.send_btn, self.stop_btn, self.regen_btn, self.edit_btn):
+        for b in (self.send_btn, self.stop_btn, self.continue_btn, self.regen_btn,
+                  self.edit_btn):
             col.addWidget(b)
+        self.edit_bar = QFrame()
+        self.edit_bar.setObjectName("undo_bar")
+        eb = QHBoxLayout(self.edit_bar)
+        eb.setContentsMargins(6, 2, 6, 2)
+        self.edit_label = QLabel()
+        self.edit_label.setWordWrap(True)
+        self.edit_cancel = QPushButton("Cancel")
+        eb.addWidget(self.edit_label, 1)
+        eb.addWidget(self.edit_cancel)
+        self.edit_bar.hide()
         inrow = QHBoxLayout()
         inrow.addWidget(self.input, 1)
         inrow.addLayout(col)
@@ -338,6 +398,7 @@ class ChatPanel(QWidget):
         lay.addWidget(self.scroll, 1)
         lay.addWidget(self.prefill)
         lay.addWidget(gen_box)
+        lay.addWidget(self.edit_bar)
         lay.addLayout(inrow)
         lay.addLayout(cmdrow)
 
@@ -345,7 +406,9 @@ class ChatPanel(QWidget):
         self.send_btn.clicked.connect(self.send)
         self.stop_btn.clicked.connect(self.stop)
         self.regen_btn.clicked.connect(self.regenerate)
+        self.continue_btn.clicked.connect(self.continue_reply)
         self.edit_btn.clicked.connect(self.edit_last)
+        self.edit_cancel.clicked.connect(self.cancel_edit)
         self.system.editingFinished.connect(self._system_edited)
         self.input.submitted.connect(self.send)
         # Esc stops a reply anywhere in the window; enabled only while one is generated so
@@ -366,6 +429,7 @@ class ChatPanel(QWidget):
         host.prefillProgress.connect(self._prefill_progress)
         host.turnFinished.connect(self._turn_finished)
         host.busyChanged.connect(self._busy_changed)
+        host.pendingChanged.connect(self._pending_changed)
         self._update_buttons()
 
     # -- settings in and out ---------------------------------------------------------
@@ -429,8 +493,22 @@ class ChatPanel(QWidget):
         self.input.clear()
         self.input.setFocus()
         self.generating = True          # until turnFinished (or an error before it)
+        editing, self.editing = self.editing, None
+        self.edit_bar.hide()
         self._update_buttons()
-        self.host.send(text, self._spec_fn())
+        if editing is not None:
+            self.host.edit(editing, text, self._spec_fn())
+        else:
+            self.host.send(text, self._spec_fn())
+
+    def continue_reply(self) -> None:
+        if self.generating or not self.loaded or not (self.pending or {}).get("continuable"):
+            return
+        self.draft = None
+        self.generating = True
+        self._update_buttons()
+        self.input.setFocus()
+        self.host.continue_reply(self._spec_fn())
 
     def regenerate(self) -> None:
         if self.generating or not self.loaded:
@@ -442,6 +520,8 @@ class ChatPanel(QWidget):
 
     def stop(self) -> None:
         if not self.generating:
+            if self.editing is not None:
+                self.cancel_edit()       # Esc while editing: back to a new message
             return
         self.host.stop()
         # focus first: disabling the focused Stop button would hand the focus to the next
@@ -451,20 +531,42 @@ class ChatPanel(QWidget):
         self.stop_btn.setText("Stopping…")
 
     def edit_last(self) -> None:
-        if self.generating:
+        last = next((i for i in range(len(self.messages) - 1, -1, -1)
+                     if self.messages[i]["role"] == "user"), None)
+        if last is not None:
+            self.begin_edit(last)
+
+    def begin_edit(self, index: int) -> None:
+        """Put message `index` (a user message) into the box; Send forks the conversation
+        there (the worker reuses the state up to it)."""
+        if self.generating or not (0 <= index < len(self.messages)) \
+                or self.messages[index]["role"] != "user":
             return
-        last_user = next((m for m in reversed(self.messages) if m["role"] == "user"), None)
-        if last_user is None:
-            return
-        self.draft = None
-        self.input.setPlainText(last_user["content"])
-        self.host.take_back()
+        self.editing = index
+        k = sum(1 for m in self.messages[:index + 1] if m["role"] == "user")
+        later = sum(1 for m in self.messages[index + 1:] if m["role"] != "system") + \
+            (1 if self.pending else 0)
+        self.edit_label.setText(f"Editing your message {k}: Send answers the edited text"
+                                + (f"; the {later} message{'s' if later != 1 else ''} after "
+                                   f"it will be dropped" if later else "") + ".")
+        self.edit_bar.show()
+        self.input.setPlainText(self.messages[index]["content"])
         self.input.setFocus()
+        self._update_buttons()
+
+    def cancel_edit(self) -> None:
+        self.editing = None
+        self.edit_bar.hide()
+        self.input.clear()
+        self.input.setFocus()
+        self._update_buttons()
 
     def reset_view(self) -> None:
         """Another conversation (new or opened): its replies' stats and draft are not ours."""
         self.draft = None
         self.stats.clear()
+        if self.editing is not None:
+            self.cancel_edit()
 
     def open_conversation(self, path: str) -> None:
         self.reset_view()
@@ -501,38 +603,80 @@ class ChatPanel(QWidget):
         live = self.live if keep_live else None
         self._clear(keep=live)
         k = 0
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             if m["role"] == "system":
                 continue                 # shown in the system field above
-            stats = ""
+            stats = note = ""
             if m["role"] == "assistant":
                 k += 1
                 stats = self.stats.get(k, "")
-            w = MessageWidget(m["role"], m["content"], m["reasoning"], stats)
+                if m.get("incomplete"):
+                    note = "This reply was cut short (stopped or at the limit) and answered " \
+                           "as it was."
+            w = MessageWidget(m["role"], m["content"], m["reasoning"], stats, note)
+            w.index = i
+            if m["role"] == "user":
+                w.edit_btn.clicked.connect(lambda _c=False, i=i: self.begin_edit(i))
+                w.edit_btn.setEnabled(not self.generating)
             self.column.insertWidget(self.column.count() - 1, w)
         if live is not None:
             self.column.insertWidget(self.column.count() - 1, live)
+        elif self.pending is not None:
+            p = self.pending
+            w = MessageWidget("assistant", p["content"], p.get("reasoning"),
+                              self.pending_stats, self._pending_note(p))
+            w.setObjectName("incomplete")
+            w.set_reasoning(p.get("reasoning"), expanded=not p["content"])
+            self.column.insertWidget(self.column.count() - 1, w)
         elif self.draft is not None:
             d = self.draft
             w = MessageWidget("assistant", d["content"], d["reasoning"], d["stats"], d["note"])
             w.set_reasoning(d["reasoning"], expanded=not d["content"])
             self.column.insertWidget(self.column.count() - 1, w)
-            self.live = None
         if not keep_live:
             self.live = None
+
+    @staticmethod
+    def _pending_note(p: dict) -> str:
+        n = len(p.get("ids") or ())
+        why = (f"Stopped after {n} tokens" if p.get("why") == "stopped" else
+               f"Reached the generation limit ({n} tokens) before the reply ended")
+        how = ("Continue resumes it exactly where it stopped; Regenerate answers again; or "
+               "reply to it as it is." if p.get("continuable") else
+               "It was kept from an earlier session, so it cannot be continued: Regenerate "
+               "answers again, or reply to it as it is.")
+        return f"{why}: an incomplete reply. {how}"
+
+    def _pending_changed(self, p) -> None:
+        self.pending = p
+        if p is None:
+            self.pending_stats = ""
+        if not self.generating:
+            self._render()
+        self._update_buttons()
 
     def _turn_started(self, info: dict) -> None:
         self.generating = True
         self._turn_info = info
         self.command.setText(info["command"][3:])
         self.command.setCursorPosition(0)
-        self.live = MessageWidget("assistant", reasoning="" if info["thinking"] else None)
-        self.live.set_note("")
+        prior = info.get("prior")
+        if prior:                        # Continue: the reply goes on in the same bubble
+            self.live = MessageWidget("assistant", prior["content"], prior.get("reasoning"))
+        else:
+            self.live = MessageWidget("assistant", reasoning="" if info["thinking"] else None)
+        # the incomplete reply (last in the column) gives way to the live one
+        last = self.column.itemAt(self.column.count() - 2) if self.column.count() > 1 else None
+        if last is not None and last.widget() is not None and \
+                last.widget().objectName() == "incomplete":
+            old = last.widget()
+            self.column.removeWidget(old)
+            old.deleteLater()
         self.column.insertWidget(self.column.count() - 1, self.live)
-        self._prefilling = True
-        self.prefill.setVisible(True)
+        self._prefilling = not prior
+        self.prefill.setVisible(not prior)
         self.prefill.setRange(0, 0)      # busy until the first token or a progress report
-        self.prefill.setFormat(f"prefill: {info['prompt_ids']} prompt positions…")
+        self.prefill.setFormat(f"Reading the prompt: {info['prompt_ids']} positions…")
         self._follow = True
         self._update_buttons()
 
@@ -541,9 +685,7 @@ class ChatPanel(QWidget):
             return
         self.prefill.setRange(0, 1000)
         self.prefill.setValue(int(1000 * min(1.0, p["done_bytes"] / p["total_bytes"])))
-        self.prefill.setFormat(f"prefill: {p['prompt_ids']} prompt positions; trunk "
-                               f"{human(p['done_bytes'])} of {human(p['total_bytes'])} read "
-                               f"({p['layers']} layer reads)")
+        self.prefill.setFormat(progress_text(p))
 
     def on_records(self, records: list) -> None:
         if self.live is None:
@@ -558,8 +700,9 @@ class ChatPanel(QWidget):
         self.live.append_content("".join(content))
         last = records[-1]
         gen = self._turn_info["gen"] if self._turn_info else 0
-        self.live.set_stats(f"token {last['i']}/{gen} · {last['seconds']:.3f} s for the last "
-                            f"token")
+        done = self._turn_info.get("resumed", 0) if self._turn_info else 0
+        self.live.set_stats(f"token {last['i']}/{done + gen} · {last['seconds']:.3f} s for "
+                            f"the last token")
 
     def _turn_finished(self, info: dict) -> None:
         self._prefilling = False
@@ -569,6 +712,7 @@ class ChatPanel(QWidget):
         if live is not None:
             live.flush()
         self.input.setFocus()            # ready for the next message, whatever happened
+        self.live = None
         if info.get("failed"):
             if live is not None and (live.content_text or live.reasoning_text):
                 self.draft = dict(content=live.content_text,
@@ -576,26 +720,17 @@ class ChatPanel(QWidget):
                                   else None, stats="",
                                   note="The reply failed (see the error); the conversation "
                                        "is unchanged. Send again or regenerate.")
-            self.live = None
             self.host.refresh_conversation()
             self._update_buttons()
             return
+        self.draft = None
         stats = stats_text(info)
         if info["end_id"] is not None:
             k = sum(1 for m in self.messages if m["role"] == "assistant") + 1
             self.stats[k] = stats
-            self.draft = None
         else:
-            why = (f"Stopped after {info['n']} tokens" if info["interrupted"] else
-                   f"Reached the generation limit of {info['gen']} tokens without an end id")
-            self.draft = dict(
-                content=(live.content_text if live else "") + (info.get("tail") or ""),
-                reasoning=(live.reasoning_text if live else "") if info["thinking"] else None,
-                stats=stats,
-                note=f"{why}: this reply is not part of the conversation. The conversation is "
-                     f"still usable: send a new message (it replaces the unanswered one), "
-                     f"Regenerate, or Edit last.")
-        self.live = None
+            self.pending_stats = stats
+        self._render()
         self._update_buttons()
 
     def _busy_changed(self, _busy: bool) -> None:
@@ -604,13 +739,16 @@ class ChatPanel(QWidget):
     def _update_buttons(self) -> None:
         busy = self.host.busy or self.generating
         self.send_btn.setEnabled(self.loaded and not busy)
+        self.send_btn.setText("Send edit" if self.editing is not None else "Send")
         if self.stop_btn.hasFocus() and not self.generating:
             self.input.setFocus()
         self.stop_btn.setEnabled(self.generating)
-        self.esc.setEnabled(self.generating)
+        self.esc.setEnabled(self.generating or self.editing is not None)
         if not self.generating:
             self.stop_btn.setText("Stop")
         has_user = any(m["role"] == "user" for m in self.messages)
+        self.continue_btn.setEnabled(self.loaded and not busy and
+                                     bool((self.pending or {}).get("continuable")))
         self.regen_btn.setEnabled(self.loaded and not busy and has_user)
         self.edit_btn.setEnabled(not busy and has_user)
 

@@ -32,7 +32,9 @@ class ConversationLibrary(QObject):
         self.model: tuple[str, str, str] = ("", "", "")   # what the engine has loaded
         self._saved: list[dict] | None = None
         self._opening = False
+        self._next_incomplete: dict | None = None
         host.conversation.connect(self._snapshot)
+        host.pendingChanged.connect(self._pending)
 
     # -- the open conversation ----------------------------------------------------------
     @property
@@ -41,6 +43,7 @@ class ConversationLibrary(QObject):
 
     def new(self, system_prompt: str = "") -> None:
         self.current, self.meta, self._saved = None, None, None
+        self._next_incomplete = None
         self.host.new_conversation(system_prompt)
         self.switched.emit("")
         self.changed.emit("")
@@ -55,7 +58,9 @@ class ConversationLibrary(QObject):
         self.current, self.meta = cid, meta
         self._saved = None
         self._opening = True
-        self.host.open_conversation(self.store.path(cid))
+        self.host.open_conversation(self.store.path(cid), dict(
+            incomplete=meta.incomplete,
+            incomplete_messages=meta.extra.get("incomplete_messages", [])))
         self.switched.emit(cid)
         self.changed.emit(cid)
         want = (meta.model_dir, meta.trunk_dir, meta.tok_dir)
@@ -88,13 +93,20 @@ class ConversationLibrary(QObject):
         """The model now loaded; the open conversation remembers it from its next save."""
         self.model = (model_dir, trunk_dir, tok_dir)
 
-    def set_incomplete(self, incomplete: dict | None) -> None:
-        """A stopped or limit-hit reply (or None once it is completed or dropped): kept in
-        the sidecar, never in the .jsonl (conversations.py)."""
-        if self.meta is None:
+    def _pending(self, p: dict | None) -> None:
+        """A stopped or limit-hit reply (or None once it is completed, answered or
+        dropped): kept in the sidecar, never in the .jsonl (conversations.py)."""
+        if self._opening:
+            return                       # the one just read from the sidecar
+        inc = {k: v for k, v in p.items() if k != "continuable"} if p else None
+        if self.meta is None and inc is None:
             return
-        self.meta.incomplete = incomplete
-        self._write(self.host.messages, force=True)
+        if self.meta is not None and self.meta.incomplete == inc:
+            return
+        self._next_incomplete = inc
+        if self.meta is not None:
+            self.meta.incomplete = inc
+            self._write(self.host.messages, force=True)
 
     # -- saving -------------------------------------------------------------------------
     def _snapshot(self, msgs: list) -> None:
@@ -111,9 +123,16 @@ class ConversationLibrary(QObject):
             return
         if self.current is None:
             self.current = self.store.new_id()
-            self.meta = Meta(self.current)
+            self.meta = Meta(self.current, incomplete=self._next_incomplete)
             self.changed.emit(self.current)
         meta = self.meta
+        # replies that were cut short and then answered: in the transcript (they are the
+        # context of what follows), marked here for the app and the Markdown export
+        marks = [i for i, m in enumerate(msgs) if m.get("incomplete")]
+        if marks:
+            meta.extra["incomplete_messages"] = marks
+        else:
+            meta.extra.pop("incomplete_messages", None)
         if self.model[0]:
             meta.model_dir, meta.trunk_dir, meta.tok_dir = self.model
         try:

@@ -50,6 +50,7 @@ def build_menus(win) -> dict[str, QAction]:
     # Esc itself is the chat panel's shortcut (enabled only while a reply runs); the menu
     # shows it so it can be found.
     add(c, "stop", "&Stop\tEsc", win.chat.stop)
+    add(c, "continue", "&Continue the stopped reply", win.chat.continue_reply)
     add(c, "regenerate", "&Regenerate", win.chat.regenerate)
 
     v = bar.addMenu("&View")

@@ -97,9 +97,11 @@ class ChatRefusal(EngineError):
         self.exit_code = code
 
 
-def messages_of(history) -> list[dict]:
-    return [{"role": m.role, "content": m.content, "reasoning": m.reasoning_content}
-            for m in history]
+def messages_of(history, incomplete: set[int] = frozenset()) -> list[dict]:
+    """Plain message dicts; `incomplete` marks replies that were cut short and answered
+    anyway (their index in the history)."""
+    return [{"role": m.role, "content": m.content, "reasoning": m.reasoning_content,
+             "incomplete": i in incomplete} for i, m in enumerate(history)]
 
 
 # --------------------------------------------------------------------------- the worker
@@ -119,6 +121,7 @@ class EngineWorker(QObject):
     heatReady = Signal()              # newest expert heat map waiting in `heat`
     turnFinished = Signal(object)     # dict: TurnResult as plain values + stats
     errored = Signal(object)          # dict: code, kind, message, during
+    pendingChanged = Signal(object)   # the incomplete last reply (dict) or None
 
     def __init__(self):
         super().__init__()
@@ -134,6 +137,13 @@ class EngineWorker(QObject):
         self._in_turn = False             # prefill progress is posted only during a turn
         self._prompt_ids = 0
         self._loaded_event = None
+        from k3engine.telemetry import PeakWindow
+        self.peak = PeakWindow()          # this model's / this reply's peak RSS, from the OS
+        # The incomplete last reply: {"content", "reasoning", "ids", "why", "continuable"}.
+        # It is not in the History (a reference reader must never take it for a turn); once
+        # the person answers it, it joins the transcript and its index goes in `incomplete`.
+        self.pending: dict | None = None
+        self.incomplete: set[int] = set()
 
     # -- helpers ------------------------------------------------------------------
     def _fail(self, e: BaseException, during: str) -> None:
@@ -145,7 +155,38 @@ class EngineWorker(QObject):
         self.errored.emit(info)
 
     def _emit_conversation(self) -> None:
-        self.conversation.emit(messages_of(self.history))
+        self.conversation.emit(messages_of(self.history, self.incomplete))
+
+    def _set_pending(self, pending: dict | None) -> None:
+        self.pending = pending
+        self.pendingChanged.emit(dict(pending) if pending else None)
+
+    def _set_history(self, history, incomplete=()) -> None:
+        """Another transcript on the same session: the cached state and its fork snapshots
+        stay (the next turn reuses what still matches), the sampler's turn index follows
+        the new history as a fresh session's would."""
+        self.history = history
+        self.incomplete = set(incomplete)
+        if self.chat is not None:
+            self.chat.history = history
+            self.chat.turn0, self.chat.turns_done = history.assistant_count(), 0
+            self.chat.pending = None
+        self._set_pending(None)
+
+    def _commit_pending(self) -> None:
+        """The person answers an incomplete reply: it becomes part of the transcript (the
+        context of what follows), marked incomplete in the sidecar."""
+        from k3engine.chat import Message
+        p = self.pending
+        if p is None or not self.history.ends_with_user:
+            return
+        self.history.add(Message("assistant", p["content"],
+                                 p["reasoning"] if p.get("reasoning") is not None else None))
+        self.incomplete.add(len(self.history) - 1)
+        if self.chat is not None:
+            self.chat.pending = None
+            self.chat.turns_done += 1
+        self._set_pending(None)
 
     def _new_session(self) -> None:
         """A fresh ChatSession on the loaded model: the next turn prefills from scratch."""
@@ -205,6 +246,7 @@ class EngineWorker(QObject):
         self.status.emit(f"opening {spec.model_dir}" + (" and checking the packed trunk"
                                                         if spec.trunk_dir else ""))
         self._loaded_event = None
+        self.peak.reset()                 # this model's peak, not the previous one's
         run = open_run(req, self._on_event)
         try:
             from k3engine.run import chat_controls
@@ -226,7 +268,8 @@ class EngineWorker(QObject):
             expert_slots=ev.expert_slots, expert_slot_bytes=ev.expert_slot_bytes,
             cache_line=ev.cache_line, plan_lines=run.plan.lines(),
             plan_total=run.plan.total_bytes, available=run.plan.available_bytes,
-            peak_rss_after_load=ev.peak_rss_bytes, threads=run.threads,
+            peak_rss_after_load=self.peak.sample(), peak_measured=self.peak.measured,
+            threads=run.threads,
             seconds=time.monotonic() - t0, vocab=cfg.vocab, ultra=lm.ultra,
             streamed_tables=lm.table_stream is not None)
         self.status.emit(f"loaded in {info['seconds']:.1f} s; peak RSS after loading weights "
@@ -274,16 +317,27 @@ class EngineWorker(QObject):
         from k3engine.chat import History, Message
         try:
             self.history = History([Message("system", system_prompt)] if system_prompt else [])
+            self.incomplete = set()
+            self._set_pending(None)
             self._new_session()
         except BaseException as e:  # noqa: BLE001
             self._fail(e, "new conversation")
         self._emit_conversation()
 
-    @Slot(str)
-    def open_conversation(self, path: str) -> None:
+    @Slot(str, object)
+    def open_conversation(self, path: str, extra=None) -> None:
+        """`extra`: what the sidecar holds ({"incomplete": last reply or None,
+        "incomplete_messages": [indices]}); the engine state of a reply from an earlier
+        session is gone, so it is shown and answerable, not continuable."""
         from k3engine.chat import History
         try:
             self.history = History.load(path)
+            extra = extra or {}
+            self.incomplete = {int(i) for i in extra.get("incomplete_messages") or ()
+                               if 0 <= int(i) < len(self.history)}
+            p = extra.get("incomplete")
+            self._set_pending(dict(p, continuable=False) if p and self.history.ends_with_user
+                              else None)
             self._new_session()
         except BaseException as e:  # noqa: BLE001
             if type(e).__name__ == "ChatError":
@@ -305,7 +359,9 @@ class EngineWorker(QObject):
         from k3engine.chat import History, Message
         try:
             rest = [m for m in self.history if m.role != "system"]
+            shift = (1 if text else 0) - (1 if self.history.system is not None else 0)
             self.history = History(([Message("system", text)] if text else []) + rest)
+            self.incomplete = {i + shift for i in self.incomplete}
             self._new_session()
         except BaseException as e:  # noqa: BLE001
             self._fail(e, "system prompt")
@@ -316,10 +372,12 @@ class EngineWorker(QObject):
         """Remove the last exchange (the last user message and any reply after it) so it
         can be edited and sent again."""
         try:
+            self._set_pending(None)
             if len(self.history) and self.history[-1].role == "assistant":
                 self.history.remove_last()
             if len(self.history) and self.history[-1].role == "user":
                 self.history.remove_last()
+            self.incomplete = {i for i in self.incomplete if i < len(self.history)}
         except BaseException as e:  # noqa: BLE001
             self._fail(e, "edit")
         self._emit_conversation()
@@ -331,8 +389,10 @@ class EngineWorker(QObject):
         reply that hit the limit or was stopped) is replaced by the new one."""
         from k3engine.chat import ChatError, Message
         try:
-            if self.history.ends_with_user:
-                self.history.remove_last()
+            if self.pending is not None:
+                self._commit_pending()    # the incomplete reply is answered: keep it
+            elif self.history.ends_with_user:
+                self.history.remove_last()   # a turn that failed: its message is replaced
             self.history.add(Message("user", text))
         except ChatError as e:
             self._fail(e, "send")
@@ -345,8 +405,14 @@ class EngineWorker(QObject):
     @Slot(object, object)
     def regenerate(self, spec: RunSpec, cancel) -> None:
         """Answer the last user message again (dropping the previous reply, if any)."""
+        self._set_pending(None)
+        if self.chat is not None:
+            self.chat.pending = None
         if len(self.history) and self.history[-1].role == "assistant":
             self.history.remove_last()
+            self.incomplete.discard(len(self.history))
+            if self.chat is not None:
+                self.chat.turns_done = max(0, self.chat.turns_done - 1)
             self._emit_conversation()
         if not self.history.ends_with_user:
             self._fail(ChatRefusal("there is no user message to answer", EXIT_USAGE),
@@ -355,7 +421,39 @@ class EngineWorker(QObject):
             return
         self._turn(spec, cancel)
 
-    def _turn(self, spec: RunSpec, cancel) -> None:
+    @Slot(int, str, object, object)
+    def edit(self, index: int, text: str, spec: RunSpec, cancel) -> None:
+        """Replace the user message at `index` and answer it: the conversation forks there
+        (what came after is dropped) and the state is reused up to it (the session's fork
+        snapshots)."""
+        from k3engine.chat import History, Message
+        try:
+            msgs = list(self.history)
+            if not (0 <= index < len(msgs)) or msgs[index].role != "user":
+                raise ChatRefusal(f"message {index + 1} is not a user message", EXIT_USAGE)
+            self._set_history(History(msgs[:index] + [Message("user", text)]),
+                              {i for i in self.incomplete if i < index})
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, "edit")
+            self._emit_conversation()
+            self.turnFinished.emit({"failed": True, "n": 0})
+            return
+        self._emit_conversation()
+        self._turn(spec, cancel)
+
+    @Slot(object, object)
+    def continue_reply(self, spec: RunSpec, cancel) -> None:
+        """Resume the incomplete reply from the retained state (exact: the ids of the
+        uninterrupted turn) for up to the generation limit more tokens."""
+        if self.chat is None or self.chat.pending is None or self.pending is None:
+            self._fail(ChatRefusal("there is no stopped reply to continue on this model: "
+                                   "Regenerate answers the message again", EXIT_USAGE),
+                       "continue")
+            self.turnFinished.emit({"failed": True, "n": 0})
+            return
+        self._turn(spec, cancel, resume=True)
+
+    def _turn(self, spec: RunSpec, cancel, resume: bool = False) -> None:
         if self.run is None:
             self._fail(ChatRefusal("no model is loaded: load one in Setup first", EXIT_USAGE),
                        "turn")
@@ -364,9 +462,10 @@ class EngineWorker(QObject):
         self.busyChanged.emit(True)
         try:
             self._apply_chat_options(spec)
-            self._run_turn(cancel)
+            self._run_turn(cancel, resume)
         except BaseException as e:  # noqa: BLE001
             # A failed forward may leave the carried state half-advanced: start afresh.
+            self._set_pending(None)
             self._new_session()
             self._fail(e, "turn")
             self.turnFinished.emit({"failed": True, "n": 0})
@@ -374,48 +473,61 @@ class EngineWorker(QObject):
             self._in_turn = False
             self.busyChanged.emit(False)
 
-    def _run_turn(self, cancel) -> None:
+    def _run_turn(self, cancel, resume: bool = False) -> None:
         from k3engine import events as E
         from k3engine.chat import ChatError
         from k3engine.memory import human, kv_check
-        from k3engine.telemetry import peak_rss_bytes
         run, chat, spec = self.run, self.chat, self.spec
         lm, the_plan = run.lm, run.plan
         gen = spec.gen
+        prior = self.pending if resume else None
+        done_ids = len(prior["ids"]) if prior else 0
         try:
-            n_prompt = len(chat.render())
+            n_prompt = chat.pending.prompt_ids if resume else len(chat.render())
         except ChatError as e:            # a later-turn render refusal: drop that message
             self.history.remove_last()
             self._emit_conversation()
             raise ChatRefusal(str(e)) from None
-        if n_prompt + gen + 1 > MAX_POSITIONS:
+        if n_prompt + done_ids + gen + 1 > MAX_POSITIONS:
             raise ChatRefusal(f"rendered transcript is {n_prompt} tokens; current engine limit "
                               f"is 32768 prompt + 4096 generation tokens")
-        kv = kv_check(run.setup.figures, n_prompt + gen + 1, self.available)
+        kv = kv_check(run.setup.figures, n_prompt + done_ids + gen + 1, self.available)
         if kv.refusal is not None:
-            raise ChatRefusal(f"KV cache for {n_prompt + gen + 1} positions needs "
+            raise ChatRefusal(f"KV cache for {n_prompt + done_ids + gen + 1} positions needs "
                               f"{human(kv.need_bytes)}, but only {human(kv.available_bytes)} is "
                               f"available; history was preserved")
         self.turnStarted.emit(dict(prompt_ids=n_prompt, gen=gen, command=command_line(spec),
-                                   thinking=spec.thinking, t=time.monotonic()))
-        self._prompt_ids, self._in_turn = n_prompt, True
+                                   thinking=spec.thinking, t=time.monotonic(),
+                                   resumed=done_ids,
+                                   prior=dict(prior) if prior else None))
+        self._prompt_ids, self._in_turn = n_prompt, not resume
+        self.peak.reset()                 # this reply's peak RSS
+        texts = ({"thinking": prior.get("reasoning") or "", "response": prior["content"]}
+                 if prior else {"thinking": "", "response": ""})
+        read_bytes = 0
         heat_n = 0
         res, tail = None, ""
-        for ev in run.turn(chat, gen, cancel):
+        for ev in run.turn(chat, gen, cancel, resume=resume):
             if isinstance(ev, E.StepDone):
                 self._in_turn = False      # the first token is out: prefill is over
                 step = ev
             elif isinstance(ev, E.TokenOut):
                 if ev.id < 0:              # the parser's held-back tail
                     tail = ev.text
+                    if ev.phase in texts:
+                        texts[ev.phase] += ev.text
                     continue
+                if ev.phase in texts:
+                    texts[ev.phase] += ev.text
                 t = step.telemetry
+                read_bytes += t.trunk_bytes + t.expert_bytes
                 rec = dict(i=step.step + 1, id=ev.id, text_delta=ev.text, phase=ev.phase,
                            step=step.step, seconds=step.seconds,
                            **{k: getattr(t, k) for k in t.EVENT_KEYS},
                            retention=t.retention_rate / 100.0, raw_hit=t.raw_hit_rate / 100.0,
                            io_trunk_share=t.io_trunk_share, io_expert_share=t.io_expert_share,
                            plan_total=the_plan.total_bytes, available=the_plan.available_bytes)
+                rec["peak_rss_bytes"] = self.peak.sample()    # this reply's, from the OS
                 if self.records.put(rec):
                     self.recordsReady.emit()
                 heat_n += 1
@@ -424,11 +536,21 @@ class EngineWorker(QObject):
             elif isinstance(ev, E.TurnEnded):
                 res = ev.result
         self._post_heat()
-        n = len(res.ids)
+        peak = self.peak.sample()
+        n = len(res.ids) - res.continued          # this run's ids (a continuation's new ones)
         first_s = res.first_token_seconds
         decode_s = res.seconds - first_s
+        if res.end_id is None and res.ids:
+            why = "stopped" if res.interrupted else "limit"
+            self._set_pending(dict(content=texts["response"],
+                                   reasoning=texts["thinking"] if spec.thinking else None,
+                                   ids=list(res.ids), why=why,
+                                   continuable=chat.pending is not None))
+        else:
+            self._set_pending(None)
         self.turnFinished.emit(dict(
             failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_ids, reused=res.reused,
+            continued=res.continued, read_bytes=read_bytes, peak_measured=self.peak.measured,
             seconds=res.seconds, first_token_seconds=first_s,
             s_per_token=res.seconds / n if n else 0.0,
             decode_s_per_token=decode_s / (n - 1) if n > 1 else 0.0,
@@ -439,7 +561,7 @@ class EngineWorker(QObject):
             end_name=(run.tok.added.get(res.end_id, str(res.end_id))
                       if res.end_id is not None else None),
             interrupted=res.interrupted, reasoning=res.reasoning, content=res.content,
-            tail=tail, gen=gen, thinking=spec.thinking, peak_rss_bytes=peak_rss_bytes(),
+            tail=tail, gen=gen, thinking=spec.thinking, peak_rss_bytes=peak,
             plan_total=the_plan.total_bytes, available=the_plan.available_bytes,
             retention=lm.experts.total.retention / 100.0,
             true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
@@ -471,11 +593,13 @@ class EngineHost(QObject):
     _send = Signal(str, object, object)
     _regenerate = Signal(object, object)
     _new = Signal(object)
-    _open = Signal(str)
+    _open = Signal(str, object)
     _save = Signal(str)
     _system = Signal(str)
     _take_back = Signal()
     _conversation = Signal()
+    _edit = Signal(int, str, object, object)
+    _continue = Signal(object, object)
 
     # observations (GUI thread)
     busyChanged = Signal(bool)
@@ -490,10 +614,12 @@ class EngineHost(QObject):
     heat = Signal(object)             # ndarray layers x experts
     turnFinished = Signal(object)
     errored = Signal(object)
+    pendingChanged = Signal(object)
 
     def __init__(self, parent=None):
         super().__init__(parent)
         self.busy = False
+        self.pending: dict | None = None
         self.loaded_info: dict | None = None
         self.messages: list[dict] = []
         self._cancel = None
@@ -508,6 +634,9 @@ class EngineHost(QObject):
         self._regenerate.connect(w.regenerate)
         self._new.connect(w.new_conversation)
         self._open.connect(w.open_conversation)
+        self._edit.connect(w.edit)
+        self._continue.connect(w.continue_reply)
+        w.pendingChanged.connect(self._on_pending)
         self._save.connect(w.save_conversation)
         self._system.connect(w.set_system)
         self._take_back.connect(w.take_back)
@@ -544,6 +673,16 @@ class EngineHost(QObject):
         self._cancel = Cancel()
         self._regenerate.emit(spec, self._cancel)
 
+    def edit(self, index: int, text: str, spec: RunSpec) -> None:
+        from k3engine.run import Cancel
+        self._cancel = Cancel()
+        self._edit.emit(index, text, spec, self._cancel)
+
+    def continue_reply(self, spec: RunSpec) -> None:
+        from k3engine.run import Cancel
+        self._cancel = Cancel()
+        self._continue.emit(spec, self._cancel)
+
     def stop(self) -> None:
         """Ask the turn in flight to stop after the token being computed (safe point)."""
         if self._cancel is not None:
@@ -552,8 +691,8 @@ class EngineHost(QObject):
     def new_conversation(self, system_prompt: str = "") -> None:
         self._new.emit(system_prompt)
 
-    def open_conversation(self, path: str) -> None:
-        self._open.emit(path)
+    def open_conversation(self, path: str, extra: dict | None = None) -> None:
+        self._open.emit(path, extra)
 
     def save_conversation(self, path: str) -> None:
         self._save.emit(path)
@@ -594,6 +733,11 @@ class EngineHost(QObject):
     def _on_unloaded(self) -> None:
         self.loaded_info = None
         self.unloaded.emit()
+
+    @Slot(object)
+    def _on_pending(self, p) -> None:
+        self.pending = p
+        self.pendingChanged.emit(p)
 
     @Slot(object)
     def _on_conversation(self, msgs: list) -> None:

@@ -28,6 +28,41 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class PeakWindow:
+    """The peak resident set since `reset()` -- per model load or per reply in the app.
+    getrusage's peak never goes down, so after a bigger model it would keep reporting that
+    one.  On Linux, writing 5 to /proc/self/clear_refs resets the kernel's VmHWM to the
+    current RSS (Documentation/filesystems/proc.rst), and VmHWM is then read back: still the
+    OS's own figure.  Elsewhere the window's peak is the larger of getrusage's peak taken at
+    reset (a floor that may be stale) and RSS samples: `measured` says which."""
+
+    def __init__(self):
+        self.measured = "VmHWM"
+        self._floor = 0
+        self.reset()
+
+    def reset(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.measured, self._floor = "VmHWM", 0
+        except OSError:
+            self.measured, self._floor = "samples", rss_bytes()
+
+    def sample(self) -> int:
+        if self.measured == "VmHWM":
+            try:
+                with open("/proc/self/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            return int(line.split()[1]) * 1024
+            except (OSError, ValueError, IndexError):
+                pass
+            self.measured = "samples"
+        self._floor = max(self._floor, rss_bytes())
+        return self._floor
+
+
 Sink = Callable[[dict], None]
 
 

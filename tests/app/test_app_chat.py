@@ -39,23 +39,30 @@ def test_full_turn_every_plot_gets_one_point_per_token(qtbot, window, demo_model
     rows = csv_path.read_text().splitlines()
     assert len(rows) == gen + 1 and rows[0].startswith("token,seconds,rss_bytes")
     assert window.plots.export_png(str(png_path)) and png_path.stat().st_size > 1000
-    # the random-weight demo does not close its turn: shown as such, not added
+    # the random-weight demo does not close its turn: kept as an incomplete reply, outside
+    # the transcript (which ends with the user message, §9.4)
     assert t["end_id"] is None
-    assert window.chat.draft is not None
-    assert "generation limit" in window.chat.draft["note"]
-    assert "not part of the conversation" in window.chat.draft["note"]
+    p = window.chat.pending
+    assert p is not None and p["why"] == "limit" and p["continuable"] and p["ids"] == t["ids"]
+    assert "generation limit" in window.chat._pending_note(p) and "incomplete" in \
+        window.chat._pending_note(p)
     qtbot.waitUntil(lambda: window.host.messages and
                     window.host.messages[-1]["role"] == "user", timeout=TIMEOUT)
-    assert f"{gen} tokens" in window.chat.draft["stats"]
-    assert "s/token" in window.chat.draft["stats"] and "first token" in window.chat.draft["stats"]
-    # still usable: a second message replaces the unanswered one and runs
+    assert f"{gen} tokens" in window.chat.pending_stats
+    assert "s/token" in window.chat.pending_stats and "first token" in window.chat.pending_stats
+    assert window.chat.continue_btn.isEnabled()
+    # still usable: a second message answers the incomplete reply, which joins the
+    # transcript as the context of what follows (marked incomplete)
     records.clear()
     t2 = send(qtbot, window, "Second try")
     assert not t2["failed"] and t2["n"] == gen
     assert window.plots.series.n == 2 * gen
     assert set(window.plots.point_counts().values()) == {2 * gen}
-    users = [m for m in window.host.messages if m["role"] == "user"]
-    assert [m["content"] for m in users] == ["Second try"]
+    msgs = [m for m in window.host.messages if m["role"] != "system"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[1]["incomplete"] and msgs[1]["content"] == p["content"]
+    assert [m["content"] for m in msgs if m["role"] == "user"] == ["Hello, who are you?",
+                                                                   "Second try"]
 
 
 def test_stop_ends_the_turn_at_a_safe_point(qtbot, window, demo_model):
@@ -70,7 +77,8 @@ def test_stop_ends_the_turn_at_a_safe_point(qtbot, window, demo_model):
     assert not t["failed"] and t["interrupted"]
     assert 1 <= t["n"] < 4096
     assert window.plots.series.n == t["n"]
-    assert "Stopped after" in window.chat.draft["note"]
+    assert window.chat.pending["why"] == "stopped"
+    assert "Stopped after" in window.chat._pending_note(window.chat.pending)
     # and the app carries on
     window.chat.limit.setValue(5)
     t2 = send(qtbot, window, "Short one")
@@ -84,10 +92,11 @@ def test_regenerate_and_edit_last(qtbot, window, demo_model):
         window.chat.regen_btn.click()
     assert b.args[0]["n"] == window.settings.gen
     qtbot.waitUntil(lambda: window.chat.edit_btn.isEnabled(), timeout=TIMEOUT)
-    with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT):
-        window.chat.edit_btn.click()
+    window.chat.edit_btn.click()
     assert window.chat.input.toPlainText() == "First question"
-    assert not any(m["role"] == "user" for m in window.host.messages)
+    assert window.chat.editing is not None and window.chat.edit_bar.isVisibleTo(window.chat)
+    window.chat.cancel_edit()
+    assert window.chat.editing is None and window.chat.input.toPlainText() == ""
 
 
 def test_engine_error_is_shown_and_the_app_stays_usable(qtbot, window, demo_model, model_copy):

@@ -41,7 +41,8 @@ def test_enter_sends_and_shift_enter_is_a_newline(qtbot, window, demo_model):
     assert box.toPlainText() == ""
     users = [m["content"] for m in window.host.messages if m["role"] == "user"]
     assert users == ["line one\nline two"]
-    assert box.hasFocus()                                     # ready for the next one
+    qtbot.waitUntil(lambda: window.host.messages[-1]["role"] == "user", timeout=TIMEOUT)
+    assert box.hasFocus(), QApplication.focusWidget()        # ready for the next one
 
 
 def test_esc_stops_and_the_focus_returns_to_the_message_box(qtbot, window, demo_model):
