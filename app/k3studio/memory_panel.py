@@ -118,6 +118,9 @@ class BudgetSlider(QWidget):
             self.changed.emit(gb)
 
 
+MEASURED_EMPTY = "After a run, the measured peak RSS appears here next to the plan."
+
+
 class MemoryPanel(QWidget):
     """Edits the memory fields of the run; shows the plan for them."""
 
@@ -216,8 +219,7 @@ class MemoryPanel(QWidget):
         self.detail.setWordWrap(True)
         self.detail.setObjectName("hint")
         play.addWidget(self.detail)
-        self.measured = QLabel("After a run, the measured peak RSS appears here next to the "
-                               "plan.")
+        self.measured = QLabel(MEASURED_EMPTY)
         self.measured.setWordWrap(True)
         play.addWidget(self.measured)
 
@@ -415,6 +417,10 @@ class MemoryPanel(QWidget):
             "Fill the trunk before the cache: a GB of trunk removes ~1.17 GB/token of reads "
             "on the real model; a GB of cache removes little below ~36 GB." if tp else
             "Budgets apply to a streamed trunk; without one the whole trunk is resident.")
+
+    def clear_measured(self) -> None:
+        """A new conversation: the last reply's peak is not this one's."""
+        self.measured.setText(MEASURED_EMPTY)
 
     def show_measured(self, planned: int, peak: int, after_load: int | None = None) -> None:
         """Planned total against the measured peak RSS of this process."""

@@ -300,6 +300,7 @@ class MainWindow(QMainWindow):
         """New or another conversation: its own stats, and the plots start again at token 1
         (the previous series stays exportable)."""
         self.chat.reset_view()
+        self.memory.clear_measured()
         self.plots.reset(f"conversation {self._shown_conversation or 'new'}")
         self._shown_conversation = cid
 

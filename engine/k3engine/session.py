@@ -436,7 +436,7 @@ class ChatSession:
         is a prefix of the full render: segments are encoded independently, §9.2)."""
         from .chat import History, encode_prompt, render_segments
         msgs = list(self.history)
-        if len(msgs) < 2 or msgs[-1].role != "user":
+        if not msgs or msgs[-1].role != "user":
             return 0
         try:
             head = encode_prompt(self.tok, render_segments(History(msgs[:-1]), self.opts,
