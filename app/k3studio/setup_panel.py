@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QFrame, QGridLayout, QG
 from k3engine.memory import human
 
 from . import checks, demo
+from .fixes import check_text
 from .tasks import Task
 
 DEBOUNCE_MS = 250
@@ -62,7 +63,8 @@ class PathRow(QWidget):
             self.check.setText("checking…")
             self.check.setObjectName("check_empty")
         else:
-            self.check.setText(f"{ICON[c.level]} {c.message}" if c.message else "")
+            text = check_text(c.message) if c.level == checks.ERROR else c.message
+            self.check.setText(f"{ICON[c.level]} {text}" if c.message else "")
             self.check.setObjectName(f"check_{c.level}")
         self.check.style().unpolish(self.check)
         self.check.style().polish(self.check)

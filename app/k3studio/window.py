@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton,
-                               QSplitter, QTabWidget, QVBoxLayout, QWidget)
+                               QSplitter, QTabWidget, QToolButton, QVBoxLayout, QWidget)
 
 from k3engine.memory import human
 from k3engine.telemetry import rss_bytes
@@ -36,30 +36,49 @@ MEMORY_FIELDS = ("model_dir", "trunk_dir", "tok_dir", "preset", "trunk_gb", "cac
 
 
 class ErrorBanner(QFrame):
-    """Engine errors, non-modal: the message is the CLI's, with its exit code's meaning."""
+    """Engine errors, non-modal: what happened and what to do (fixes.py) first, then the
+    CLI's own message with its exit code's meaning, expandable."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.setObjectName("bubble_system")
-        self.setStyleSheet("QFrame#bubble_system { background: #fdecea; border: 1px solid "
-                           "#e6a19a; }")
+        self.setObjectName("error_box")
+        self.headline = QLabel()
+        self.headline.setWordWrap(True)
+        self.headline.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.details_btn = QToolButton()
+        self.details_btn.setText("Details")
+        self.details_btn.setCheckable(True)
         self.text = QLabel()
         self.text.setWordWrap(True)
         self.text.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.details_btn.toggled.connect(self.text.setVisible)
         close = QPushButton("Dismiss")
         close.clicked.connect(self.hide)
         lay = QHBoxLayout(self)
-        lay.addWidget(self.text, 1)
+        col = QVBoxLayout()
+        col.addWidget(self.headline)
+        col.addWidget(self.details_btn, 0, Qt.AlignLeft)
+        col.addWidget(self.text)
+        lay.addLayout(col, 1)
         lay.addWidget(close, 0, Qt.AlignTop)
         self.hide()
 
     def show_error(self, info: dict) -> None:
+        from html import escape
+
+        from .fixes import advice
         meaning = f" ({info['meaning']})" if info.get("meaning") else ""
         during = info.get("during", "")
-        from html import escape
+        a = advice(info["message"])
+        self.headline.setText(f"<b>{escape(a.cause)}</b> {escape(a.fix)}" if a else
+                              f"<b>{escape(info['kind'])} during {escape(during)}</b>")
         self.text.setText(f"<b>{escape(info['kind'])} during {escape(during)}; k3 would exit "
                           f"{info['code']}{escape(meaning)}</b><br><pre style='white-space:"
                           f"pre-wrap'>{escape(info['message'])}</pre>")
+        # with advice the technical part folds away; without, it is all there is
+        self.details_btn.setVisible(a is not None)
+        self.details_btn.setChecked(a is None)
+        self.text.setVisible(a is None)
         self.show()
 
 
