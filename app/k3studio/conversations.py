@@ -86,8 +86,9 @@ def to_markdown(history: History, meta: Meta) -> str:
     quoted block, an incomplete reply is marked as such."""
     out = [f"# {meta.title or default_title(history)}", ""]
     names = {"system": "System", "user": "You", "assistant": "K3"}
-    for m in history:
-        out.append(f"## {names[m.role]}")
+    cut = set(meta.extra.get("incomplete_messages") or ())
+    for i, m in enumerate(history):
+        out.append(f"## {names[m.role]}" + (" (incomplete reply)" if i in cut else ""))
         out.append("")
         if m.reasoning_content:
             out.extend("> " + line for line in m.reasoning_content.splitlines())

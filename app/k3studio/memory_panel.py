@@ -125,6 +125,7 @@ class MemoryPanel(QWidget):
     """Edits the memory fields of the run; shows the plan for them."""
 
     changed = Signal()                 # a memory setting changed (the window persists it)
+    applyRequested = Signal()         # load the budgets shown (Apply)
     planUpdated = Signal(object)       # memory.Plan (or None without a model)
 
     def __init__(self, spec_fn: Callable[[], RunSpec], parent=None):
@@ -200,6 +201,12 @@ class MemoryPanel(QWidget):
         self.verdict.setWordWrap(True)
         self.verdict.setTextInteractionFlags(Qt.TextSelectableByMouse)
         play.addWidget(self.verdict)
+        # Apply: load these budgets now (the window reloads in place; the conversation stays)
+        self.apply_btn = QPushButton("Apply")
+        self.apply_btn.setObjectName("primary")
+        self.apply_btn.setEnabled(False)
+        self.apply_btn.clicked.connect(self.applyRequested)
+        play.addWidget(self.apply_btn, 0, Qt.AlignLeft)
         self.usage = QProgressBar()
         self.usage.setRange(0, 1000)
         self.usage.setTextVisible(True)

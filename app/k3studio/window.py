@@ -97,7 +97,7 @@ class MainWindow(QMainWindow):
         self.host = EngineHost(self)
         self.setup = SetupPanel(self.data_dir)
         self.memory = MemoryPanel(self.spec)
-        self.chat = ChatPanel(self.host, self.spec)
+        self.chat = ChatPanel(self.host, self.effective_spec)
         self.plots = PlotsPanel()
         store = ConversationStore(default_root(self.data_dir))
         store.purge_trash()                  # deletions of an earlier session are final
@@ -144,6 +144,7 @@ class MainWindow(QMainWindow):
         self.memory.set_baseline(self.baseline_bytes)
         self.setup.changed.connect(self._collect)
         self.memory.changed.connect(self._collect)
+        self.memory.applyRequested.connect(self.apply_memory)
         self.chat.changed.connect(self._collect)
         self.setup.inspected.connect(self._inspected)
         self.setup.loadRequested.connect(self.load_model)
@@ -172,6 +173,7 @@ class MainWindow(QMainWindow):
         lib.wantsModel.connect(self._conversation_model)
         lib.failed.connect(lambda why: self.statusBar().showMessage(why, 15000))
         self._shown_conversation = self._plotted_model = ""
+        self._applying = False
         self.actions_by_name = build_menus(self)
         self.dark = False
         self.set_theme(self.settings.theme)
@@ -251,7 +253,11 @@ class MainWindow(QMainWindow):
         spec = self.loaded_spec
         self.library.set_model(spec.model_dir, spec.trunk_dir, spec.tok_dir)
         self.memory.show_measured(info["plan_total"], info["peak_rss_after_load"])
-        self.tabs.setCurrentIndex(TAB_CHAT)
+        if not self._applying:
+            self.tabs.setCurrentIndex(TAB_CHAT)
+        self._applying = False
+        self._stale_note()
+        self.chat.show_command()
 
     def _unloaded(self) -> None:
         self.loaded_spec = None
@@ -261,6 +267,7 @@ class MainWindow(QMainWindow):
 
     def _busy(self, busy: bool) -> None:
         self.setup.set_engine_state(self.host.model_loaded, busy)
+        self._stale_note()
 
     def _turn_finished(self, info: dict) -> None:
         if info.get("failed"):
@@ -275,15 +282,32 @@ class MainWindow(QMainWindow):
                                     None if self.host.model_loaded else
                                     f"Not loaded: {info['message'].splitlines()[0]}")
 
-    def _stale_note(self) -> None:
-        """Memory and model settings apply at load: say so when they changed since."""
-        if self.loaded_spec is None:
-            return
+    def effective_spec(self) -> RunSpec:
+        """What a turn runs with: the loaded model and budgets, the current chat settings
+        (those apply per turn).  The chat's command line shows this, not budgets that are
+        not loaded."""
         cur = self.spec()
-        stale = any(getattr(cur, k) != getattr(self.loaded_spec, k) for k in MEMORY_FIELDS)
+        if self.loaded_spec is None:
+            return cur
+        from dataclasses import replace
+        return replace(cur, **{k: getattr(self.loaded_spec, k) for k in MEMORY_FIELDS})
+
+    def _stale_note(self) -> None:
+        """Memory and model settings apply at load: Apply (Memory tab) loads them in place."""
+        stale = self.loaded_spec is not None and any(
+            getattr(self.spec(), k) != getattr(self.loaded_spec, k) for k in MEMORY_FIELDS)
+        self.memory.apply_btn.setEnabled(stale and not self.host.busy)
+        self.memory.apply_btn.setToolTip(
+            "Load these budgets now: the model is reloaded in place, the conversation stays "
+            "(its next reply reads it again)" if stale else "The budgets shown are loaded")
         if stale:
-            self.statusBar().showMessage("Memory or model settings changed: Reload the model "
-                                         "(Setup) to apply them.", 10000)
+            self.statusBar().showMessage("Memory settings changed: Apply on the Memory tab "
+                                         "loads them (the conversation stays).", 10000)
+
+    def apply_memory(self) -> None:
+        if not self.host.busy and self.loaded_spec is not None:
+            self._applying = True        # stay on the Memory tab to see the result
+            self.load_model()
 
     # -- setup -> memory ------------------------------------------------------------
     def _inspected(self, insp) -> None:

@@ -148,3 +148,25 @@ def test_telemetry_and_measured_peak_reset_on_load_and_new(qtbot, window, demo_m
     from k3engine.memory import human
     assert human(info["peak_rss_after_load"]) in window.memory.measured.text()
     assert window.plots.archive[-1][0].startswith("model ")
+
+
+def test_apply_loads_the_new_budgets_without_a_trip_to_setup(qtbot, window, demo_model):
+    load(qtbot, window, *demo_model)
+    send(qtbot, window, "Keep this conversation")
+    before = window.host.loaded_info
+    assert not window.memory.apply_btn.isEnabled()          # what is shown is loaded
+    window.tabs.setCurrentIndex(1)
+    old = window.settings.cache_gb
+    window.memory.cache.spin.setValue(old * 2)
+    assert window.memory.apply_btn.isEnabled() and window.settings.cache_gb == old * 2
+    # the chat's command line shows what is loaded, not the budgets waiting for Apply
+    assert f"--cache-gb {old:g} " in window.chat.command.text()
+    assert f"--cache-gb {old * 2:g} " in window.command_line()
+    with qtbot.waitSignal(window.host.loaded, timeout=TIMEOUT) as b:
+        window.memory.apply_btn.click()
+    after = b.args[0]
+    assert after["expert_slots"] > before["expert_slots"]   # the new cache budget is loaded
+    assert window.tabs.currentIndex() == 1 and not window.memory.apply_btn.isEnabled()
+    assert any(m["content"] == "Keep this conversation" for m in window.host.messages)
+    assert window.loaded_spec.cache_gb == window.settings.cache_gb == old * 2
+    assert f"--cache-gb {old * 2:g} " in window.chat.command.text()
