@@ -117,7 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quit_after is not None:
         QTimer.singleShot(int(args.quit_after * 1000), win.close)
     code = app.exec()
+    dispose(win)
     return int(code)
+
+
+def dispose(win) -> None:
+    """Destroy the window while Python is still alive.  Left to interpreter exit, the
+    QApplication's teardown sends palette/style change events to pyqtgraph's items, whose
+    Python overrides then run during finalisation and crash shiboken (seen under X11)."""
+    from PySide6.QtCore import QCoreApplication, QEvent
+    win.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.DeferredDelete)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     QTimer.singleShot(100, lambda: win.use_demo(autoload=True))
     QTimer.singleShot(600_000, lambda: (print("timed out", file=sys.stderr), win.close()))
     app.exec()
+    from .__main__ import dispose
+    dispose(win)
     return state["code"] if len(saved) == 6 else 1
 
 
