@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame,
 from k3engine.memory import human
 
 from .markdown_view import MarkdownView
+from .notice_bar import NoticeBar
 from .runspec import RunSpec
 
 ROLE_TITLE = {"user": "You", "assistant": "K3", "system": "System prompt"}
@@ -285,9 +286,15 @@ class ChatPanel(QWidget):
         self.scroll.verticalScrollBar().valueChanged.connect(self._user_scrolled)
 
         # -- first-token progress --------------------------------------------------------
+        # a thin bar with its words beside it (inside the bar they were cut off)
         self.prefill = QProgressBar()
         self.prefill.setVisible(False)
-        self.prefill.setTextVisible(True)
+        self.prefill.setTextVisible(False)
+        self.prefill.setMaximumHeight(8)
+        self.prefill_text = QLabel()
+        self.prefill_text.setObjectName("hint")
+        self.prefill_text.setWordWrap(True)
+        self.prefill_text.setVisible(False)
 
         # -- generation settings -----------------------------------------------------
         gen_box = QGroupBox("Generation")
@@ -367,16 +374,8 @@ class ChatPanel(QWidget):
         for b in (self.send_btn, self.stop_btn, self.continue_btn, self.regen_btn,
                   self.edit_btn):
             col.addWidget(b)
-        self.edit_bar = QFrame()
-        self.edit_bar.setObjectName("undo_bar")
-        eb = QHBoxLayout(self.edit_bar)
-        eb.setContentsMargins(6, 2, 6, 2)
-        self.edit_label = QLabel()
-        self.edit_label.setWordWrap(True)
-        self.edit_cancel = QPushButton("Cancel")
-        eb.addWidget(self.edit_label, 1)
-        eb.addWidget(self.edit_cancel)
-        self.edit_bar.hide()
+        self.edit_bar = NoticeBar("Cancel")
+        self.edit_label, self.edit_cancel = self.edit_bar.label, self.edit_bar.button
         inrow = QHBoxLayout()
         inrow.addWidget(self.input, 1)
         inrow.addLayout(col)
@@ -396,6 +395,7 @@ class ChatPanel(QWidget):
         lay.addLayout(bar)
         lay.addLayout(sysrow)
         lay.addWidget(self.scroll, 1)
+        lay.addWidget(self.prefill_text)
         lay.addWidget(self.prefill)
         lay.addWidget(gen_box)
         lay.addWidget(self.edit_bar)
@@ -674,9 +674,9 @@ class ChatPanel(QWidget):
             old.deleteLater()
         self.column.insertWidget(self.column.count() - 1, self.live)
         self._prefilling = not prior
-        self.prefill.setVisible(not prior)
+        self._show_prefill(not prior)
         self.prefill.setRange(0, 0)      # busy until the first token or a progress report
-        self.prefill.setFormat(f"Reading the prompt: {info['prompt_ids']} positions…")
+        self.prefill_text.setText(f"Reading the prompt: {info['prompt_ids']} positions…")
         self._follow = True
         self._update_buttons()
 
@@ -685,14 +685,18 @@ class ChatPanel(QWidget):
             return
         self.prefill.setRange(0, 1000)
         self.prefill.setValue(int(1000 * min(1.0, p["done_bytes"] / p["total_bytes"])))
-        self.prefill.setFormat(progress_text(p))
+        self.prefill_text.setText(progress_text(p))
+
+    def _show_prefill(self, on: bool) -> None:
+        self.prefill.setVisible(on)
+        self.prefill_text.setVisible(on)
 
     def on_records(self, records: list) -> None:
         if self.live is None:
             return
         if self._prefilling:
             self._prefilling = False
-            self.prefill.setVisible(False)
+            self._show_prefill(False)
         think, content = [], []
         for r in records:
             (think if r["phase"] == "thinking" else content).append(r["text_delta"])
@@ -706,7 +710,7 @@ class ChatPanel(QWidget):
 
     def _turn_finished(self, info: dict) -> None:
         self._prefilling = False
-        self.prefill.setVisible(False)
+        self._show_prefill(False)
         self.generating = False
         live = self.live
         if live is not None:

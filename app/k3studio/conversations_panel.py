@@ -11,11 +11,12 @@ import os
 
 from PySide6.QtCore import QStandardPaths, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QMenu, QPushButton, QToolButton,
                                QVBoxLayout, QWidget)
 
 from .conversations import ConversationStore
+from .notice_bar import NoticeBar
 
 ID_ROLE = Qt.UserRole
 
@@ -66,16 +67,8 @@ class ConversationsPanel(QWidget):
             tools.addWidget(b)
         tools.addStretch(1)
 
-        self.undo_bar = QFrame()
-        self.undo_bar.setObjectName("undo_bar")
-        ub = QHBoxLayout(self.undo_bar)
-        ub.setContentsMargins(6, 2, 6, 2)
-        self.undo_label = QLabel()
-        self.undo_label.setWordWrap(True)
-        self.undo_btn = QPushButton("Undo")
-        ub.addWidget(self.undo_label, 1)
-        ub.addWidget(self.undo_btn)
-        self.undo_bar.hide()
+        self.undo_bar = NoticeBar("Undo")
+        self.undo_label, self.undo_btn = self.undo_bar.label, self.undo_bar.button
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 4, 0)

@@ -29,7 +29,7 @@ RULES: tuple[tuple[str, str, str], ...] = (
     (r"no config\.json|refusing to guess the architecture",
      "This folder is not a model: it has no config.json.",
      "Choose the folder of a downloaded checkpoint (config.json with *.safetensors), or "
-     "press “Use the demo model”."),
+     "run the demo model (Create the demo model, above)."),
     (r"no \.safetensors files",
      "This folder has a config.json but no weights (.safetensors files).",
      "Finish the download into this folder, or choose the folder that has the shards."),

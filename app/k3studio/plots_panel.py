@@ -353,6 +353,7 @@ class PlotsPanel(QWidget):
         self.heat = None
         self.heat_img.clear()
         self.heat_label = ""
+        self._details()
         self._set_empty((self.p_heat,), True)
         self.clear()
 

@@ -301,8 +301,9 @@ class MainWindow(QMainWindow):
             "Load these budgets now: the model is reloaded in place, the conversation stays "
             "(its next reply reads it again)" if stale else "The budgets shown are loaded")
         if stale:
-            self.statusBar().showMessage("Memory settings changed: Apply on the Memory tab "
-                                         "loads them (the conversation stays).", 10000)
+            self.statusBar().showMessage("Model or memory settings changed since the load: "
+                                         "Apply (Memory tab) loads them; the conversation "
+                                         "stays.", 10000)
 
     def apply_memory(self) -> None:
         if not self.host.busy and self.loaded_spec is not None:

@@ -395,12 +395,17 @@ class EngineWorker(QObject):
                 self.history.remove_last()   # a turn that failed: its message is replaced
             self.history.add(Message("user", text))
         except ChatError as e:
-            self._fail(e, "send")
-            self._emit_conversation()
-            self.turnFinished.emit({"failed": True, "n": 0})
+            self._refuse_turn(e, "send")
             return
         self._emit_conversation()
         self._turn(spec, cancel)
+
+    def _refuse_turn(self, e: BaseException, during: str) -> None:
+        """A turn refused before it started: reported, the transcript re-sent as it is,
+        and the turn ends (the panel leaves its generating state)."""
+        self._fail(e, during)
+        self._emit_conversation()
+        self.turnFinished.emit({"failed": True, "n": 0})
 
     @Slot(object, object)
     def regenerate(self, spec: RunSpec, cancel) -> None:
@@ -434,9 +439,7 @@ class EngineWorker(QObject):
             self._set_history(History(msgs[:index] + [Message("user", text)]),
                               {i for i in self.incomplete if i < index})
         except BaseException as e:  # noqa: BLE001
-            self._fail(e, "edit")
-            self._emit_conversation()
-            self.turnFinished.emit({"failed": True, "n": 0})
+            self._refuse_turn(e, "edit")
             return
         self._emit_conversation()
         self._turn(spec, cancel)

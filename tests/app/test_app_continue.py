@@ -108,7 +108,7 @@ def test_prefill_progress_has_elapsed_time_and_an_eta(qtbot, window, demo_model)
     load(qtbot, window, *demo_model)
     seen = []
     window.host.prefillProgress.connect(
-        lambda p: seen.append((p, window.chat.prefill.format())))
+        lambda p: seen.append((p, window.chat.prefill_text.text())))
     send(qtbot, window, " ".join(["A long prompt to read."] * 40))
     assert seen, "no prefill progress was reported"
     p, shown = seen[-1]
