@@ -30,11 +30,13 @@ def peak_rss_bytes() -> int:
 
 class PeakWindow:
     """The peak resident set since `reset()` -- per model load or per reply in the app.
-    getrusage's peak never goes down, so after a bigger model it would keep reporting that
-    one.  On Linux, writing 5 to /proc/self/clear_refs resets the kernel's VmHWM to the
-    current RSS (Documentation/filesystems/proc.rst), and VmHWM is then read back: still the
-    OS's own figure.  Elsewhere the window's peak is the larger of getrusage's peak taken at
-    reset (a floor that may be stale) and RSS samples: `measured` says which."""
+    Left alone, the process peak never goes down, so after a bigger model it would keep
+    reporting that one.  On Linux, writing 5 to /proc/self/clear_refs resets the kernel's
+    VmHWM to the current RSS (Documentation/filesystems/proc.rst), and VmHWM is then read
+    back: still the OS's own figure.  (It lowers getrusage's ru_maxrss for this process as
+    well, so the per-step peaks of the run API are then per window too; the CLI never
+    resets.)  Elsewhere the window's peak is the largest RSS sampled since the reset:
+    `measured` says which ("VmHWM" or "samples")."""
 
     def __init__(self):
         self.measured = "VmHWM"
