@@ -147,3 +147,39 @@ def test_import_a_file_from_elsewhere(qtbot, window, tmp_path):
     with qtbot.waitSignal(window.library.failed, timeout=TIMEOUT) as b:
         assert window.library.import_file(str(bad)) is None
     assert "is blank" in b.args[0] and window.sidebar.titles() == ["elsewhere"]
+
+
+def test_an_incomplete_reply_survives_a_restart(qtbot, store, tmp_path, demo_model):
+    """Kept in the sidecar: shown again after a restart (marked, not continuable: the
+    engine state is gone), and a new message answers it as it was."""
+    from k3studio.window import MainWindow
+    data = str(tmp_path / "data")
+    win = MainWindow(store=store, data_dir=data)
+    qtbot.addWidget(win)
+    win.show()
+    load(qtbot, win, *demo_model)
+    t = send(qtbot, win, "Cut me short")                  # the demo hits the limit
+    assert t["end_id"] is None and win.chat.pending["continuable"]
+    qtbot.waitUntil(lambda: bool(win.library.meta and win.library.meta.incomplete),
+                    timeout=TIMEOUT)
+    win.close()
+
+    win2 = MainWindow(store=store, data_dir=data)
+    qtbot.addWidget(win2)
+    with qtbot.waitSignal(win2.host.loaded, timeout=TIMEOUT):
+        win2.show()
+    qtbot.waitUntil(lambda: win2.chat.pending is not None, timeout=TIMEOUT)
+    p = win2.chat.pending
+    assert p["ids"] == t["ids"] and not p["continuable"]
+    assert "earlier session" in win2.chat._pending_note(p)
+    assert not win2.chat.continue_btn.isEnabled()
+    send(qtbot, win2, "Go on anyway")
+    msgs = [m for m in win2.host.messages if m["role"] != "system"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"] and msgs[1]["incomplete"]
+    # saved: the answered reply is a turn of the .jsonl, marked in the sidecar
+    qtbot.waitUntil(lambda: "incomplete_messages" in win2.library.store.meta(
+        win2.library.current).extra, timeout=TIMEOUT)
+    hist = History.load(win2.library.path)
+    k = win2.library.store.meta(win2.library.current).extra["incomplete_messages"]
+    assert [hist[i].role for i in k] == ["assistant"]
+    win2.close()
