@@ -98,18 +98,23 @@ def test_threads_1_and_2_bit_identical(lm):
 
 
 def test_simd_and_scalar_kernels_bit_identical(lm):
+    """Every row-kernel path this CPU runs (scalar, AVX2, AVX-512) gives the same logits."""
     if not K.simd_active():
-        pytest.skip("NOT RUN: this CPU has no AVX2 path to compare with the scalar one")
+        pytest.skip("NOT RUN: this CPU has no SIMD path to compare with the scalar one")
     ids = GOLDEN["prompt_ids"]
     a = teacher_forced_logits(lm, ids)
-    K.set_simd(False)
-    try:
-        b = teacher_forced_logits(lm, ids)
-    finally:
-        K.set_simd(True)
-    print(f"[gate] AVX2 vs scalar row kernels: {a.size} logits bit-identical: "
-          f"{np.array_equal(a.view(np.uint32), b.view(np.uint32))}")
-    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    prev = K.isa()
+    for name in K.isas_available():
+        if name == prev:
+            continue
+        K.set_isa(name)
+        try:
+            b = teacher_forced_logits(lm, ids)
+        finally:
+            K.set_isa(prev)
+        print(f"[gate] {prev} vs {name} row kernels: {a.size} logits bit-identical: "
+              f"{np.array_equal(a.view(np.uint32), b.view(np.uint32))}")
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def test_nested_config_gives_the_same_model(tmp_path, lm):

@@ -24,6 +24,9 @@ import ast
 import contextlib
 import ctypes
 import ctypes.util
+import os
+import subprocess
+import sys
 import sysconfig
 
 import numpy as np
@@ -91,13 +94,19 @@ def threads(n: int):
 
 
 @contextlib.contextmanager
-def simd(on: bool):
-    prev = K.simd_active()
-    K.set_simd(on)
+def isa(name: str):
+    """Force one row-kernel instruction set (scalar / avx2 / avx512) for a block."""
+    prev = K.isa()
+    K.set_isa(name)
     try:
         yield
     finally:
-        K.set_simd(prev)
+        K.set_isa(prev)
+
+
+def simd_isas() -> list[str]:
+    """The SIMD paths this CPU runs (each is compared with the scalar reference path)."""
+    return [n for n in K.isas_available() if n != "scalar"]
 
 
 def rng(seed: int) -> np.random.Generator:
@@ -542,18 +551,71 @@ def test_mxfp4_scale_255_group_contributes_zero():
     assert K.mxfp4_dequant(one, np.full((1, 1), 254, np.uint8))[0, 0] == np.float32(2.0 ** 126)
 
 
-# ---- 3. SIMD vs scalar -----------------------------------------------------------------------
+# ---- 3. instruction-set paths and token blocking --------------------------------------------
 
-def test_simd_and_scalar_row_kernels_bitwise_identical():
-    """Traps #37/#38 (the AVX2 paths must keep the exact lane partition and tree): f32, bf16
-    and MXFP4 matvec give identical bits with K.set_simd(True) and K.set_simd(False) on
-    300x(7168+5) (MXFP4 300x7168 with scales 0/254/255 mixed in), including order-revealing
-    cancelling rows, and every tail length 0..15; the scalar path equals the reference."""
-    if not K.simd_active():
-        with simd(True):
-            if not K.simd_active():
-                pytest.skip("AVX2 path unavailable on this CPU/build: only the scalar path "
-                            "exists, nothing to compare it with")
+def assert_same_values(name: str, got, want) -> None:
+    """Bitwise, except that any NaN equals any NaN.  Trap: C does not fix which operand's
+    payload an add propagates when both are NaN (the compiler may commute a + b), so NaN
+    payloads are not part of the contract; NaN positions and every other bit are."""
+    g, w = bits(got).reshape(-1).copy(), bits(want).reshape(-1).copy()
+    gn, wn = np.isnan(g.view(np.float32)), np.isnan(w.view(np.float32))
+    assert np.array_equal(gn, wn), f"{name}: NaN positions differ ({gn.sum()} vs {wn.sum()})"
+    g[gn] = w[wn] = 0x7FC00000
+    print(f"[gate]   ({int(wn.sum())} NaN outputs compared as NaN)")
+    assert_bitwise(name, g.view(np.float32), w.view(np.float32))
+
+
+def special_f32(r, shape) -> np.ndarray:
+    """[rows, n] Gaussian values with denormals and zeros of both signs everywhere, and +-inf
+    and NaN in every fourth row only (rows 1, 5, ...), so most outputs stay finite and
+    compare bit for bit while some exercise inf/NaN propagation."""
+    a = rand_f32(r, shape)
+    rows, n = shape
+    k = max(1, n // 50)
+    for i in range(rows):
+        pick = r.choice(n, size=(5, k), replace=5 * k > n)     # tiny rows: may overlap
+        a[i, pick[0]] = np.float32(1e-40) * r.choice([-1, 1], k).astype(np.float32)
+        a[i, pick[1]] = np.float32(-0.0)
+        if i % 4 == 1:
+            a[i, pick[2]], a[i, pick[3]], a[i, pick[4]] = np.inf, -np.inf, np.nan
+    return a
+
+
+def mv_kind(kind, WW, X):
+    """One matvec call of the given kind ('f32', 'bf16', 'i8r', 'mxfp4') on the current path;
+    WW is the matrix, or its (packed, scales) / (q, scales) pair."""
+    if kind == "mxfp4":
+        return mv4(WW[0], WW[1], X)
+    if kind == "i8r":
+        Y = np.empty((X.shape[0], WW[0].shape[0]), np.float32)
+        K.i8r_matvec(WW[0], WW[1], X, Y)
+        return Y
+    return mv(WW, X)
+
+
+def all_isas_mv(kind, WW, X):
+    """{isa: output} for one matvec over every path this CPU runs."""
+    out = {}
+    for name in K.isas_available():
+        with isa(name):
+            assert K.isa() == name
+            out[name] = mv_kind(kind, WW, X)
+    return out
+
+
+def _need_simd():
+    if not simd_isas():
+        pytest.skip("no SIMD path on this CPU/build: only the scalar path exists, nothing to "
+                    "compare it with")
+
+
+def test_isa_paths_bitwise_identical_random_and_cancelling():
+    """Traps #37/#38 (every SIMD path must keep the exact lane partition and tree; FMA is exact
+    here because the products are exact in double): f32, bf16, I8R and MXFP4 matvec give
+    identical bits on the scalar, AVX2 and AVX-512 paths, on 300x(7168+5) (MXFP4 300x7168
+    with scales 0/254/255 mixed in), including order-revealing cancelling rows, and every
+    tail length 0..15; the scalar path equals the independent exact-order reference."""
+    _need_simd()
     r = rng(4242)
     n = 7168 + 5
     Wc, xc = cancelling_matvec(r, 300, n)
@@ -570,26 +632,141 @@ def test_simd_and_scalar_row_kernels_bitwise_identical():
     P[150:], S[150:] = Pc[150:], Sc[150:]
     X4 = np.stack([rand_f32(r, 7168), adversarial_f32(r, 7168), x4c])
     X4[:2] *= np.float32(2.0 ** -12)
-    out = {}
-    for on in (False, True):
-        with simd(on):
-            assert K.simd_active() == on
-            out[on] = (mv(W, X), mv(Wb, X), mv4(P, S, X4))
-    for name, a, b in zip(("f32 300x7173", "bf16 300x7173", "mxfp4 300x7168"),
-                          out[False], out[True]):
-        assert_bitwise(f"SIMD vs scalar {name} (T=3: random, wide-range, cancelling x)", b, a)
-    assert_bitwise("scalar f32 matvec, cancelling x, vs exact-order ref", out[False][0][2],
-                   ref_matvec(W, X[2]))
-    assert_bitwise("scalar mxfp4 matvec, cancelling x, vs exact-order ref", out[False][2][2],
-                   ref_mxfp4_matvec(P, S, X4[2]))
-    for m in range(16, 32):                  # every tail length 0..15, on both paths
+    Q = r.integers(-128, 128, (300, n)).astype(np.int8)
+    qs = (r.random(300) + 0.01).astype(np.float32)
+    cases = (("f32 300x7173", "f32", W, X), ("bf16 300x7173", "bf16", Wb, X),
+             ("mxfp4 300x7168", "mxfp4", (P, S), X4), ("i8r 300x7173", "i8r", (Q, qs), X))
+    for label, kind, WW, XX in cases:
+        out = all_isas_mv(kind, WW, XX)
+        for name in simd_isas():
+            assert_bitwise(f"{name} vs scalar {label} (T=3: random, wide-range, cancelling x)",
+                           out[name], out["scalar"])
+        if kind == "f32":
+            assert_bitwise("scalar f32 matvec, cancelling x, vs exact-order ref",
+                           out["scalar"][2], ref_matvec(W, X[2]))
+        if kind == "mxfp4":
+            assert_bitwise("scalar mxfp4 matvec, cancelling x, vs exact-order ref",
+                           out["scalar"][2], ref_mxfp4_matvec(P, S, X4[2]))
+    for m in range(16, 32):                  # every tail length 0..15, on every path
         Wm, xm = cancelling_matvec(r, 17, m)
-        with simd(False):
-            a = mv(Wm, xm[None])
-        with simd(True):
-            b = mv(Wm, xm[None])
-        assert n_diff(a, b) == 0 and n_diff(a[0], ref_matvec(Wm, xm)) == 0, f"width {m}"
-    print("[gate] SIMD vs scalar vs ref, widths 16..31 (all tail lengths): all equal")
+        want = ref_matvec(Wm, xm)
+        for name, y in all_isas_mv("f32", Wm, xm[None]).items():
+            assert n_diff(y[0], want) == 0, f"{name} width {m}"
+        Wmb = (Wm.view(np.uint32) >> 16).astype(np.uint16)
+        for name, y in all_isas_mv("bf16", Wmb, xm[None]).items():
+            assert n_diff(y[0], want) == 0, f"{name} bf16 width {m}"
+    print(f"[gate] {', '.join(K.isas_available())} vs ref, widths 16..31 (all tail lengths): "
+          f"all equal")
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 15), (5, 17), (33, 47), (129, 257)])
+def test_isa_paths_bitwise_identical_odd_sizes_and_specials(rows, n):
+    """The same comparison on odd shapes (fewer rows than a tile, widths below one block of
+    16, ragged tails) with denormals, signed zeros, +-inf and NaN in weights and inputs for
+    f32/bf16 (BF16 patterns here include exponent 0xFF), and in the inputs of I8R and MXFP4
+    (whose weights cannot hold them); every path, T = 5 tokens."""
+    _need_simd()
+    r = rng(rows * 1000 + n)
+    W = special_f32(r, (rows, n))
+    Wb = random_bf16(r, (rows, n))
+    Wb[1::4] = r.integers(0, 1 << 16, Wb[1::4].shape, dtype=np.uint32)   # inf/NaN patterns
+    Q = r.integers(-128, 128, (rows, n)).astype(np.int8)
+    qs = (r.random(rows) + 0.01).astype(np.float32)
+    X = special_f32(r, (5, n))
+    X[0] = rand_f32(r, n)                                 # one all-finite token
+    n4 = 32 * max(1, n // 32)
+    P = r.integers(0, 256, (rows, n4 // 2), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(0, 256, (rows, n4 // 32), dtype=np.uint16).astype(np.uint8)
+    X4 = special_f32(r, (5, n4))
+    X4[0] = rand_f32(r, n4)
+    for label, kind, WW, XX in (("f32", "f32", W, X), ("bf16", "bf16", Wb, X),
+                                ("i8r", "i8r", (Q, qs), X), ("mxfp4", "mxfp4", (P, S), X4)):
+        out = all_isas_mv(kind, WW, XX)
+        for name in simd_isas():
+            assert_same_values(f"{name} vs scalar {label} {rows}x{n} with specials",
+                               out[name], out["scalar"])
+    finite = np.isfinite(W).all(axis=1)
+    with isa("scalar"):
+        assert_bitwise(f"scalar f32 {rows}x{n}, finite rows, token 0 vs exact-order ref",
+                       mv(W[finite], X[:1])[0], ref_matvec(W[finite], X[0]))
+
+
+KINDS = ("f32", "bf16", "i8r", "mxfp4")
+
+
+def _blocking_inputs(r, kind, rows, n):
+    if kind == "f32":
+        return rand_f32(r, (rows, n)), rand_f32(r, (9, n))
+    if kind == "bf16":
+        return random_bf16(r, (rows, n)), rand_f32(r, (9, n))
+    if kind == "i8r":
+        return ((r.integers(-128, 128, (rows, n)).astype(np.int8),
+                 (r.random(rows) + 0.01).astype(np.float32)), rand_f32(r, (9, n)))
+    n4 = n - n % 32
+    P = r.integers(0, 256, (rows, n4 // 2), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(118, 125, (rows, n4 // 32), dtype=np.uint16).astype(np.uint8)
+    S[::5, ::3] = 255
+    return (P, S), rand_f32(r, (9, n4))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
+    """Trap #45 for the token-blocked tiles (a weight block widened once, applied to up to 4
+    tokens; 2 rows share each x block): for T = 1..9 (full tiles, ragged tiles, T = 1) on
+    every path at 1 and 2 threads, Y[t] equals the one-token call Y[t:t+1] bit for bit, on
+    517 rows (odd: a ragged row tile and a ragged last chunk) x 2053 inputs (ragged tail),
+    above the parallel threshold so 2 threads really split the rows."""
+    r = rng(45 + KINDS.index(kind))
+    rows, n = 517, 2053
+    assert rows * (n - n % 32) >= PAR_MIN_WORK
+    WW, X = _blocking_inputs(r, kind, rows, n)
+    for name in K.isas_available():
+        with isa(name):
+            with threads(1):
+                single = np.concatenate([mv_kind(kind, WW, X[t:t + 1]) for t in range(9)])
+            for nt in (1, 2):
+                with threads(nt):
+                    for T in range(1, 10):
+                        got = mv_kind(kind, WW, X[:T])
+                        assert n_diff(got, single[:T]) == 0, \
+                            f"{kind} {name} T={T} threads={nt}: blocked != one-token"
+    print(f"[gate] {kind} {rows}x{n}: T=1..9 blocked == 9 one-token calls, bitwise, on "
+          f"{', '.join(K.isas_available())} at 1 and 2 threads")
+    with isa("scalar"):
+        if kind in ("f32", "bf16"):
+            W32 = WW if kind == "f32" else widen_bf16(WW)
+            assert_bitwise(f"{kind} one-token vs exact-order ref", single[3], ref_matvec(W32, X[3]))
+        elif kind == "mxfp4":
+            assert_bitwise("mxfp4 one-token vs exact-order ref", single[3],
+                           ref_mxfp4_matvec(WW[0], WW[1], X[3]))
+
+
+def test_isa_selection_env_and_refusals():
+    """K3_KERNEL_ISA forces a path at import (so a whole run can be pinned to one); a typo is
+    ignored with a warning naming the variable; set_isa refuses unknown names and paths the
+    CPU lacks (running them would crash, not just be slow)."""
+    code = "from k3engine import kernels as K; print(K.isa())"
+    for want in K.isas_available():
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "K3_KERNEL_ISA": want}, check=True)
+        assert got.stdout.strip() == want, (want, got.stdout, got.stderr)
+    bad = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                         text=True, env={**os.environ, "K3_KERNEL_ISA": "avx9000"},
+                         check=True)
+    assert bad.stdout.strip() == K.isas_available()[-1]
+    assert "K3_KERNEL_ISA" in bad.stderr and "avx9000" in bad.stderr
+    print(f"[gate] K3_KERNEL_ISA selects each of {K.isas_available()}; a typo warns: "
+          f"{bad.stderr.strip().splitlines()[-1][:100]}")
+    with pytest.raises(ValueError, match="unknown kernel ISA"):
+        K.set_isa("sse9")
+    missing = [n for n in ("scalar", "avx2", "avx512") if n not in K.isas_available()]
+    for name in missing:
+        with pytest.raises(ValueError, match="not supported by this CPU"):
+            K.set_isa(name)
+    prev = K.isa()
+    K.set_simd(False)
+    assert K.isa() == "scalar" and not K.simd_active()
+    K.set_isa(prev)
 
 
 # ---- 4. thread-count independence ------------------------------------------------------------

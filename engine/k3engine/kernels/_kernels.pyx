@@ -8,22 +8,32 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
   evaluated in double.  Every float32 chain below uses the typed constants F1/F0 instead.
 * expf/tanhf come from libm (NumPy's float32 SIMD versions differ in the last bit and fail
   the peer's `moe` fixture).
-* No FMA: the build passes -ffp-contract=off (setup.py).
+* No FMA in float32 chains: the build passes -ffp-contract=off (setup.py).  The row kernels
+  of k3dot.h use explicit FMA only inside double reductions whose products are exact,
+  where it rounds exactly like the separate multiply and add.
 """
 from libc.math cimport expf, tanhf, sqrt, sqrtf, ldexp
 from libc.stdint cimport int8_t, uint8_t, uint16_t, int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, free
 from cython.parallel cimport prange, parallel
+import os
+import warnings
+
 import numpy as np
 
 cdef extern from "k3dot.h" nogil:
-    double k3_dot_f32(const float *w, const double *x, long n)
-    double k3_dot_bf16(const uint16_t *w, const double *x, long n)
-    double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const double *x, long n)
-    double k3_dot_i8(const int8_t *w, const double *x, long n)
+    void k3_mv_rows_f32(const float *W, long ldw, long n, long o0, long o1, const double *Xd,
+                        long ntok, const float *scale, float *Y, long ldy)
+    void k3_mv_rows_bf16(const uint16_t *W, long ldw, long n, long o0, long o1,
+                         const double *Xd, long ntok, const float *scale, float *Y, long ldy)
+    void k3_mv_rows_i8(const int8_t *W, long ldw, long n, long o0, long o1, const double *Xd,
+                       long ntok, const float *scale, float *Y, long ldy)
+    void k3_mv_rows_mxfp4(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
+                          const double *Xd, long ntok, float *Y, long ldy)
     float k3_bf16_to_f32(uint16_t b)
-    void k3_set_simd(int on)
-    int k3_avx2()
+    int k3_set_isa(int isa)
+    int k3_isa()
+    int k3_isa_best()
     void k3_e8m0_init()
     const double K3_E2M1[16]
 
@@ -34,7 +44,48 @@ DEF MAX_SOURCES = 256             # AttnRes sources per aggregation (real K3: 9)
 DEF MAX_TOPK = 64                 # reference ceiling (config rule 5)
 
 k3_e8m0_init()                    # scale tables and the CPU probe, once, before any thread
-k3_avx2()
+k3_isa_best()
+
+ISA_NAMES = ("scalar", "avx2", "avx512")   # index = the C enum (k3dot.h)
+ISA_ENV = "K3_KERNEL_ISA"
+
+
+def isas_available():
+    """The row-kernel paths this CPU can run, slowest first (always includes 'scalar')."""
+    return ISA_NAMES[:k3_isa_best() + 1]
+
+
+def set_isa(name):
+    """Force the row kernels' instruction set: 'scalar', 'avx2', 'avx512' or 'auto' (the
+    best this CPU has).  All paths compute identical bits; the switch exists so tests can
+    prove it.  A path the CPU lacks is refused (it would crash, not just run slowly)."""
+    if name == "auto":
+        k3_set_isa(-1)
+        return
+    if name not in ISA_NAMES:
+        raise ValueError(f"unknown kernel ISA {name!r}: expected one of "
+                         f"{', '.join(ISA_NAMES)} or auto")
+    if name not in isas_available():
+        raise ValueError(f"kernel ISA {name!r} is not supported by this CPU "
+                         f"(available: {', '.join(isas_available())})")
+    k3_set_isa(ISA_NAMES.index(name))
+
+
+def isa():
+    """The row-kernel path in use: 'scalar', 'avx2' or 'avx512'."""
+    return ISA_NAMES[k3_isa()]
+
+
+def _isa_from_env():
+    want = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    try:
+        set_isa(want)
+    except ValueError as e:       # a typo or a foreign CPU must not stop the engine
+        k3_set_isa(-1)
+        warnings.warn(f"{ISA_ENV}={want!r} ignored: {e}; using {isa()}", RuntimeWarning)
+
+
+_isa_from_env()
 
 cdef int _nthreads = 1
 # Below this many multiply-adds a parallel region costs more than it saves (measured on the
@@ -60,13 +111,12 @@ def par_min_work():
 
 
 def set_simd(bint on):
-    """Select the AVX2 row kernels (default when the CPU has them) or the scalar ones.
-    Both compute identical bits; the switch exists so tests can prove it."""
-    k3_set_simd(1 if on else 0)
+    """set_isa('auto') or set_isa('scalar') (kept for callers that only know on/off)."""
+    set_isa("auto" if on else "scalar")
 
 
 def simd_active():
-    return bool(k3_avx2())
+    return k3_isa() != 0
 
 
 cdef inline int _threads_for(long work) noexcept nogil:
@@ -82,7 +132,9 @@ cdef inline float sigm(float x) noexcept nogil:
 
 def matvec(W, const float[:, ::1] X, float[:, ::1] Y):
     """Y[t, o] = sum_i W[o, i] * X[t, i] with the 16-lane double order, per token.
-    W is float32 or BF16 bit patterns (uint16), row-major [out, in]."""
+    W is float32 or BF16 bit patterns (uint16), row-major [out, in].  With T > 1 each weight
+    block is widened once for a tile of up to 4 tokens (k3dot.h); per-token bits are those
+    of a T = 1 call."""
     if W.dtype == np.uint16:
         _matvec_bf16(W, X, Y)
     elif W.dtype == np.float32:
@@ -102,36 +154,40 @@ cdef double[:, ::1] _widened(const float[:, ::1] X):
     return np.asarray(X, dtype=np.float64)
 
 
+# Rows per parallel work item: a multiple of every tile height, small enough to balance.
+DEF ROW_CHUNK = 16
+
+
 cdef _matvec_f32(const float[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
     _check_mv(W.shape[0], W.shape[1], X, Y)
-    cdef Py_ssize_t o, t, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
+    cdef Py_ssize_t c, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
     cdef int nt = _threads_for(nout * n * T)
     if nout == 0 or T == 0:
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for o in prange(nout, num_threads=nt, schedule="static"):
-            for t in range(T):
-                Y[t, o] = <float>k3_dot_f32(&W[o, 0], &Xd[t, 0], n)
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+            k3_mv_rows_f32(&W[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
+                           &Xd[0, 0], T, NULL, &Y[0, 0], nout)
 
 
 cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
     _check_mv(W.shape[0], W.shape[1], X, Y)
-    cdef Py_ssize_t o, t, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
+    cdef Py_ssize_t c, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
     cdef int nt = _threads_for(nout * n * T)
     if nout == 0 or T == 0:
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for o in prange(nout, num_threads=nt, schedule="static"):
-            for t in range(T):
-                Y[t, o] = <float>k3_dot_bf16(&W[o, 0], &Xd[t, 0], n)
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+            k3_mv_rows_bf16(&W[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
+                            &Xd[0, 0], T, NULL, &Y[0, 0], nout)
 
 
 def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
                  const float[:, ::1] X, float[:, ::1] Y):
     """MXFP4 matvec straight from the nibbles (§5.6): P [out, n/2], S [out, n/32]."""
-    cdef Py_ssize_t o, t, nout = P.shape[0], n = P.shape[1] * 2, T = X.shape[0]
+    cdef Py_ssize_t c, nout = P.shape[0], n = P.shape[1] * 2, T = X.shape[0]
     if S.shape[0] != nout or S.shape[1] * 32 != n:
         raise ValueError(f"MXFP4 scales [{S.shape[0]},{S.shape[1]}] do not fit packed "
                          f"[{P.shape[0]},{P.shape[1]}] with groups of 32")
@@ -141,16 +197,16 @@ def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for o in prange(nout, num_threads=nt, schedule="static"):
-            for t in range(T):
-                Y[t, o] = <float>k3_dot_mxfp4(&P[o, 0], &S[o, 0], &Xd[t, 0], n)
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+            k3_mv_rows_mxfp4(&P[0, 0], &S[0, 0], n, c * ROW_CHUNK,
+                             min(nout, (c + 1) * ROW_CHUNK), &Xd[0, 0], T, &Y[0, 0], nout)
 
 
 def i8r_matvec(const int8_t[:, ::1] Q, const float[::1] S, const float[:, ::1] X,
                float[:, ::1] Y):
     """Y[t, o] = S[o] * sum_i Q[o, i] * X[t, i]: int8 rows with one float32 scale each
     (a draft trunk's I8R matrices), the sum in the 16-lane double order."""
-    cdef Py_ssize_t o, t, nout = Q.shape[0], n = Q.shape[1], T = X.shape[0]
+    cdef Py_ssize_t c, nout = Q.shape[0], n = Q.shape[1], T = X.shape[0]
     if S.shape[0] != nout:
         raise ValueError(f"I8R scales [{S.shape[0]}] do not fit rows [{nout}]")
     _check_mv(nout, n, X, Y)
@@ -159,9 +215,9 @@ def i8r_matvec(const int8_t[:, ::1] Q, const float[::1] S, const float[:, ::1] X
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for o in prange(nout, num_threads=nt, schedule="static"):
-            for t in range(T):
-                Y[t, o] = <float>(<double>S[o] * k3_dot_i8(&Q[o, 0], &Xd[t, 0], n))
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+            k3_mv_rows_i8(&Q[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
+                          &Xd[0, 0], T, &S[0], &Y[0, 0], nout)
 
 
 def mxfp4_dequant(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S):

@@ -1,25 +1,40 @@
 /* Row dot products with the exact reduction orders of ARCHITECTURE §5.3 and §5.6.
  *
- * Written in C rather than Cython for one reason: the AVX2 paths need intrinsics and a
+ * Written in C rather than Cython for one reason: the SIMD paths need intrinsics and a
  * runtime CPU check, so a portable build still runs at memory speed.  Every path computes
- * the same bits: products of two float32 (or E2M1 x float32) values are exact in double,
- * so only the ORDER of the double additions matters, and every variant below keeps the
- * 16-lane tree (matvec) and the 8-lane-per-group tree (MXFP4) of the reference.
+ * the same bits: products of two float32 (or bf16 / int8 / E2M1 x float32) values are exact
+ * in double, so fma(w, x, a) rounds exactly like a + w*x, and only the ORDER of the double
+ * additions matters; every variant below keeps the 16-lane tree (matvec) and the
+ * 8-lane-per-group tree (MXFP4) of the reference.
  * Built with -ffp-contract=off; never -ffast-math (that would reassociate the tree).
+ *
+ * Three instruction sets, chosen AT RUN TIME (the portable build emits all three; a path
+ * runs only when __builtin_cpu_supports says the CPU has it): scalar (the reference form,
+ * multiply then add), avx2 (AVX2 + FMA, 4 doubles per vector) and avx512 (F/BW/VL/DQ,
+ * 8 doubles per vector).  K3_KERNEL_ISA or k3_set_isa() forces one, so tests compare them.
+ *
+ * Tiles: a SIMD kernel computes R rows x B tokens at once (R <= 2, B <= 4): each weight
+ * block is widened (or its nibbles decoded) once and applied to every token of the tile
+ * while it is in registers, and each x block is loaded once for both rows.  Every (row,
+ * token) pair keeps its own accumulators in its own order, so the tile shape never changes
+ * a bit (tests/test_kernels.py proves it for T = 1..9 at 1 and 2 threads).
  */
 #ifndef K3DOT_H
 #define K3DOT_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define K3_HAVE_AVX2_PATH 1
+#define K3_HAVE_SIMD_PATHS 1
 #include <immintrin.h>
 #else
-#define K3_HAVE_AVX2_PATH 0
+#define K3_HAVE_SIMD_PATHS 0
 #endif
+
+enum { K3_ISA_SCALAR = 0, K3_ISA_AVX2 = 1, K3_ISA_AVX512 = 2 };
 
 static inline float k3_bf16_to_f32(uint16_t b) {
     uint32_t u = ((uint32_t)b) << 16;   /* BF16 widening is a shift, never a rounding */
@@ -28,7 +43,7 @@ static inline float k3_bf16_to_f32(uint16_t b) {
     return f;
 }
 
-/* ---- 16-lane double matvec row (§5.3) ------------------------------------------------ */
+/* ---- scalar reference: 16-lane double matvec row (§5.3) ------------------------------ */
 
 static inline double k3_tree16(const double *a) {
     double b0 = (a[0] + a[4]) + (a[8] + a[12]);
@@ -56,68 +71,11 @@ static inline double k3_tree16(const double *a) {
 
 K3_DOT16(k3_dot_f32_scalar, float, K3_AS_IS)
 K3_DOT16(k3_dot_bf16_scalar, uint16_t, k3_bf16_to_f32)
-
 /* I8R rows (a draft trunk's int8 container): the same order; the row's scale is applied
- * by the caller after the sum.  A draft only proposes, so this has no hand-written AVX2
- * twin: -O3 vectorises the lanes, and the order (hence the bits) is the same either way. */
-K3_DOT16(k3_dot_i8, int8_t, K3_AS_IS)
+ * by the caller after the sum. */
+K3_DOT16(k3_dot_i8_scalar, int8_t, K3_AS_IS)
 
-#if K3_HAVE_AVX2_PATH
-/* Lane l of the scalar form lives in vector l/4, element l%4 (v0 = lanes 0-3, v1 = 4-7,
- * v2 = 8-11, v3 = 12-15).  The tree b[l] = (a[l]+a[l+4]) + (a[l+8]+a[l+12]) is then
- * (v0+v1) + (v2+v3) lanewise, followed by (b0+b1) + (b2+b3). */
-__attribute__((target("avx2")))
-static inline double k3_tree16_avx(__m256d v0, __m256d v1, __m256d v2, __m256d v3) {
-    __m256d b = _mm256_add_pd(_mm256_add_pd(v0, v1), _mm256_add_pd(v2, v3));
-    double t[4];
-    _mm256_storeu_pd(t, b);
-    return (t[0] + t[1]) + (t[2] + t[3]);
-}
-
-__attribute__((target("avx2")))
-static inline void k3_madd16_avx(__m256 w0, __m256 w1, const double *x, __m256d *v) {
-    v[0] = _mm256_add_pd(v[0], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w0)),
-                                             _mm256_loadu_pd(x)));
-    v[1] = _mm256_add_pd(v[1], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w0, 1)),
-                                             _mm256_loadu_pd(x + 4)));
-    v[2] = _mm256_add_pd(v[2], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w1)),
-                                             _mm256_loadu_pd(x + 8)));
-    v[3] = _mm256_add_pd(v[3], _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(w1, 1)),
-                                             _mm256_loadu_pd(x + 12)));
-}
-
-__attribute__((target("avx2")))
-static double k3_dot_f32_avx2(const float *w, const double *x, long n) {
-    __m256d v[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
-                    _mm256_setzero_pd()};
-    long nfull = n & ~15L, i;
-    for (i = 0; i < nfull; i += 16)
-        k3_madd16_avx(_mm256_loadu_ps(w + i), _mm256_loadu_ps(w + i + 8), x + i, v);
-    double acc = k3_tree16_avx(v[0], v[1], v[2], v[3]);
-    for (; i < n; i++) acc += (double)w[i] * x[i];
-    return acc;
-}
-
-__attribute__((target("avx2")))
-static double k3_dot_bf16_avx2(const uint16_t *w, const double *x, long n) {
-    __m256d v[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
-                    _mm256_setzero_pd()};
-    long nfull = n & ~15L, i;
-    for (i = 0; i < nfull; i += 16) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(w + i));
-        /* widen 16 bf16 to 16 f32 by placing each in the top half of a 32-bit lane */
-        __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw));
-        __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1));
-        k3_madd16_avx(_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
-                      _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), x + i, v);
-    }
-    double acc = k3_tree16_avx(v[0], v[1], v[2], v[3]);
-    for (; i < n; i++) acc += (double)k3_bf16_to_f32(w[i]) * x[i];
-    return acc;
-}
-#endif
-
-/* ---- MXFP4 row (§5.6) ------------------------------------------------------------------ */
+/* ---- scalar reference: MXFP4 row (§5.6) ---------------------------------------------- */
 
 static const double K3_E2M1[16] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0};
@@ -157,88 +115,429 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
     return acc;
 }
 
-#if K3_HAVE_AVX2_PATH
-/* Same order as the scalar form.  Codes are looked up as 2*E2M1 (small integers, so a
- * byte shuffle can decode them) and the group sum is scaled by 0.5*2^(b-127): an exact
- * power-of-two rescaling, so the bits equal the scalar path. */
-__attribute__((target("avx2")))
-static double k3_dot_mxfp4_avx2(const uint8_t *packed, const uint8_t *scales,
-                                const double *x, long n) {
+/* ---- tile drivers ---------------------------------------------------------------------- */
+
+/* A tile computes rows w, w+ldw (R of them) against tokens x, x+ldx, ... (B of them) and
+ * writes the double sums to out[r * B + b].  KERNEL_RB(R, B) names the instantiation. */
+#define K3_TILE_SWITCH(PREFIX, R, B, ARGS)                                                  \
+    switch ((R) * 8 + (B)) {                                                                \
+    case 8 + 1: PREFIX##_1_1 ARGS; break;  case 8 + 2: PREFIX##_1_2 ARGS; break;            \
+    case 8 + 3: PREFIX##_1_3 ARGS; break;  case 8 + 4: PREFIX##_1_4 ARGS; break;            \
+    case 16 + 1: PREFIX##_2_1 ARGS; break; case 16 + 2: PREFIX##_2_2 ARGS; break;           \
+    case 16 + 3: PREFIX##_2_3 ARGS; break; case 16 + 4: PREFIX##_2_4 ARGS; break;           \
+    default: abort();                                                                       \
+    }
+#define K3_TILE_INSTANCES(PREFIX, ATTR, BODY, T)                                            \
+    ATTR static void PREFIX##_1_1(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 1); }      \
+    ATTR static void PREFIX##_1_2(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 2); }      \
+    ATTR static void PREFIX##_1_3(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 3); }      \
+    ATTR static void PREFIX##_1_4(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 4); }      \
+    ATTR static void PREFIX##_2_1(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 1); }      \
+    ATTR static void PREFIX##_2_2(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 2); }      \
+    ATTR static void PREFIX##_2_3(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 3); }      \
+    ATTR static void PREFIX##_2_4(const T *w, long ldw, const double *x, long ldx, long n,  \
+                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 4); }
+
+#if K3_HAVE_SIMD_PATHS
+
+#define K3_AVX2_ATTR __attribute__((target("avx2,fma")))
+#define K3_AVX512_ATTR __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")))
+#define K3_INLINE static inline __attribute__((always_inline))
+
+/* ---- AVX2: 16 weights -> four 4-double vectors ---------------------------------------- */
+/* Lane l of the scalar form lives in vector l/4, element l%4 (v0 = lanes 0-3, v1 = 4-7,
+ * v2 = 8-11, v3 = 12-15).  The tree b[l] = (a[l]+a[l+4]) + (a[l+8]+a[l+12]) is then
+ * (v0+v1) + (v2+v3) lanewise, followed by (b0+b1) + (b2+b3). */
+K3_AVX2_ATTR K3_INLINE void k3_w16_f32_avx2(const float *w, __m256d *v) {
+    v[0] = _mm256_cvtps_pd(_mm_loadu_ps(w));
+    v[1] = _mm256_cvtps_pd(_mm_loadu_ps(w + 4));
+    v[2] = _mm256_cvtps_pd(_mm_loadu_ps(w + 8));
+    v[3] = _mm256_cvtps_pd(_mm_loadu_ps(w + 12));
+}
+K3_AVX2_ATTR K3_INLINE void k3_w16_bf16_avx2(const uint16_t *w, __m256d *v) {
+    /* widen 16 bf16 to 16 f32 by placing each in the top half of a 32-bit lane */
+    __m256i raw = _mm256_loadu_si256((const __m256i *)w);
+    __m256 lo = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+    __m256 hi = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+    v[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(lo));
+    v[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(lo, 1));
+    v[2] = _mm256_cvtps_pd(_mm256_castps256_ps128(hi));
+    v[3] = _mm256_cvtps_pd(_mm256_extractf128_ps(hi, 1));
+}
+K3_AVX2_ATTR K3_INLINE void k3_w16_i8_avx2(const int8_t *w, __m256d *v) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)w);
+    __m256i lo = _mm256_cvtepi8_epi32(raw), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8));
+    v[0] = _mm256_cvtepi32_pd(_mm256_castsi256_si128(lo));
+    v[1] = _mm256_cvtepi32_pd(_mm256_extracti128_si256(lo, 1));
+    v[2] = _mm256_cvtepi32_pd(_mm256_castsi256_si128(hi));
+    v[3] = _mm256_cvtepi32_pd(_mm256_extracti128_si256(hi, 1));
+}
+
+K3_AVX2_ATTR K3_INLINE double k3_tree16_avx2(const __m256d *v) {
+    __m256d b = _mm256_add_pd(_mm256_add_pd(v[0], v[1]), _mm256_add_pd(v[2], v[3]));
+    double t[4];
+    _mm256_storeu_pd(t, b);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+/* R x B tile of the 16-lane matvec; WIDEN16 is one of the k3_w16_*_avx2 above, WIDEN the
+ * scalar widening for the tail. */
+#define K3_MV_TILE_AVX2(WIDEN16, WIDEN, T)                                                 \
+    K3_AVX2_ATTR K3_INLINE void k3_mv_tile_avx2_##WIDEN16(                                 \
+        const T *w, long ldw, const double *x, long ldx,                                   \
+        long n, double *out, const int R, const int B)                                     \
+    {                                                                                      \
+        __m256d acc[2][4][4], wv[2][4];                                                    \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int b = 0; b < B; b++)                                                    \
+                for (int k = 0; k < 4; k++) acc[r][b][k] = _mm256_setzero_pd();            \
+        long nfull = n & ~15L, i;                                                          \
+        for (i = 0; i < nfull; i += 16) {                                                  \
+            for (int r = 0; r < R; r++) WIDEN16(w + r * ldw + i, wv[r]);                   \
+            for (int b = 0; b < B; b++)                                                    \
+                for (int k = 0; k < 4; k++) {                                              \
+                    __m256d xv = _mm256_loadu_pd(x + b * ldx + i + 4 * k);                 \
+                    for (int r = 0; r < R; r++)                                            \
+                        acc[r][b][k] = _mm256_fmadd_pd(wv[r][k], xv, acc[r][b][k]);        \
+                }                                                                          \
+        }                                                                                  \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int b = 0; b < B; b++) {                                                  \
+                double d = k3_tree16_avx2(acc[r][b]);                                      \
+                for (long j = i; j < n; j++)                                               \
+                    d += (double)WIDEN(w[r * ldw + j]) * x[b * ldx + j];                   \
+                out[r * B + b] = d;                                                        \
+            }                                                                              \
+    }
+
+/* ---- AVX-512: 16 weights -> two 8-double vectors -------------------------------------- */
+/* v0 holds lanes 0-7, v1 lanes 8-15.  The tree: (lo4(v0) + hi4(v0)) = a[l] + a[l+4] and
+ * (lo4(v1) + hi4(v1)) = a[l+8] + a[l+12]; their sum is b[l]; then (b0+b1) + (b2+b3). */
+K3_AVX512_ATTR K3_INLINE void k3_w16_f32_avx512(const float *w, __m512d *v) {
+    v[0] = _mm512_cvtps_pd(_mm256_loadu_ps(w));
+    v[1] = _mm512_cvtps_pd(_mm256_loadu_ps(w + 8));
+}
+K3_AVX512_ATTR K3_INLINE void k3_w16_bf16_avx512(const uint16_t *w, __m512d *v) {
+    __m512i wide = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16);
+    v[0] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_castsi512_si256(wide)));
+    v[1] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(wide, 1)));
+}
+K3_AVX512_ATTR K3_INLINE void k3_w16_i8_avx512(const int8_t *w, __m512d *v) {
+    __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w));
+    v[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(wide));
+    v[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(wide, 1));
+}
+
+K3_AVX512_ATTR K3_INLINE double k3_tree16_avx512(const __m512d *v) {
+    __m256d p = _mm256_add_pd(_mm512_castpd512_pd256(v[0]), _mm512_extractf64x4_pd(v[0], 1));
+    __m256d q = _mm256_add_pd(_mm512_castpd512_pd256(v[1]), _mm512_extractf64x4_pd(v[1], 1));
+    __m256d b = _mm256_add_pd(p, q);
+    double t[4];
+    _mm256_storeu_pd(t, b);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+#define K3_MV_TILE_AVX512(WIDEN16, WIDEN, T)                                               \
+    K3_AVX512_ATTR K3_INLINE void k3_mv_tile_avx512_##WIDEN16(                             \
+        const T *w, long ldw, const double *x, long ldx,                                   \
+        long n, double *out, const int R, const int B)                                     \
+    {                                                                                      \
+        __m512d acc[2][4][2], wv[2][2];                                                    \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int b = 0; b < B; b++)                                                    \
+                for (int k = 0; k < 2; k++) acc[r][b][k] = _mm512_setzero_pd();            \
+        long nfull = n & ~15L, i;                                                          \
+        for (i = 0; i < nfull; i += 16) {                                                  \
+            for (int r = 0; r < R; r++) WIDEN16(w + r * ldw + i, wv[r]);                   \
+            for (int b = 0; b < B; b++)                                                    \
+                for (int k = 0; k < 2; k++) {                                              \
+                    __m512d xv = _mm512_loadu_pd(x + b * ldx + i + 8 * k);                 \
+                    for (int r = 0; r < R; r++)                                            \
+                        acc[r][b][k] = _mm512_fmadd_pd(wv[r][k], xv, acc[r][b][k]);        \
+                }                                                                          \
+        }                                                                                  \
+        for (int r = 0; r < R; r++)                                                        \
+            for (int b = 0; b < B; b++) {                                                  \
+                double d = k3_tree16_avx512(acc[r][b]);                                    \
+                for (long j = i; j < n; j++)                                               \
+                    d += (double)WIDEN(w[r * ldw + j]) * x[b * ldx + j];                   \
+                out[r * B + b] = d;                                                        \
+            }                                                                              \
+    }
+
+K3_MV_TILE_AVX2(k3_w16_f32_avx2, K3_AS_IS, float)
+K3_MV_TILE_AVX2(k3_w16_bf16_avx2, k3_bf16_to_f32, uint16_t)
+K3_MV_TILE_AVX2(k3_w16_i8_avx2, K3_AS_IS, int8_t)
+K3_MV_TILE_AVX512(k3_w16_f32_avx512, K3_AS_IS, float)
+K3_MV_TILE_AVX512(k3_w16_bf16_avx512, k3_bf16_to_f32, uint16_t)
+K3_MV_TILE_AVX512(k3_w16_i8_avx512, K3_AS_IS, int8_t)
+
+K3_TILE_INSTANCES(k3_mv_f32_avx2, K3_AVX2_ATTR, k3_mv_tile_avx2_k3_w16_f32_avx2, float)
+K3_TILE_INSTANCES(k3_mv_bf16_avx2, K3_AVX2_ATTR, k3_mv_tile_avx2_k3_w16_bf16_avx2, uint16_t)
+K3_TILE_INSTANCES(k3_mv_i8_avx2, K3_AVX2_ATTR, k3_mv_tile_avx2_k3_w16_i8_avx2, int8_t)
+K3_TILE_INSTANCES(k3_mv_f32_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_f32_avx512, float)
+K3_TILE_INSTANCES(k3_mv_bf16_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_bf16_avx512,
+                  uint16_t)
+K3_TILE_INSTANCES(k3_mv_i8_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_i8_avx512, int8_t)
+
+/* ---- MXFP4 tiles -------------------------------------------------------------------- */
+/* Element e of a group goes to lane e%8; vector k of a group holds elements 8k..8k+7, so
+ * lane l receives e = l, l+8, l+16, l+24 in ascending order, as in the scalar form.  The
+ * codes are decoded by table straight to the exact E2M1 doubles, once per tile, and every
+ * (row, token) accumulator starts at +0.0 like the scalar s[l] (so a -0.0 product cannot
+ * leave a -0.0 behind). */
+
+/* AVX2: 8 codes -> two 4-double vectors holding 2*E2M1 (small integers a byte shuffle
+ * can produce); the group sum is then scaled by 0.5*2^(b-127) instead of 2^(b-127).  Every
+ * product and partial sum is exactly twice the scalar one (no double overflow or underflow
+ * is reachable from float32 x), so the scaled result rounds identically.  Code 8 (-0.0)
+ * decodes to +0: harmless, because every accumulator starts at +0.0 and +0 + -0 = +0. */
+K3_AVX2_ATTR K3_INLINE void k3_e2m1_decode8_avx2(__m128i codes8, __m256d *v) {
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m128i d = _mm_shuffle_epi8(lut, codes8);
+    v[0] = _mm256_cvtepi32_pd(_mm_cvtepi8_epi32(d));
+    v[1] = _mm256_cvtepi32_pd(_mm_cvtepi8_epi32(_mm_srli_si128(d, 4)));
+}
+
+/* codes of one group in element order: the low nibble of byte j is element 2j */
+K3_AVX2_ATTR K3_INLINE void k3_mxfp4_codes_avx2(const uint8_t *p, __m128i *c0, __m128i *c1) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     const __m128i mask = _mm_set1_epi8(15);
-    double acc = 0.0;
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    *c0 = _mm_unpacklo_epi8(lo, hi);   /* elements 0-15 */
+    *c1 = _mm_unpackhi_epi8(lo, hi);   /* elements 16-31 */
+}
+
+K3_AVX2_ATTR K3_INLINE void k3_mxfp4_tile_avx2(const uint8_t *p, long ldp, const uint8_t *s,
+                                               long lds, const double *x, long ldx, long n,
+                                               double *out, const int R, const int B) {
+    double acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = 0.0;
     long ngroups = n / 32;
     for (long g = 0; g < ngroups; g++) {
-        uint8_t sb = scales[g];
-        if (sb == 255) continue;
-        __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + g * 16));
-        __m128i lo = _mm_and_si128(bytes, mask);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        /* interleave back to element order: e0=lo0, e1=hi0, e2=lo1, ... */
-        __m128i d0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));   /* elements 0-15 */
-        __m128i d1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));   /* elements 16-31 */
-        const double *xg = x + g * 32;
-        /* element e goes to lane e%8: A holds lanes 0-3, B lanes 4-7; per lane the terms
-         * arrive in ascending element order (e, e+8, e+16, e+24) as in the scalar form */
-        __m256d A = _mm256_setzero_pd(), B = _mm256_setzero_pd();
-        __m128i parts[2] = {d0, d1};
-        for (int h = 0; h < 2; h++) {
-            __m128i c = parts[h];
-            for (int q = 0; q < 2; q++) {         /* 8 codes at a time */
-                __m128i c8 = q ? _mm_srli_si128(c, 8) : c;
-                __m128i c4a = _mm_cvtepi8_epi32(c8);
-                __m128i c4b = _mm_cvtepi8_epi32(_mm_srli_si128(c8, 4));
-                const double *xq = xg + 16 * h + 8 * q;
-                A = _mm256_add_pd(A, _mm256_mul_pd(_mm256_cvtepi32_pd(c4a), _mm256_loadu_pd(xq)));
-                B = _mm256_add_pd(B, _mm256_mul_pd(_mm256_cvtepi32_pd(c4b), _mm256_loadu_pd(xq + 4)));
+        __m256d dv[2][8];
+        int live[2];
+        for (int r = 0; r < R; r++) {
+            live[r] = s[r * lds + g] != 255;
+            if (!live[r]) continue;
+            __m128i c0, c1;
+            k3_mxfp4_codes_avx2(p + r * ldp + g * 16, &c0, &c1);
+            k3_e2m1_decode8_avx2(c0, dv[r] + 0);
+            k3_e2m1_decode8_avx2(_mm_srli_si128(c0, 8), dv[r] + 2);
+            k3_e2m1_decode8_avx2(c1, dv[r] + 4);
+            k3_e2m1_decode8_avx2(_mm_srli_si128(c1, 8), dv[r] + 6);
+        }
+        for (int b = 0; b < B; b++) {
+            const double *xg = x + b * ldx + g * 32;
+            __m256d xv[8];
+            for (int k = 0; k < 8; k++) xv[k] = _mm256_loadu_pd(xg + 4 * k);
+            for (int r = 0; r < R; r++) {
+                if (!live[r]) continue;
+                /* A = lanes 0-3, C = lanes 4-7 */
+                __m256d A = _mm256_setzero_pd(), C = _mm256_setzero_pd();
+                for (int k = 0; k < 4; k++) {
+                    A = _mm256_fmadd_pd(dv[r][2 * k], xv[2 * k], A);
+                    C = _mm256_fmadd_pd(dv[r][2 * k + 1], xv[2 * k + 1], C);
+                }
+                __m256d bb = _mm256_add_pd(A, C);          /* b[l] = s[l] + s[l+4] */
+                double t[4];
+                _mm256_storeu_pd(t, bb);
+                acc[r][b] += ((t[0] + t[1]) + (t[2] + t[3])) * K3_E8M0_HALF[s[r * lds + g]];
             }
         }
-        __m256d b = _mm256_add_pd(A, B);           /* b[l] = s[l] + s[l+4] */
-        __m256d hs = _mm256_hadd_pd(b, b);         /* [b0+b1, b0+b1, b2+b3, b2+b3] */
-        __m128d sub = _mm_add_sd(_mm256_castpd256_pd128(hs), _mm256_extractf128_pd(hs, 1));
-        acc += _mm_cvtsd_f64(sub) * K3_E8M0_HALF[sb];
     }
-    return acc;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) out[r * B + b] = acc[r][b];
 }
-#endif
+
+/* AVX-512: 8 codes (zero-extended to 64-bit indices) -> 8 doubles by a two-table permute */
+K3_AVX512_ATTR K3_INLINE __m512d k3_e2m1_decode8_avx512(__m128i codes8) {
+    const __m512d t_lo = _mm512_setr_pd(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
+    const __m512d t_hi = _mm512_setr_pd(-0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
+    return _mm512_permutex2var_pd(t_lo, _mm512_cvtepu8_epi64(codes8), t_hi);
+}
+
+K3_AVX512_ATTR K3_INLINE void k3_mxfp4_tile_avx512(const uint8_t *p, long ldp,
+                                                   const uint8_t *s, long lds,
+                                                   const double *x, long ldx, long n,
+                                                   double *out, const int R, const int B) {
+    double acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = 0.0;
+    long ngroups = n / 32;
+    for (long g = 0; g < ngroups; g++) {
+        __m512d dv[2][4];
+        int live[2];
+        for (int r = 0; r < R; r++) {
+            live[r] = s[r * lds + g] != 255;
+            if (!live[r]) continue;
+            __m128i c0, c1;
+            k3_mxfp4_codes_avx2(p + r * ldp + g * 16, &c0, &c1);
+            dv[r][0] = k3_e2m1_decode8_avx512(c0);
+            dv[r][1] = k3_e2m1_decode8_avx512(_mm_srli_si128(c0, 8));
+            dv[r][2] = k3_e2m1_decode8_avx512(c1);
+            dv[r][3] = k3_e2m1_decode8_avx512(_mm_srli_si128(c1, 8));
+        }
+        for (int b = 0; b < B; b++) {
+            const double *xg = x + b * ldx + g * 32;
+            __m512d xv[4];
+            for (int k = 0; k < 4; k++) xv[k] = _mm512_loadu_pd(xg + 8 * k);
+            for (int r = 0; r < R; r++) {
+                if (!live[r]) continue;
+                __m512d sv = _mm512_setzero_pd();     /* s[l], lanes 0-7 */
+                for (int k = 0; k < 4; k++) sv = _mm512_fmadd_pd(dv[r][k], xv[k], sv);
+                __m256d bb = _mm256_add_pd(_mm512_castpd512_pd256(sv),
+                                           _mm512_extractf64x4_pd(sv, 1));
+                double t[4];
+                _mm256_storeu_pd(t, bb);
+                acc[r][b] += ((t[0] + t[1]) + (t[2] + t[3])) * K3_E8M0[s[r * lds + g]];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) out[r * B + b] = acc[r][b];
+}
+
+#define K3_MXFP4_INSTANCE(ISA, ATTR, R, B)                                                  \
+    ATTR static void k3_mxfp4_##ISA##_##R##_##B(const uint8_t *p, long ldp,                 \
+                                                const uint8_t *s, long lds,                 \
+                                                const double *x, long ldx, long n,          \
+                                                double *out) {                              \
+        k3_mxfp4_tile_##ISA(p, ldp, s, lds, x, ldx, n, out, R, B);                          \
+    }
+#define K3_MXFP4_INSTANCES(ISA, ATTR)                                                       \
+    K3_MXFP4_INSTANCE(ISA, ATTR, 1, 1) K3_MXFP4_INSTANCE(ISA, ATTR, 1, 2)                   \
+    K3_MXFP4_INSTANCE(ISA, ATTR, 1, 3) K3_MXFP4_INSTANCE(ISA, ATTR, 1, 4)                   \
+    K3_MXFP4_INSTANCE(ISA, ATTR, 2, 1) K3_MXFP4_INSTANCE(ISA, ATTR, 2, 2)                   \
+    K3_MXFP4_INSTANCE(ISA, ATTR, 2, 3) K3_MXFP4_INSTANCE(ISA, ATTR, 2, 4)
+K3_MXFP4_INSTANCES(avx2, K3_AVX2_ATTR)
+K3_MXFP4_INSTANCES(avx512, K3_AVX512_ATTR)
+
+#endif /* K3_HAVE_SIMD_PATHS */
 
 /* ---- dispatch ------------------------------------------------------------------------ */
 
-static int k3_use_avx2 = -1;   /* -1 = not yet probed; forced to 0 by k3_force_scalar() */
+static int k3_isa_best_cached = -1;
+static int k3_isa_active = -1;      /* set by k3_set_isa; -1 = not yet chosen */
 
-static inline int k3_avx2(void) {
-#if K3_HAVE_AVX2_PATH
-    if (k3_use_avx2 < 0) {
+/* The best path this CPU (and OS: libgcc checks XCR0 for the AVX-512 state) can run. */
+static int k3_isa_best(void) {
+    if (k3_isa_best_cached < 0) {
+        int best = K3_ISA_SCALAR;
+#if K3_HAVE_SIMD_PATHS
         __builtin_cpu_init();
-        k3_use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+            best = K3_ISA_AVX2;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+                best = K3_ISA_AVX512;
+        }
+#endif
+        k3_isa_best_cached = best;
     }
-    return k3_use_avx2;
+    return k3_isa_best_cached;
+}
+
+/* Select a path; a request above what the CPU has is clamped (never executed).  Returns
+ * the path now active.  -1 selects the best. */
+static int k3_set_isa(int isa) {
+    int best = k3_isa_best();
+    k3_isa_active = (isa < 0 || isa > best) ? best : isa;
+    return k3_isa_active;
+}
+
+static inline int k3_isa(void) {
+    if (k3_isa_active < 0) k3_set_isa(-1);
+    return k3_isa_active;
+}
+
+/* Tile shape per path: AVX-512 has 32 vector registers (2 rows x 4 tokens x 2 accumulators
+ * + widened weights fit), AVX2 16 (1 row x 2 tokens x 4 accumulators + 4 widened). */
+static inline void k3_tile_shape(int isa, int *rmax, int *bmax) {
+    if (isa == K3_ISA_AVX512) { *rmax = 2; *bmax = 4; }
+    else if (isa == K3_ISA_AVX2) { *rmax = 1; *bmax = 2; }
+    else { *rmax = 1; *bmax = 1; }
+}
+
+/* Rows [o0, o1) of W (row stride ldw elements, n inputs) against T tokens of Xd (row
+ * stride n doubles); Y[t * ldy + o] = f32(sum), times scale[o] (double) when given. */
+#define K3_MV_ROWS(NAME, T, KIND)                                                           \
+    static void NAME(const T *W, long ldw, long n, long o0, long o1, const double *Xd,      \
+                     long ntok, const float *scale, float *Y, long ldy) {                   \
+        int isa = k3_isa(), rmax, bmax;                                                     \
+        k3_tile_shape(isa, &rmax, &bmax);                                                   \
+        double out[8];                                                                      \
+        for (long o = o0; o < o1; o += rmax) {                                              \
+            int R = (o1 - o) < rmax ? (int)(o1 - o) : rmax;                                 \
+            for (long t = 0; t < ntok; t += bmax) {                                         \
+                int B = (ntok - t) < bmax ? (int)(ntok - t) : bmax;                         \
+                const T *w = W + o * ldw;                                                   \
+                const double *x = Xd + t * n;                                               \
+                if (isa == K3_ISA_SCALAR) out[0] = k3_dot_##KIND##_scalar(w, x, n);         \
+                K3_MV_SIMD_##KIND(isa, R, B, w, ldw, x, n, out)                             \
+                for (int r = 0; r < R; r++)                                                 \
+                    for (int b = 0; b < B; b++) {                                           \
+                        double d = out[r * B + b];                                          \
+                        if (scale) d = (double)scale[o + r] * d;                            \
+                        Y[(t + b) * ldy + o + r] = (float)d;                                \
+                    }                                                                       \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+#if K3_HAVE_SIMD_PATHS
+#define K3_MV_SIMD_GENERIC(KIND, isa, R, B, w, ldw, x, n, out)                              \
+    if (isa == K3_ISA_AVX2) { K3_TILE_SWITCH(k3_mv_##KIND##_avx2, R, B, (w, ldw, x, n, n, out)) } \
+    else if (isa == K3_ISA_AVX512) {                                                        \
+        K3_TILE_SWITCH(k3_mv_##KIND##_avx512, R, B, (w, ldw, x, n, n, out)) }
 #else
-    return 0;
+#define K3_MV_SIMD_GENERIC(KIND, isa, R, B, w, ldw, x, n, out)
 #endif
-}
+#define K3_MV_SIMD_f32(...) K3_MV_SIMD_GENERIC(f32, __VA_ARGS__)
+#define K3_MV_SIMD_bf16(...) K3_MV_SIMD_GENERIC(bf16, __VA_ARGS__)
+#define K3_MV_SIMD_i8(...) K3_MV_SIMD_GENERIC(i8, __VA_ARGS__)
 
-static void k3_set_simd(int on) { k3_use_avx2 = on ? -1 : 0; if (on) (void)k3_avx2(); }
+K3_MV_ROWS(k3_mv_rows_f32, float, f32)
+K3_MV_ROWS(k3_mv_rows_bf16, uint16_t, bf16)
+K3_MV_ROWS(k3_mv_rows_i8, int8_t, i8)
 
-static inline double k3_dot_f32(const float *w, const double *x, long n) {
-#if K3_HAVE_AVX2_PATH
-    if (k3_avx2()) return k3_dot_f32_avx2(w, x, n);
+/* MXFP4 rows [o0, o1): P row stride n/2 bytes, S row stride n/32 bytes. */
+static void k3_mv_rows_mxfp4(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
+                             const double *Xd, long ntok, float *Y, long ldy) {
+    int isa = k3_isa(), rmax, bmax;
+    k3_tile_shape(isa, &rmax, &bmax);
+    long ldp = n / 2, lds = n / 32;
+    double out[8];
+    for (long o = o0; o < o1; o += rmax) {
+        int R = (o1 - o) < rmax ? (int)(o1 - o) : rmax;
+        for (long t = 0; t < ntok; t += bmax) {
+            int B = (ntok - t) < bmax ? (int)(ntok - t) : bmax;
+            const uint8_t *p = P + o * ldp, *s = S + o * lds;
+            const double *x = Xd + t * n;
+            if (isa == K3_ISA_SCALAR) out[0] = k3_dot_mxfp4_scalar(p, s, x, n);
+#if K3_HAVE_SIMD_PATHS
+            else if (isa == K3_ISA_AVX2) {
+                K3_TILE_SWITCH(k3_mxfp4_avx2, R, B, (p, ldp, s, lds, x, n, n, out))
+            } else {
+                K3_TILE_SWITCH(k3_mxfp4_avx512, R, B, (p, ldp, s, lds, x, n, n, out))
+            }
 #endif
-    return k3_dot_f32_scalar(w, x, n);
-}
-
-static inline double k3_dot_bf16(const uint16_t *w, const double *x, long n) {
-#if K3_HAVE_AVX2_PATH
-    if (k3_avx2()) return k3_dot_bf16_avx2(w, x, n);
-#endif
-    return k3_dot_bf16_scalar(w, x, n);
-}
-
-static inline double k3_dot_mxfp4(const uint8_t *p, const uint8_t *s, const double *x, long n) {
-#if K3_HAVE_AVX2_PATH
-    if (k3_avx2()) return k3_dot_mxfp4_avx2(p, s, x, n);
-#endif
-    return k3_dot_mxfp4_scalar(p, s, x, n);
+            for (int r = 0; r < R; r++)
+                for (int b = 0; b < B; b++) Y[(t + b) * ldy + o + r] = (float)out[r * B + b];
+        }
+    }
 }
 
 #endif

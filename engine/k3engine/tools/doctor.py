@@ -227,10 +227,11 @@ def check_engine(r: Report, st: State) -> None:
     r.ok(f"compiled extension imports ({os.path.basename(K._kernels.__file__)})")
     flags = _cpu_flags()
     if K.simd_active():
-        r.ok("AVX2 kernels active")
+        r.ok(f"{K.isa().upper()} kernels active (paths: {', '.join(K.isas_available())}; "
+             f"K3_KERNEL_ISA forces one)")
     else:
         why = "this CPU has no AVX2" if flags and "avx2" not in flags else \
-            "the AVX2 path is not active in this build"
+            "the SIMD paths are not active (K3_KERNEL_ISA=scalar, or this build)"
         r.warn(f"scalar kernels ({why}): the slow path, same bits")
     if flags:
         r.info(f"AVX-512: {'yes' if 'avx512f' in flags else 'no'} (information only)")
