@@ -1227,6 +1227,61 @@ def test_attnres_and_mla_exact_order():
                    ref_mla(Q, KV, R, past, H, dn, dv))
 
 
+def test_mla_prefill_equals_per_position_and_ref():
+    """Trap #45 for MLA (the restructured loops: scores four positions at a time, the value
+    sum row by row into dv accumulators): a 13-token prefill over a 6-position past equals
+    13 one-token calls and the exact-order reference bitwise, so every score-tail length
+    0..3 occurs (this shape stays below the parallel threshold; the 2-thread split is
+    test_results_independent_of_thread_count's).  Witness: summing values in descending position order
+    (what a careless reordering would do) changes bits on the same data."""
+    r = rng(21)
+    H, dn, dr, dv, Tm, past = 2, 37, 9, 19, 13, 6
+    Q = rand_f32(r, (Tm, H * (dn + dr)), 0.7)
+    KV = rand_f32(r, (past + Tm, H * (dn + dv)))
+    R = rand_f32(r, (past + Tm, dr))
+    want = ref_mla(Q, KV, R, past, H, dn, dv)
+    for nt in (1, 2):
+        with threads(nt):
+            O = np.empty((Tm, H * dv), np.float32)
+            K.mla_attention(Q, KV, R, past, H, dn, dv, O)
+            one = np.empty_like(O)
+            for t in range(Tm):
+                K.mla_attention(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
+        assert_bitwise(f"mla prefill T={Tm} vs per-position, {nt} thread(s)", O, one)
+        assert_bitwise(f"mla prefill T={Tm} vs exact-order ref, {nt} thread(s)", O, want)
+    wrong = np.empty((1, H * dv), np.float32)
+    p = past + Tm - 1
+    sc = ref_mla_weights(Q[-1], KV, R, p, H, dn, dr)
+    o = np.zeros(dv, np.float32)
+    for s in range(p, -1, -1):
+        o = o + sc[0][s] * KV[s, dn:dn + dv]
+    wrong[0, :dv] = o
+    print(f"[gate]   witness: descending value order differs in "
+          f"{n_diff(wrong[0, :dv], want[-1, :dv])}/{dv} outputs of head 0")
+    assert n_diff(wrong[0, :dv], want[-1, :dv]) > 0
+
+
+def ref_mla_weights(q_row, KV, R, p, H, dn, dr):
+    """Per-head softmax weights f32(e/Z) of ref_mla for one token at position p."""
+    dq, dkv = dn + dr, KV.shape[1] // H
+    kappa = F1 / np.sqrt(np.float32(dq))
+    out = []
+    for h in range(H):
+        q = q_row[h * dq:(h + 1) * dq].astype(np.float64)
+        d = np.zeros(p + 1)
+        for i in range(dn):
+            d = d + q[i] * KV[:p + 1, h * dkv + i].astype(np.float64)
+        for i in range(dr):
+            d = d + q[dn + i] * R[:p + 1, i].astype(np.float64)
+        sc = d.astype(np.float32) * kappa
+        e = [c_expf(v - np.max(sc)) for v in sc]
+        Z = 0.0
+        for v in e:
+            Z += float(v)
+        out.append(np.array([np.float32(float(v) / Z) for v in e], np.float32))
+    return out
+
+
 # ---- 11. build flags -------------------------------------------------------------------------
 
 def test_build_flags_no_contraction_no_fast_math():

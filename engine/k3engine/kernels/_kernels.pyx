@@ -471,36 +471,83 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
 
 # ---- MLA (§4.5) ----------------------------------------------------------------------
 
+cdef inline double _qk(const float *q, const float *k, const float *qr, const float *rk,
+                       Py_ssize_t dn, Py_ssize_t dr) noexcept nogil:
+    """One q.k score: ONE double accumulator, nope dims then rope dims (§5.2)."""
+    cdef double d = 0.0
+    cdef Py_ssize_t i
+    for i in range(dn):
+        d = d + <double>q[i] * <double>k[i]
+    for i in range(dr):                      # rope slots unrotated, key shared by heads
+        d = d + <double>qr[i] * <double>rk[i]
+    return d
+
+
 def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
                   Py_ssize_t n_past, Py_ssize_t H, Py_ssize_t dn, Py_ssize_t dv,
                   float[:, ::1] O):
     """Causal attention of T new tokens (positions n_past .. n_past+T-1, already written to
     the cache) over the cache.  Q [T, H*(dn+dr)]; KV [cap, H*(dn+dv)] (per head: k_nope then
-    v); R [cap, dr] one shared rope key per position; O [T, H*dv]."""
+    v); R [cap, dr] one shared rope key per position; O [T, H*dv].
+
+    Memory order, not summation order, is what the loops below choose: scores are computed
+    four positions at a time (four independent double chains, each in its own exact order,
+    so the chains overlap instead of waiting on each other's adds), and the value sum walks
+    the cache row by row (contiguous dv floats per position) into dv float32 accumulators,
+    each of which still adds its terms in ascending position order from 0."""
     cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
     cdef Py_ssize_t npos = n_past + T
-    cdef Py_ssize_t th, t, h, s, i, j, p
+    cdef Py_ssize_t th, t, h, s, i, j, p, ldkv = KV.shape[1]
     cdef float kappa = F1 / sqrtf(<float>dq)        # 1/sqrt(dn+dr), NOT 1/sqrt(dn) (trap #18)
     cdef float *sc
-    cdef double d, Z
-    cdef float mx, e, acc
+    cdef float *accv
+    cdef const float *q
+    cdef const float *qr
+    cdef const float *k0
+    cdef const float *vrow
+    cdef double d, d0, d1, d2, d3, Z
+    cdef float mx, e, wgt
     if Q.shape[1] != H * dq or KV.shape[1] != H * dkv or O.shape[1] != H * dv:
         raise ValueError("mla_attention shapes do not match")
     if npos > KV.shape[0] or npos > R.shape[0]:
         raise ValueError(f"MLA cache overflow: {npos} positions, capacity {KV.shape[0]}")
+    if T == 0:
+        return
     with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
-        sc = <float *>malloc(npos * sizeof(float))
+        sc = <float *>malloc((npos + dv) * sizeof(float))
+        accv = sc + npos
         for th in prange(T * H, schedule="static"):
             t = th // H
             h = th % H
             p = n_past + t
-            for s in range(p + 1):                   # causal: s <= p, always (trap #21)
-                d = 0.0
+            q = &Q[t, h * dq]
+            qr = q + dn
+            s = 0
+            while s + 4 <= p + 1:                # causal: s <= p, always (trap #21)
+                k0 = &KV[s, h * dkv]
+                d0 = 0.0
+                d1 = 0.0
+                d2 = 0.0
+                d3 = 0.0
                 for i in range(dn):
-                    d = d + <double>Q[t, h * dq + i] * <double>KV[s, h * dkv + i]
-                for i in range(dr):                  # rope slots unrotated, key shared by heads
-                    d = d + <double>Q[t, h * dq + dn + i] * <double>R[s, i]
+                    d0 = d0 + <double>q[i] * <double>k0[i]
+                    d1 = d1 + <double>q[i] * <double>k0[ldkv + i]
+                    d2 = d2 + <double>q[i] * <double>k0[2 * ldkv + i]
+                    d3 = d3 + <double>q[i] * <double>k0[3 * ldkv + i]
+                for i in range(dr):
+                    d0 = d0 + <double>qr[i] * <double>R[s, i]
+                    d1 = d1 + <double>qr[i] * <double>R[s + 1, i]
+                    d2 = d2 + <double>qr[i] * <double>R[s + 2, i]
+                    d3 = d3 + <double>qr[i] * <double>R[s + 3, i]
+                sc[s] = (<float>d0) * kappa
+                sc[s + 1] = (<float>d1) * kappa
+                sc[s + 2] = (<float>d2) * kappa
+                sc[s + 3] = (<float>d3) * kappa
+                s = s + 4
+            while s <= p:
+                d = _qk(q, &KV[s, h * dkv], qr, &R[s, 0], dn, dr)
                 sc[s] = (<float>d) * kappa
+                s = s + 1
             mx = sc[0]
             for s in range(1, p + 1):
                 if sc[s] > mx:
@@ -513,10 +560,14 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
             for s in range(p + 1):
                 sc[s] = <float>(<double>sc[s] / Z)
             for j in range(dv):
-                acc = F0
-                for s in range(p + 1):
-                    acc = acc + sc[s] * KV[s, h * dkv + dn + j]
-                O[t, h * dv + j] = acc
+                accv[j] = F0
+            for s in range(p + 1):               # row by row: v of position s is contiguous
+                wgt = sc[s]
+                vrow = &KV[s, h * dkv + dn]
+                for j in range(dv):
+                    accv[j] = accv[j] + wgt * vrow[j]
+            for j in range(dv):
+                O[t, h * dv + j] = accv[j]
         free(sc)
 
 
