@@ -1,12 +1,17 @@
 #!/usr/bin/env python
 """Kernel throughput against the machine's own memory bandwidth (a script, not a test).
 
-    python benchmarks/bench_kernels.py [--repeat N] [--threads 1,2] [--json PATH]
+    python benchmarks/bench_kernels.py [--repeat N] [--threads 1,2] [--isa scalar,avx2,avx512]
+                                       [--tokens 1,4] [--callgrind] [--json PATH]
 
-For each weight-streaming kernel (BF16, MXFP4 and float32 matvec at real Kimi K3 shapes,
-one token, T = 1) it reports the median time per call at each thread count, the GB/s of
+For each weight-streaming kernel (BF16, MXFP4, float32 and I8R matvec at real Kimi K3
+shapes) it reports, per instruction-set path (scalar / AVX2 / AVX-512, forced through
+K.set_isa), per thread count and per batch size T (T = 1 is decode; T = 4 is one full
+token tile, the prefill case, reported per token), the median time per call, the GB/s of
 weight bytes streamed, the bandwidth-floor time (weight bytes / measured read bandwidth)
-and the percentage of that floor achieved.  The memory bandwidth is measured in the same
+and the percentage of that floor achieved.  --callgrind adds instructions per weight
+element for every kernel and path from `valgrind --tool=callgrind` (one call of a
+256-row slice, 1 thread): a figure other processes on a shared machine cannot disturb.  The memory bandwidth is measured in the same
 run: a pure read (sum of a 1 GiB uint64 array) and a copy (np.copyto of 1 GiB: read +
 write bytes), at 1 and 2 threads (NumPy releases the GIL inside both loops, so two Python
 threads on two halves measure two-core bandwidth).
@@ -65,7 +70,7 @@ def machine_info() -> dict:
         affinity = os.cpu_count()
     return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": affinity,
             "l3_bytes": l3_bytes(), "numpy": np.__version__, "python": platform.python_version(),
-            "simd_active": K.simd_active()}
+            "isas": ",".join(K.isas_available()), "default_isa": K.isa()}
 
 
 class ForeignLoad:
@@ -165,38 +170,116 @@ KERNELS = [
     ("MXFP4 matvec", "mxfp4", 3072, 3584),
     ("MXFP4 matvec", "mxfp4", 3584, 3072),
     ("F32 matvec", "f32", 7168, 7168),
+    ("I8R matvec", "i8r", 7168, 7168),
 ]
+
+
+def weight_bytes(kind, rows, cols) -> int:
+    return {"bf16": rows * cols * 2, "f32": rows * cols * 4, "i8r": rows * cols + rows * 4,
+            "mxfp4": rows * cols // 2 + rows * cols // 32}[kind]
+
+
+def make_weights(r, kind, rows, cols):
+    if kind == "bf16":
+        return make_bf16(r, rows, cols)
+    if kind == "f32":
+        return make_f32(r, rows, cols)
+    if kind == "i8r":
+        return (r.integers(-127, 128, (rows, cols), dtype=np.int8),
+                (r.random(rows, dtype=np.float32) + 0.01).astype(np.float32))
+    return make_mxfp4(r, rows, cols)
+
+
+def call_for(kind, W):
+    """One matvec call Y = W X for the weight format."""
+    if kind == "mxfp4":
+        return lambda X, Y: K.mxfp4_matvec(W[0], W[1], X, Y)
+    if kind == "i8r":
+        return lambda X, Y: K.i8r_matvec(W[0], W[1], X, Y)
+    return lambda X, Y: K.matvec(W, X, Y)
 
 
 def build(kind, rows, cols, copies, seed):
     r = np.random.default_rng(seed)
-    if kind == "bf16":
-        ws = [make_bf16(r, rows, cols) for _ in range(copies)]
-        nbytes = ws[0].nbytes
-        calls = [lambda X, Y, W=W: K.matvec(W, X, Y) for W in ws]
-    elif kind == "f32":
-        ws = [make_f32(r, rows, cols) for _ in range(copies)]
-        nbytes = ws[0].nbytes
-        calls = [lambda X, Y, W=W: K.matvec(W, X, Y) for W in ws]
-    else:
-        ws = [make_mxfp4(r, rows, cols) for _ in range(copies)]
-        nbytes = ws[0][0].nbytes + ws[0][1].nbytes
-        calls = [lambda X, Y, P=P, S=S: K.mxfp4_matvec(P, S, X, Y) for P, S in ws]
-    X = r.standard_normal((1, cols), dtype=np.float32)
-    Y = np.empty((1, rows), np.float32)
-    return calls, X, Y, nbytes
+    calls = [call_for(kind, make_weights(r, kind, rows, cols)) for _ in range(copies)]
+    return calls, r, weight_bytes(kind, rows, cols)
 
 
-def time_calls(calls, X, Y, repeat, warmup=2) -> list[float]:
+def io_for(r, rows, cols, T):
+    return r.standard_normal((T, cols), dtype=np.float32), np.empty((T, rows), np.float32)
+
+
+def time_calls(calls, X, Y, repeat, warmup=2, cpu=None) -> list[float]:
+    """Wall seconds per call; if `cpu` is a list, the process CPU seconds per call (all
+    threads) are appended to it: on a time-shared machine wall time includes the slices
+    other processes took, CPU time does not (it still includes their cache damage)."""
     for i in range(warmup):
         calls[i % len(calls)](X, Y)
     times = []
     for i in range(repeat):
         f = calls[i % len(calls)]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         f(X, Y)
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
     return times
+
+
+# ---- instruction counts (load-independent) ----------------------------------------------
+
+CALLGRIND_ROWS = 256
+
+
+def one_call(kind, rows, cols, isa, T) -> None:
+    """The body of a --callgrind child: build a slice and make one call (the kernels' OpenMP
+    bodies are the only collected functions, so set-up costs nothing).  Exit status 3: the
+    path is not available here (valgrind 3.19 emulates a CPU without AVX-512, so that path
+    cannot be counted; the run-time check keeps it off, which is itself worth seeing)."""
+    if isa not in K.isas_available():
+        sys.exit(3)
+    K.set_isa(isa)
+    K.set_num_threads(1)
+    r = np.random.default_rng(7)
+    f = call_for(kind, make_weights(r, kind, rows, cols))
+    X, Y = io_for(r, rows, cols, T)
+    f(X, Y)
+
+
+def callgrind_counts(kinds, isas, T) -> dict:
+    """{(kind, cols, isa, T): instructions per weight element per token}, one call each."""
+    import shutil
+    import subprocess
+    import tempfile
+    if shutil.which("valgrind") is None:
+        print("  valgrind not found: no instruction counts")
+        return {}
+    out = {}
+    for kind, cols in kinds:
+        for isa in isas:
+            with tempfile.TemporaryDirectory() as td:
+                cgf = os.path.join(td, "cg.out")
+                # collect only inside the OpenMP-outlined kernel bodies
+                cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no",
+                       "--toggle-collect=*_omp_fn*", f"--callgrind-out-file={cgf}",
+                       sys.executable, __file__, "--one-call",
+                       f"{kind},{CALLGRIND_ROWS},{cols},{isa},{T}"]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode == 3:
+                    print(f"  callgrind {kind} x{cols} T={T} {isa}: not available under "
+                          f"valgrind (its emulated CPU lacks it)")
+                    continue
+                if done.returncode != 0:
+                    raise RuntimeError(f"callgrind child failed: {done.stderr[-2000:]}")
+                ir = None
+                for line in Path(cgf).read_text().splitlines():
+                    if line.startswith(("summary:", "totals:")):
+                        ir = int(line.split()[1])
+                out[(kind, cols, isa, T)] = ir / (CALLGRIND_ROWS * cols * T) if ir else None
+            print(f"  callgrind {kind} {CALLGRIND_ROWS}x{cols} T={T} {isa}: "
+                  f"{out[(kind, cols, isa, T)]:.3f} instructions per weight element per token",
+                  flush=True)
+    return out
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -205,22 +288,41 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=9, help="timed runs per measurement (>= 7)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--isa", default=",".join(K.isas_available()),
+                    help="comma-separated kernel paths (default: every one this CPU runs)")
+    ap.add_argument("--tokens", default="1,4",
+                    help="comma-separated batch sizes T (T > 1 uses the token tiles)")
+    ap.add_argument("--kernels", default="", help="only kernels whose kind is listed "
+                    "(bf16,mxfp4,f32,i8r); default all")
     ap.add_argument("--bw-gib", type=float, default=1.0, help="size of the bandwidth arrays")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="also count instructions per weight element with valgrind")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--max-other-load", type=float, default=10.0, metavar="PCT",
                     help="re-measure a cell when other processes used more than PCT%% of the "
                          "CPUs during it (shared machines); default 10")
     ap.add_argument("--retries", type=int, default=3,
                     help="attempts per cell at most; the least disturbed one is kept")
+    ap.add_argument("--one-call", help=argparse.SUPPRESS)   # a --callgrind child
     a = ap.parse_args(argv)
+    if a.one_call:
+        kind, rows, cols, isa, T = a.one_call.split(",")
+        one_call(kind, int(rows), int(cols), isa, int(T))
+        return 0
     if a.repeat < 7:
         ap.error("--repeat must be >= 7 (the median of at least seven runs is reported)")
     thread_counts = [int(t) for t in a.threads.split(",")]
+    token_counts = [int(t) for t in a.tokens.split(",")]
+    isas = a.isa.split(",")
+    for name in isas:
+        if name not in K.isas_available():
+            ap.error(f"--isa {name}: not available on this CPU ({', '.join(K.isas_available())})")
+    kernels = [k for k in KERNELS if not a.kernels or k[1] in a.kernels.split(",")]
 
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs "
           f"({info['usable_cpus']} usable), L3 {info['l3_bytes'] >> 20} MiB, "
-          f"numpy {info['numpy']}, python {info['python']}, simd_active={info['simd_active']}")
+          f"numpy {info['numpy']}, python {info['python']}, kernel paths {info['isas']}")
 
     print(f"measuring memory bandwidth ({a.bw_gib:g} GiB arrays, median of {a.repeat}) ...",
           flush=True)
@@ -235,62 +337,91 @@ def main(argv=None) -> int:
         print(f"  other processes used {100 * fl_bw.fraction:.0f}% of the CPUs meanwhile")
 
     target = max(4 * info["l3_bytes"], 256 << 20)
-    prev_threads = K.get_num_threads()
+    prev_threads, prev_isa = K.get_num_threads(), K.isa()
     results = []
-    for name, kind, rows, cols in KERNELS:
-        one = {"bf16": rows * cols * 2, "f32": rows * cols * 4,
-               "mxfp4": rows * cols // 2 + rows * cols // 32}[kind]
-        copies = max(1, -(-target // one))
-        calls, X, Y, nbytes = build(kind, rows, cols, copies, seed=rows * 31 + cols)
+    for name, kind, rows, cols in kernels:
+        copies = max(1, -(-target // weight_bytes(kind, rows, cols)))
+        calls, r, nbytes = build(kind, rows, cols, copies, seed=rows * 31 + cols)
         floor_ms = nbytes / (read_bw * 1e9) * 1e3
-        for nt in thread_counts:
-            K.set_num_threads(nt)
-            best = None
-            for attempt in range(1, max(1, a.retries) + 1):
-                with ForeignLoad() as fl:
-                    cold_runs = time_calls(calls, X, Y, max(a.repeat, copies))
-                    hot_runs = time_calls(calls[:1], X, Y, a.repeat)
-                other = fl.fraction if fl.fraction is not None else 0.0
-                if best is None or other < best[0]:
-                    best = (other, cold_runs, hot_runs, fl.fraction, attempt)
-                if other * 100 <= a.max_other_load:
-                    break
-            _, cold_runs, hot_runs, other_frac, attempt = best
-            cold, hot = statistics.median(cold_runs), statistics.median(hot_runs)
-            res = {"kernel": name, "kind": kind, "rows": rows, "cols": cols, "threads": nt,
-                   "weight_bytes": nbytes, "copies": copies,
-                   "ms_cold": cold * 1e3, "ms_cold_min": min(cold_runs) * 1e3, "ms_hot": hot * 1e3,
-                   "gbs_cold": nbytes / cold / 1e9, "gbs_hot": nbytes / hot / 1e9,
-                   "floor_ms": floor_ms, "pct_of_floor": 100.0 * floor_ms / (cold * 1e3),
-                   "foreign_cpu": other_frac, "attempts": attempt}
-            results.append(res)
-            load = "" if other_frac is None else f" (other processes: {100 * other_frac:.0f}% CPU)"
-            print(f"  {name} {rows}x{cols} @{nt}t: {res['ms_cold']:.2f} ms cold, "
-                  f"{res['ms_hot']:.2f} ms hot{load}", flush=True)
+        for isa in isas:
+            K.set_isa(isa)
+            for nt in thread_counts:
+                K.set_num_threads(nt)
+                for T in token_counts:
+                    X, Y = io_for(r, rows, cols, T)
+                    res = measure_cell(a, calls, X, Y, copies)
+                    res.update({"kernel": name, "kind": kind, "rows": rows, "cols": cols,
+                                "isa": isa, "threads": nt, "tokens": T, "weight_bytes": nbytes,
+                                "copies": copies, "floor_ms": floor_ms})
+                    res["ms_per_token"] = res["ms_cold"] / T
+                    res["gbs_cold"] = nbytes / res["ms_cold"] / 1e6
+                    res["pct_of_floor"] = 100.0 * floor_ms / res["ms_cold"]
+                    results.append(res)
+                    load = ("" if res["foreign_cpu"] is None
+                            else f" (other processes: {100 * res['foreign_cpu']:.0f}% CPU)")
+                    print(f"  {name} {rows}x{cols} {isa} @{nt}t T={T}: {res['ms_cold']:.2f} ms "
+                          f"cold ({res['ms_per_token']:.2f} ms/token), {res['ms_hot']:.2f} ms "
+                          f"hot{load}", flush=True)
         del calls
     K.set_num_threads(prev_threads)
+    K.set_isa(prev_isa)
 
-    hdr = ("| kernel | shape (out x in) | weight MB | threads | ms/call (cold) | min ms | GB/s | "
-           "ms/call (hot) | floor ms | % of floor | other load |")
-    print()
-    print(hdr)
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r_ in results:
-        print(f"| {r_['kernel']} | {r_['rows']}x{r_['cols']} | {r_['weight_bytes'] / 1e6:.1f} | "
-              f"{r_['threads']} | {r_['ms_cold']:.2f} | {r_['ms_cold_min']:.2f} | {r_['gbs_cold']:.2f} | "
-              f"{r_['ms_hot']:.2f} | "
-              f"{r_['floor_ms']:.2f} | {r_['pct_of_floor']:.0f}% | "
-              f"{'-' if r_['foreign_cpu'] is None else format(100 * r_['foreign_cpu'], '.0f') + '%'} |")
+    counts = {}
+    if a.callgrind:
+        print("counting instructions (valgrind --tool=callgrind, 1 thread) ...", flush=True)
+        for T in token_counts:
+            counts.update(callgrind_counts(sorted({(k, c) for _, k, _, c in kernels}), isas, T))
+
+    print_table(results, counts)
     print()
     print(f"machine: {info['cpu']} | cores {info['usable_cpus']} | numpy {info['numpy']} | "
-          f"simd_active {info['simd_active']} | read BW {read_bw:.2f} GB/s "
+          f"paths {info['isas']} | read BW {read_bw:.2f} GB/s "
           f"(1t {bw[f'read_gbs_{thread_counts[0]}t']:.2f}) | repeat {a.repeat}")
     if a.json:
         bw["foreign_cpu"] = fl_bw.fraction
-        Path(a.json).write_text(json.dumps({"machine": info, "bandwidth": bw, "repeat": a.repeat,
-                                            "results": results, "argv": sys.argv}, indent=2))
+        Path(a.json).write_text(json.dumps({
+            "machine": info, "bandwidth": bw, "repeat": a.repeat, "results": results,
+            "callgrind_ir_per_element": {",".join(map(str, k)): v for k, v in counts.items()},
+            "argv": sys.argv}, indent=2))
         print(f"wrote {a.json}")
     return 0
+
+
+def measure_cell(a, calls, X, Y, copies) -> dict:
+    """Median cold/hot times of one cell, re-measured while other processes load the CPUs."""
+    best = None
+    for attempt in range(1, max(1, a.retries) + 1):
+        cpu = []
+        with ForeignLoad() as fl:
+            cold_runs = time_calls(calls, X, Y, max(a.repeat, copies), cpu=cpu)
+            hot_runs = time_calls(calls[:1], X, Y, a.repeat)
+        other = fl.fraction if fl.fraction is not None else 0.0
+        if best is None or other < best[0]:
+            best = (other, cold_runs, hot_runs, fl.fraction, attempt, cpu)
+        if other * 100 <= a.max_other_load:
+            break
+    _, cold_runs, hot_runs, other_frac, attempt, cpu = best
+    return {"ms_cold": statistics.median(cold_runs) * 1e3,
+            "cpu_ms_cold": statistics.median(cpu) * 1e3, "ms_cold_min": min(cold_runs) * 1e3,
+            "ms_hot": statistics.median(hot_runs) * 1e3, "foreign_cpu": other_frac,
+            "attempts": attempt}
+
+
+def print_table(results, counts) -> None:
+    print()
+    print("| kernel | shape (out x in) | path | threads | T | ms/call (cold) | ms/token | min ms | "
+          "CPU ms/call | GB/s | ms/call (hot) | floor ms | % of floor | instr/elem/token | "
+          "other load |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r_ in results:
+        ir = counts.get((r_["kind"], r_["cols"], r_["isa"], r_["tokens"]))
+        print(f"| {r_['kernel']} | {r_['rows']}x{r_['cols']} | {r_['isa']} | {r_['threads']} | "
+              f"{r_['tokens']} | {r_['ms_cold']:.2f} | {r_['ms_per_token']:.2f} | "
+              f"{r_['ms_cold_min']:.2f} | {r_['cpu_ms_cold']:.2f} | {r_['gbs_cold']:.2f} | "
+              f"{r_['ms_hot']:.2f} | "
+              f"{r_['floor_ms']:.2f} | {r_['pct_of_floor']:.0f}% | "
+              f"{'-' if ir is None else format(ir, '.2f')} | "
+              f"{'-' if r_['foreign_cpu'] is None else format(100 * r_['foreign_cpu'], '.0f') + '%'} |")
 
 
 if __name__ == "__main__":

@@ -362,11 +362,48 @@ K3_AVX2_ATTR K3_INLINE void k3_mxfp4_tile_avx2(const uint8_t *p, long ldp, const
         for (int b = 0; b < B; b++) out[r * B + b] = acc[r][b];
 }
 
-/* AVX-512: 8 codes (zero-extended to 64-bit indices) -> 8 doubles by a two-table permute */
-K3_AVX512_ATTR K3_INLINE __m512d k3_e2m1_decode8_avx512(__m128i codes8) {
+/* AVX-512 decode: 4 packed bytes hold 8 codes, element l at bits 4l..4l+3 (little-endian;
+ * the low nibble of a byte is the even element).  Broadcast the dword, shift lane l right
+ * by 4l, and let a two-table permute read the low 4 bits as the index (bit 3 = the
+ * negative half): exact E2M1 doubles, -0.0 included, with no shuffle port pressure but one
+ * permute per 8 codes. */
+K3_AVX512_ATTR K3_INLINE __m512d k3_e2m1_decode8_avx512(const uint8_t *p4) {
     const __m512d t_lo = _mm512_setr_pd(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
     const __m512d t_hi = _mm512_setr_pd(-0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
-    return _mm512_permutex2var_pd(t_lo, _mm512_cvtepu8_epi64(codes8), t_hi);
+    const __m512i sh = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    int32_t w;
+    memcpy(&w, p4, 4);
+    __m512i idx = _mm512_srlv_epi64(_mm512_set1_epi32(w), sh);
+    return _mm512_permutex2var_pd(t_lo, idx, t_hi);
+}
+
+/* Eight consecutive groups' lane sums sv[g] (lane l = s[l]) -> their scaled terms
+ * sub_g * 2^(b_g - 127), in group order, +0.0 for a group whose scale byte is 255.
+ * sub_g = ((s0+s4) + (s1+s5)) + ((s2+s6) + (s3+s7)) exactly as the scalar form, computed
+ * for eight groups at once by transposing shuffles instead of eight horizontal sums. */
+K3_AVX512_ATTR K3_INLINE __m512d k3_mxfp4_terms8_avx512(const __m512d *sv, const uint8_t *sb) {
+    __m512d P[4], U[2];
+    for (int k = 0; k < 4; k++) {       /* [b(2k) | b(2k+1)], b[l] = s[l] + s[l+4] */
+        __m512d lo = _mm512_shuffle_f64x2(sv[2 * k], sv[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512d hi = _mm512_shuffle_f64x2(sv[2 * k], sv[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2));
+        P[k] = _mm512_add_pd(lo, hi);
+    }
+    /* 128-bit blocks of U[k]: [c01(4k), c01(4k+2)], [c23(4k), c23(4k+2)], [c01(4k+1),
+     * c01(4k+3)], [c23(4k+1), c23(4k+3)] with c01 = b0 + b1, c23 = b2 + b3 */
+    for (int k = 0; k < 2; k++)
+        U[k] = _mm512_add_pd(_mm512_unpacklo_pd(P[2 * k], P[2 * k + 1]),
+                             _mm512_unpackhi_pd(P[2 * k], P[2 * k + 1]));
+    __m512d c01 = _mm512_shuffle_f64x2(U[0], U[1], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512d c23 = _mm512_shuffle_f64x2(U[0], U[1], _MM_SHUFFLE(3, 1, 3, 1));
+    __m512d sub = _mm512_add_pd(c01, c23);                     /* groups 0,2,1,3,4,6,5,7 */
+    sub = _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7), sub);
+    __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)sb));
+    __mmask8 live = _mm512_cmpneq_epi64_mask(b, _mm512_set1_epi64(255));
+    /* 2^(b-127) built as a double: biased exponent b - 127 + 1023, always normal */
+    __m512d scale = _mm512_castsi512_pd(_mm512_slli_epi64(
+        _mm512_add_epi64(b, _mm512_set1_epi64(1023 - 127)), 52));
+    return _mm512_maskz_mul_pd(live, sub, scale);  /* skipped groups add +0.0: acc is never
+                                                      -0.0 (it starts at +0.0), so acc + 0 = acc */
 }
 
 K3_AVX512_ATTR K3_INLINE void k3_mxfp4_tile_avx512(const uint8_t *p, long ldp,
@@ -376,33 +413,51 @@ K3_AVX512_ATTR K3_INLINE void k3_mxfp4_tile_avx512(const uint8_t *p, long ldp,
     double acc[2][4];
     for (int r = 0; r < R; r++)
         for (int b = 0; b < B; b++) acc[r][b] = 0.0;
-    long ngroups = n / 32;
-    for (long g = 0; g < ngroups; g++) {
-        __m512d dv[2][4];
-        int live[2];
-        for (int r = 0; r < R; r++) {
-            live[r] = s[r * lds + g] != 255;
-            if (!live[r]) continue;
-            __m128i c0, c1;
-            k3_mxfp4_codes_avx2(p + r * ldp + g * 16, &c0, &c1);
-            dv[r][0] = k3_e2m1_decode8_avx512(c0);
-            dv[r][1] = k3_e2m1_decode8_avx512(_mm_srli_si128(c0, 8));
-            dv[r][2] = k3_e2m1_decode8_avx512(c1);
-            dv[r][3] = k3_e2m1_decode8_avx512(_mm_srli_si128(c1, 8));
+    long ngroups = n / 32, g = 0;
+    /* blocks of 8 groups: lane sums parked in L1, then reduced 8 groups at a time */
+    __m512d svbuf[2][4][8];
+    for (; g + 8 <= ngroups; g += 8) {
+#pragma GCC unroll 1
+        for (int gi = 0; gi < 8; gi++) {
+            __m512d dv[2][4];
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < 4; k++)
+                    dv[r][k] = k3_e2m1_decode8_avx512(p + r * ldp + (g + gi) * 16 + 4 * k);
+            for (int b = 0; b < B; b++) {
+                const double *xg = x + b * ldx + (g + gi) * 32;
+                __m512d xv[4];
+                for (int k = 0; k < 4; k++) xv[k] = _mm512_loadu_pd(xg + 8 * k);
+                for (int r = 0; r < R; r++) {
+                    __m512d sv = _mm512_setzero_pd();     /* s[l], lanes 0-7, from +0.0 */
+                    for (int k = 0; k < 4; k++) sv = _mm512_fmadd_pd(dv[r][k], xv[k], sv);
+                    svbuf[r][b][gi] = sv;
+                }
+            }
         }
-        for (int b = 0; b < B; b++) {
-            const double *xg = x + b * ldx + g * 32;
-            __m512d xv[4];
-            for (int k = 0; k < 4; k++) xv[k] = _mm512_loadu_pd(xg + 8 * k);
-            for (int r = 0; r < R; r++) {
-                if (!live[r]) continue;
-                __m512d sv = _mm512_setzero_pd();     /* s[l], lanes 0-7 */
-                for (int k = 0; k < 4; k++) sv = _mm512_fmadd_pd(dv[r][k], xv[k], sv);
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < B; b++) {
+                double t[8];
+                _mm512_storeu_pd(t, k3_mxfp4_terms8_avx512(svbuf[r][b], s + r * lds + g));
+                for (int k = 0; k < 8; k++) acc[r][b] += t[k];     /* groups ascending */
+            }
+    }
+    for (; g < ngroups; g++) {                  /* the last ngroups % 8 groups one by one */
+        for (int r = 0; r < R; r++) {
+            uint8_t sb = s[r * lds + g];
+            if (sb == 255) continue;
+            __m512d dv[4];
+            for (int k = 0; k < 4; k++)
+                dv[k] = k3_e2m1_decode8_avx512(p + r * ldp + g * 16 + 4 * k);
+            for (int b = 0; b < B; b++) {
+                const double *xg = x + b * ldx + g * 32;
+                __m512d sv = _mm512_setzero_pd();
+                for (int k = 0; k < 4; k++)
+                    sv = _mm512_fmadd_pd(dv[k], _mm512_loadu_pd(xg + 8 * k), sv);
                 __m256d bb = _mm256_add_pd(_mm512_castpd512_pd256(sv),
                                            _mm512_extractf64x4_pd(sv, 1));
                 double t[4];
                 _mm256_storeu_pd(t, bb);
-                acc[r][b] += ((t[0] + t[1]) + (t[2] + t[3])) * K3_E8M0[s[r * lds + g]];
+                acc[r][b] += ((t[0] + t[1]) + (t[2] + t[3])) * K3_E8M0[sb];
             }
         }
     }
