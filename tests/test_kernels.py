@@ -1229,10 +1229,11 @@ def test_attnres_and_mla_exact_order():
 
 def test_mla_prefill_equals_per_position_and_ref():
     """Trap #45 for MLA (the restructured loops: scores four positions at a time, the value
-    sum row by row into dv accumulators): a 13-token prefill over a 6-position past equals
-    13 one-token calls and the exact-order reference bitwise, so every score-tail length
-    0..3 occurs (this shape stays below the parallel threshold; the 2-thread split is
-    test_results_independent_of_thread_count's).  Witness: summing values in descending position order
+    sum row by row into dv accumulators; on AVX-512, blocks of 8 tokens per head with the
+    tokens in the double lanes): a 13-token prefill (a full block and a ragged one) over a
+    6-position past equals 13 one-token calls and the exact-order reference bitwise on
+    every path, so every score-tail length 0..3 and a dv tail of 3 occur (this shape stays
+    below the parallel threshold; test_results_independent_of_thread_count splits one).  Witness: summing values in descending position order
     (what a careless reordering would do) changes bits on the same data."""
     r = rng(21)
     H, dn, dr, dv, Tm, past = 2, 37, 9, 19, 13, 6
@@ -1240,15 +1241,15 @@ def test_mla_prefill_equals_per_position_and_ref():
     KV = rand_f32(r, (past + Tm, H * (dn + dv)))
     R = rand_f32(r, (past + Tm, dr))
     want = ref_mla(Q, KV, R, past, H, dn, dv)
-    for nt in (1, 2):
-        with threads(nt):
+    for name in K.isas_available():          # avx512: token blocks of 8 (k3mla.h)
+        with isa(name):
             O = np.empty((Tm, H * dv), np.float32)
             K.mla_attention(Q, KV, R, past, H, dn, dv, O)
             one = np.empty_like(O)
             for t in range(Tm):
                 K.mla_attention(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
-        assert_bitwise(f"mla prefill T={Tm} vs per-position, {nt} thread(s)", O, one)
-        assert_bitwise(f"mla prefill T={Tm} vs exact-order ref, {nt} thread(s)", O, want)
+        assert_bitwise(f"mla prefill T={Tm} vs per-position, {name}", O, one)
+        assert_bitwise(f"mla prefill T={Tm} vs exact-order ref, {name}", O, want)
     wrong = np.empty((1, H * dv), np.float32)
     p = past + Tm - 1
     sc = ref_mla_weights(Q[-1], KV, R, p, H, dn, dr)

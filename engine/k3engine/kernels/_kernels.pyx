@@ -37,6 +37,12 @@ cdef extern from "k3dot.h" nogil:
     void k3_e8m0_init()
     const double K3_E2M1[16]
 
+cdef extern from "k3mla.h" nogil:
+    long k3_mla_block_work(long dq, long npos)
+    void k3_mla_block_avx512(const float *Q, long ldq, const float *KV, long ldkv,
+                             const float *R, long ldr, long dn, long dr, long dv, long p0,
+                             int nb, float kappa, float *O, long ldo, double *work)
+
 cdef float F1 = 1.0
 cdef float F0 = 0.0
 cdef float L2_EPS = 1e-6          # float32 constant, widened where used (§4.1)
@@ -513,6 +519,9 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
         raise ValueError(f"MLA cache overflow: {npos} positions, capacity {KV.shape[0]}")
     if T == 0:
         return
+    if T > 1 and k3_isa() == 2:
+        _mla_blocks_avx512(Q, KV, R, n_past, H, dn, dv, kappa, O)
+        return
     with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
         sc = <float *>malloc((npos + dv) * sizeof(float))
         accv = sc + npos
@@ -569,6 +578,27 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
             for j in range(dv):
                 O[t, h * dv + j] = accv[j]
         free(sc)
+
+
+cdef _mla_blocks_avx512(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
+                        Py_ssize_t n_past, Py_ssize_t H, Py_ssize_t dn, Py_ssize_t dv,
+                        float kappa, float[:, ::1] O):
+    """mla_attention for T > 1 on the AVX-512 path: work items are (head, block of 8
+    consecutive tokens), each computed by k3mla.h with the same per-output orders."""
+    cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
+    cdef Py_ssize_t npos = n_past + T, nblk = (T + 7) // 8, item, h, t0
+    cdef int nb
+    cdef double *work
+    with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
+        work = <double *>malloc(k3_mla_block_work(dq, npos) * sizeof(double))
+        for item in prange(H * nblk, schedule="dynamic"):
+            h = item % H
+            t0 = (item // H) * 8
+            nb = <int>min(8, T - t0)
+            k3_mla_block_avx512(&Q[t0, h * dq], Q.shape[1], &KV[0, h * dkv], KV.shape[1],
+                                &R[0, 0], R.shape[1], dn, dr, dv, n_past + t0, nb, kappa,
+                                &O[t0, h * dv], O.shape[1], work)
+        free(work)
 
 
 # ---- router (§4.7.1) -----------------------------------------------------------------
