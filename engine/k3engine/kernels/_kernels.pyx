@@ -436,42 +436,56 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
                    const float[:, ::1] V, const float[:, ::1] alpha, const float[:, ::1] beta,
                    float q_scale, float[:, ::1] O):
     """Delta-rule recurrence per head, tokens in order (§4.4 steps 1-4).
-    S [H, D, D] row = key channel (updated); Q, K, V, alpha [T, H*D]; beta [T, H]; O [T, H*D]."""
+    S [H, D, D] row = key channel (updated); Q, K, V, alpha [T, H*D]; beta [T, H]; O [T, H*D].
+
+    Two passes over S per token instead of four, row by row (contiguous, vectorisable over
+    the value channel j): pass 1 decays row i and adds its term to u[j]; pass 2 writes the
+    delta into row i and adds the updated row's term to o[j].  Every u[j] and o[j] still
+    sums its float32 terms over the key channel i ascending from 0, and each S element sees
+    the same two roundings in the same order, so the bits are those of the four-step form."""
     cdef Py_ssize_t H = S.shape[0], D = S.shape[1], T = Q.shape[0]
     cdef Py_ssize_t h, t, i, j, base
     cdef float *u
     cdef float *qh
-    cdef float acc, kb, a, diff
+    cdef float *o
+    cdef float *diff
+    cdef float *row
+    cdef float kb, a, ki, qi, p
     if S.shape[2] != D or Q.shape[1] != H * D or beta.shape[1] != H:
         raise ValueError("kda_recurrence shapes do not match")
     with nogil, parallel(num_threads=_threads_for(H * D * D * T * 4)):
-        u = <float *>malloc(2 * D * sizeof(float))
+        u = <float *>malloc(4 * D * sizeof(float))
         qh = u + D
+        o = u + 2 * D
+        diff = u + 3 * D
         for h in prange(H, schedule="static"):
             base = h * D
             for t in range(T):
-                for i in range(D):
-                    qh[i] = Q[t, base + i] * q_scale
-                for i in range(D):                         # 1. decay rows
+                for j in range(D):
+                    qh[j] = Q[t, base + j] * q_scale
+                    u[j] = F0
+                    o[j] = F0
+                for i in range(D):                         # 1. decay row i; 2. u += k_i S[i]
                     a = alpha[t, base + i]
+                    ki = K[t, base + i]
+                    row = &S[h, i, 0]
                     for j in range(D):
-                        S[h, i, j] = S[h, i, j] * a
-                for j in range(D):                         # 2. u = S^T k
-                    acc = F0
-                    for i in range(D):
-                        acc = acc + K[t, base + i] * S[h, i, j]
-                    u[j] = acc
-                for i in range(D):                         # 3. delta write
+                        row[j] = row[j] * a
+                        p = ki * row[j]
+                        u[j] = u[j] + p
+                for j in range(D):
+                    diff[j] = V[t, base + j] - u[j]
+                for i in range(D):                         # 3. delta write; 4. read UPDATED row
                     kb = K[t, base + i] * beta[t, h]
+                    qi = qh[i]
+                    row = &S[h, i, 0]
                     for j in range(D):
-                        diff = V[t, base + j] - u[j]
-                        diff = kb * diff
-                        S[h, i, j] = S[h, i, j] + diff
-                for j in range(D):                         # 4. read from the UPDATED S
-                    acc = F0
-                    for i in range(D):
-                        acc = acc + qh[i] * S[h, i, j]
-                    O[t, base + j] = acc
+                        p = kb * diff[j]
+                        row[j] = row[j] + p
+                        p = qi * row[j]
+                        o[j] = o[j] + p
+                for j in range(D):
+                    O[t, base + j] = o[j]
         free(u)
 
 
