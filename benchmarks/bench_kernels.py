@@ -216,7 +216,7 @@ def time_calls(calls, X, Y, repeat, warmup=2, cpu=None) -> list[float]:
     for i in range(warmup):
         calls[i % len(calls)](X, Y)
     times = []
-    for i in range(repeat):
+    for i in range(warmup, warmup + repeat):    # the rotation goes on: no copy reused early
         f = calls[i % len(calls)]
         c0, t0 = time.process_time(), time.perf_counter()
         f(X, Y)
@@ -295,6 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="", help="only kernels whose kind is listed "
                     "(bf16,mxfp4,f32,i8r); default all")
     ap.add_argument("--bw-gib", type=float, default=1.0, help="size of the bandwidth arrays")
+    ap.add_argument("--floor-gbs", type=float, metavar="GB/S",
+                    help="read bandwidth for the floor instead of this run's measurement "
+                         "(a quiet-machine figure, when other processes share the memory)")
     ap.add_argument("--callgrind", action="store_true",
                     help="also count instructions per weight element with valgrind")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -331,8 +334,9 @@ def main(argv=None) -> int:
     for nt in thread_counts:
         print(f"  {nt} thread(s): read (uint64 sum) {bw[f'read_gbs_{nt}t']:6.2f} GB/s, "
               f"copy (np.copyto, read+write) {bw[f'copy_gbs_{nt}t']:6.2f} GB/s")
-    read_bw = bw["read_gbs_best"]
-    print(f"  floor uses the best read bandwidth: {read_bw:.2f} GB/s")
+    read_bw = a.floor_gbs or bw["read_gbs_best"]
+    print(f"  floor uses {'the given' if a.floor_gbs else 'the best measured'} read bandwidth: "
+          f"{read_bw:.2f} GB/s")
     if fl_bw.fraction is not None:
         print(f"  other processes used {100 * fl_bw.fraction:.0f}% of the CPUs meanwhile")
 
@@ -340,7 +344,8 @@ def main(argv=None) -> int:
     prev_threads, prev_isa = K.get_num_threads(), K.isa()
     results = []
     for name, kind, rows, cols in kernels:
-        copies = max(1, -(-target // weight_bytes(kind, rows, cols)))
+        # enough copies that no call of a cell meets weights a recent call left in L3
+        copies = max(a.repeat + 2, -(-target // weight_bytes(kind, rows, cols)))
         calls, r, nbytes = build(kind, rows, cols, copies, seed=rows * 31 + cols)
         floor_ms = nbytes / (read_bw * 1e9) * 1e3
         for isa in isas:
@@ -393,7 +398,7 @@ def measure_cell(a, calls, X, Y, copies) -> dict:
     for attempt in range(1, max(1, a.retries) + 1):
         cpu = []
         with ForeignLoad() as fl:
-            cold_runs = time_calls(calls, X, Y, max(a.repeat, copies), cpu=cpu)
+            cold_runs = time_calls(calls, X, Y, a.repeat, cpu=cpu)
             hot_runs = time_calls(calls[:1], X, Y, a.repeat)
         other = fl.fraction if fl.fraction is not None else 0.0
         if best is None or other < best[0]:

@@ -127,23 +127,16 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
     case 16 + 3: PREFIX##_2_3 ARGS; break; case 16 + 4: PREFIX##_2_4 ARGS; break;           \
     default: abort();                                                                       \
     }
+#define K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, R, B)                                      \
+    ATTR static void PREFIX##_##R##_##B(const T *w, long ldw, const double *x, long ldx,    \
+                                        long n, double *out) {                              \
+        BODY(w, ldw, x, ldx, n, out, R, B);                                                 \
+    }
 #define K3_TILE_INSTANCES(PREFIX, ATTR, BODY, T)                                            \
-    ATTR static void PREFIX##_1_1(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 1); }      \
-    ATTR static void PREFIX##_1_2(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 2); }      \
-    ATTR static void PREFIX##_1_3(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 3); }      \
-    ATTR static void PREFIX##_1_4(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 1, 4); }      \
-    ATTR static void PREFIX##_2_1(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 1); }      \
-    ATTR static void PREFIX##_2_2(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 2); }      \
-    ATTR static void PREFIX##_2_3(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 3); }      \
-    ATTR static void PREFIX##_2_4(const T *w, long ldw, const double *x, long ldx, long n,  \
-                                  double *out) { BODY(w, ldw, x, ldx, n, out, 2, 4); }
+    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 1, 1) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 1, 2) \
+    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 1, 3) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 1, 4) \
+    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 1) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 2) \
+    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 3) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 4)
 
 #if K3_HAVE_SIMD_PATHS
 
@@ -189,35 +182,38 @@ K3_AVX2_ATTR K3_INLINE double k3_tree16_avx2(const __m256d *v) {
     return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-/* R x B tile of the 16-lane matvec; WIDEN16 is one of the k3_w16_*_avx2 above, WIDEN the
- * scalar widening for the tail. */
-#define K3_MV_TILE_AVX2(WIDEN16, WIDEN, T)                                                 \
-    K3_AVX2_ATTR K3_INLINE void k3_mv_tile_avx2_##WIDEN16(                                 \
-        const T *w, long ldw, const double *x, long ldx,                                   \
-        long n, double *out, const int R, const int B)                                     \
-    {                                                                                      \
-        __m256d acc[2][4][4], wv[2][4];                                                    \
-        for (int r = 0; r < R; r++)                                                        \
-            for (int b = 0; b < B; b++)                                                    \
-                for (int k = 0; k < 4; k++) acc[r][b][k] = _mm256_setzero_pd();            \
-        long nfull = n & ~15L, i;                                                          \
-        for (i = 0; i < nfull; i += 16) {                                                  \
-            for (int r = 0; r < R; r++) WIDEN16(w + r * ldw + i, wv[r]);                   \
-            for (int b = 0; b < B; b++)                                                    \
-                for (int k = 0; k < 4; k++) {                                              \
-                    __m256d xv = _mm256_loadu_pd(x + b * ldx + i + 4 * k);                 \
-                    for (int r = 0; r < R; r++)                                            \
-                        acc[r][b][k] = _mm256_fmadd_pd(wv[r][k], xv, acc[r][b][k]);        \
-                }                                                                          \
-        }                                                                                  \
-        for (int r = 0; r < R; r++)                                                        \
-            for (int b = 0; b < B; b++) {                                                  \
-                double d = k3_tree16_avx2(acc[r][b]);                                      \
-                for (long j = i; j < n; j++)                                               \
-                    d += (double)WIDEN(w[r * ldw + j]) * x[b * ldx + j];                   \
-                out[r * B + b] = d;                                                        \
-            }                                                                              \
+/* R x B tile of the 16-lane matvec for one ISA: VEC holds VL doubles, NV = 16 / VL
+ * vectors hold one block of 16 lanes; WIDEN16 widens 16 stored weights into NV vectors,
+ * WIDEN is the scalar widening for the tail, TREE the lanes' fixed reduction tree. */
+#define K3_MV_TILE(NAME, ATTR, T, VEC, NV, VL, ZERO, LOAD, FMADD, WIDEN16, WIDEN, TREE)       \
+    ATTR K3_INLINE void NAME(const T *w, long ldw, const double *x, long ldx, long n,       \
+                             double *out, const int R, const int B)                         \
+    {                                                                                       \
+        VEC acc[2][4][NV], wv[2][NV];                                                       \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int b = 0; b < B; b++)                                                     \
+                for (int k = 0; k < NV; k++) acc[r][b][k] = ZERO();                         \
+        long nfull = n & ~15L, i;                                                           \
+        for (i = 0; i < nfull; i += 16) {                                                   \
+            for (int r = 0; r < R; r++) WIDEN16(w + r * ldw + i, wv[r]);                    \
+            for (int b = 0; b < B; b++)                                                     \
+                for (int k = 0; k < NV; k++) {                                              \
+                    VEC xv = LOAD(x + b * ldx + i + VL * k);                                \
+                    for (int r = 0; r < R; r++)                                             \
+                        acc[r][b][k] = FMADD(wv[r][k], xv, acc[r][b][k]);                   \
+                }                                                                           \
+        }                                                                                   \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int b = 0; b < B; b++) {                                                   \
+                double d = TREE(acc[r][b]);                                                 \
+                for (long j = i; j < n; j++)                                                \
+                    d += (double)WIDEN(w[r * ldw + j]) * x[b * ldx + j];                    \
+                out[r * B + b] = d;                                                         \
+            }                                                                               \
     }
+#define K3_MV_TILE_AVX2(WIDEN16, WIDEN, T)                                                  \
+    K3_MV_TILE(k3_mv_tile_avx2_##WIDEN16, K3_AVX2_ATTR, T, __m256d, 4, 4, _mm256_setzero_pd, \
+               _mm256_loadu_pd, _mm256_fmadd_pd, WIDEN16, WIDEN, k3_tree16_avx2)
 
 /* ---- AVX-512: 16 weights -> two 8-double vectors -------------------------------------- */
 /* v0 holds lanes 0-7, v1 lanes 8-15.  The tree: (lo4(v0) + hi4(v0)) = a[l] + a[l+4] and
@@ -247,33 +243,10 @@ K3_AVX512_ATTR K3_INLINE double k3_tree16_avx512(const __m512d *v) {
     return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-#define K3_MV_TILE_AVX512(WIDEN16, WIDEN, T)                                               \
-    K3_AVX512_ATTR K3_INLINE void k3_mv_tile_avx512_##WIDEN16(                             \
-        const T *w, long ldw, const double *x, long ldx,                                   \
-        long n, double *out, const int R, const int B)                                     \
-    {                                                                                      \
-        __m512d acc[2][4][2], wv[2][2];                                                    \
-        for (int r = 0; r < R; r++)                                                        \
-            for (int b = 0; b < B; b++)                                                    \
-                for (int k = 0; k < 2; k++) acc[r][b][k] = _mm512_setzero_pd();            \
-        long nfull = n & ~15L, i;                                                          \
-        for (i = 0; i < nfull; i += 16) {                                                  \
-            for (int r = 0; r < R; r++) WIDEN16(w + r * ldw + i, wv[r]);                   \
-            for (int b = 0; b < B; b++)                                                    \
-                for (int k = 0; k < 2; k++) {                                              \
-                    __m512d xv = _mm512_loadu_pd(x + b * ldx + i + 8 * k);                 \
-                    for (int r = 0; r < R; r++)                                            \
-                        acc[r][b][k] = _mm512_fmadd_pd(wv[r][k], xv, acc[r][b][k]);        \
-                }                                                                          \
-        }                                                                                  \
-        for (int r = 0; r < R; r++)                                                        \
-            for (int b = 0; b < B; b++) {                                                  \
-                double d = k3_tree16_avx512(acc[r][b]);                                    \
-                for (long j = i; j < n; j++)                                               \
-                    d += (double)WIDEN(w[r * ldw + j]) * x[b * ldx + j];                   \
-                out[r * B + b] = d;                                                        \
-            }                                                                              \
-    }
+#define K3_MV_TILE_AVX512(WIDEN16, WIDEN, T)                                                \
+    K3_MV_TILE(k3_mv_tile_avx512_##WIDEN16, K3_AVX512_ATTR, T, __m512d, 2, 8,                 \
+               _mm512_setzero_pd, _mm512_loadu_pd, _mm512_fmadd_pd, WIDEN16, WIDEN,           \
+               k3_tree16_avx512)
 
 K3_MV_TILE_AVX2(k3_w16_f32_avx2, K3_AS_IS, float)
 K3_MV_TILE_AVX2(k3_w16_bf16_avx2, k3_bf16_to_f32, uint16_t)
