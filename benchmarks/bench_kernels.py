@@ -300,6 +300,8 @@ def main(argv=None) -> int:
                          "(a quiet-machine figure, when other processes share the memory)")
     ap.add_argument("--callgrind", action="store_true",
                     help="also count instructions per weight element with valgrind")
+    ap.add_argument("--callgrind-only", action="store_true",
+                    help="only the instruction counts (no timings, no bandwidth)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--max-other-load", type=float, default=10.0, metavar="PCT",
                     help="re-measure a cell when other processes used more than PCT%% of the "
@@ -326,6 +328,11 @@ def main(argv=None) -> int:
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs "
           f"({info['usable_cpus']} usable), L3 {info['l3_bytes'] >> 20} MiB, "
           f"numpy {info['numpy']}, python {info['python']}, kernel paths {info['isas']}")
+    shapes = sorted({(k, c) for _, k, _, c in kernels})
+    if a.callgrind_only:
+        for T in token_counts:
+            callgrind_counts(shapes, isas, T)
+        return 0
 
     print(f"measuring memory bandwidth ({a.bw_gib:g} GiB arrays, median of {a.repeat}) ...",
           flush=True)
@@ -375,7 +382,7 @@ def main(argv=None) -> int:
     if a.callgrind:
         print("counting instructions (valgrind --tool=callgrind, 1 thread) ...", flush=True)
         for T in token_counts:
-            counts.update(callgrind_counts(sorted({(k, c) for _, k, _, c in kernels}), isas, T))
+            counts.update(callgrind_counts(shapes, isas, T))
 
     print_table(results, counts)
     print()
