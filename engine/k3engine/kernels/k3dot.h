@@ -314,20 +314,19 @@ K3_AVX2_ATTR K3_INLINE void k3_mxfp4_tile_avx2(const uint8_t *p, long ldp, const
         }
         for (int b = 0; b < B; b++) {
             const double *xg = x + b * ldx + g * 32;
-            __m256d xv[8];
-            for (int k = 0; k < 8; k++) xv[k] = _mm256_loadu_pd(xg + 4 * k);
             for (int r = 0; r < R; r++) {
                 if (!live[r]) continue;
-                /* A = lanes 0-3, C = lanes 4-7 */
+                /* A = lanes 0-3, C = lanes 4-7; x read in place (16 registers are few) */
                 __m256d A = _mm256_setzero_pd(), C = _mm256_setzero_pd();
                 for (int k = 0; k < 4; k++) {
-                    A = _mm256_fmadd_pd(dv[r][2 * k], xv[2 * k], A);
-                    C = _mm256_fmadd_pd(dv[r][2 * k + 1], xv[2 * k + 1], C);
+                    A = _mm256_fmadd_pd(dv[r][2 * k], _mm256_loadu_pd(xg + 8 * k), A);
+                    C = _mm256_fmadd_pd(dv[r][2 * k + 1], _mm256_loadu_pd(xg + 8 * k + 4), C);
                 }
                 __m256d bb = _mm256_add_pd(A, C);          /* b[l] = s[l] + s[l+4] */
-                double t[4];
-                _mm256_storeu_pd(t, bb);
-                acc[r][b] += ((t[0] + t[1]) + (t[2] + t[3])) * K3_E8M0_HALF[s[r * lds + g]];
+                __m256d hs = _mm256_hadd_pd(bb, bb);       /* [b0+b1, ., b2+b3, .] */
+                __m128d sub = _mm_add_sd(_mm256_castpd256_pd128(hs),
+                                         _mm256_extractf128_pd(hs, 1));
+                acc[r][b] += _mm_cvtsd_f64(sub) * K3_E8M0_HALF[s[r * lds + g]];
             }
         }
     }
