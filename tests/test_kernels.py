@@ -1314,3 +1314,17 @@ def test_build_flags_no_contraction_no_fast_math():
     print(f"[gate] interpreter CFLAGS/OPT checked for fast-math flags: {cflags.split()[:8]} ...")
     for flag in forbidden:
         assert flag not in cflags.split(), f"python's build flags contain {flag}"
+
+
+def test_embed_and_attnres_refuse_a_wrong_output_shape():
+    """Bounds checking is off in the kernels: a wrong output shape must be refused up front,
+    never written past."""
+    W = np.zeros((8, 4), np.uint16)
+    with pytest.raises(ValueError):
+        K.embed(W, np.array([1, 2, 3], np.int64), np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError):
+        K.embed(W, np.array([1], np.int64), np.zeros((1, 5), np.float32))
+    stack = np.zeros((2, 3, 4), np.float32)
+    run = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError):
+        K.attnres(stack, 1, run, np.zeros(4, np.float32), 1e-5, np.zeros((2, 4), np.float32))

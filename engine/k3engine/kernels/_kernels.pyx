@@ -367,6 +367,10 @@ def embed(W, const int64_t[::1] ids, float[:, ::1] out):
     cdef Py_ssize_t t, i, T = ids.shape[0]
     cdef const uint16_t[:, ::1] Wb
     cdef const float[:, ::1] Wf
+    # bounds checking is off: a wrong output shape would write out of bounds silently
+    if out.shape[0] < T or out.shape[1] != W.shape[1]:
+        raise ValueError(f"embed: output {out.shape[0]}x{out.shape[1]} does not hold {T} rows "
+                         f"of {W.shape[1]}")
     if W.dtype == np.uint16:
         Wb = W
         for t in range(T):
@@ -451,14 +455,20 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
     cdef float *diff
     cdef float *row
     cdef float kb, a, ki, qi, p
+    cdef int oom[1]
     if S.shape[2] != D or Q.shape[1] != H * D or beta.shape[1] != H:
         raise ValueError("kda_recurrence shapes do not match")
+    oom[0] = 0
     with nogil, parallel(num_threads=_threads_for(H * D * D * T * 4)):
         u = <float *>malloc(4 * D * sizeof(float))
         qh = u + D
         o = u + 2 * D
         diff = u + 3 * D
+        if u == NULL:
+            oom[0] = 1                       # reported after the region (no raise in nogil)
         for h in prange(H, schedule="static"):
+            if u == NULL:
+                continue
             base = h * D
             for t in range(T):
                 for j in range(D):
@@ -487,6 +497,8 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
                 for j in range(D):
                     O[t, base + j] = o[j]
         free(u)
+    if oom[0]:
+        raise MemoryError("kda_recurrence: no memory for its per-thread buffers")
 
 
 # ---- MLA (§4.5) ----------------------------------------------------------------------
@@ -536,10 +548,16 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
     if T > 1 and k3_isa() == 2:
         _mla_blocks_avx512(Q, KV, R, n_past, H, dn, dv, kappa, O)
         return
+    cdef int oom[1]
+    oom[0] = 0
     with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
         sc = <float *>malloc((npos + dv) * sizeof(float))
         accv = sc + npos
+        if sc == NULL:
+            oom[0] = 1                       # reported after the region (no raise in nogil)
         for th in prange(T * H, schedule="static"):
+            if sc == NULL:
+                continue
             t = th // H
             h = th % H
             p = n_past + t
@@ -592,6 +610,8 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
             for j in range(dv):
                 O[t, h * dv + j] = accv[j]
         free(sc)
+    if oom[0]:
+        raise MemoryError(f"mla_attention: no memory for {npos} scores per thread")
 
 
 cdef _mla_blocks_avx512(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
@@ -603,9 +623,15 @@ cdef _mla_blocks_avx512(const float[:, ::1] Q, const float[:, ::1] KV, const flo
     cdef Py_ssize_t npos = n_past + T, nblk = (T + 7) // 8, item, h, t0
     cdef int nb
     cdef double *work
+    cdef int oom[1]
+    oom[0] = 0
     with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
         work = <double *>malloc(k3_mla_block_work(dq, npos) * sizeof(double))
+        if work == NULL:
+            oom[0] = 1                       # reported after the region (no raise in nogil)
         for item in prange(H * nblk, schedule="dynamic"):
+            if work == NULL:
+                continue
             h = item % H
             t0 = (item // H) * 8
             nb = <int>min(8, T - t0)
@@ -613,6 +639,8 @@ cdef _mla_blocks_avx512(const float[:, ::1] Q, const float[:, ::1] KV, const flo
                                 &R[0, 0], R.shape[1], dn, dr, dv, n_past + t0, nb, kappa,
                                 &O[t0, h * dv], O.shape[1], work)
         free(work)
+    if oom[0]:
+        raise MemoryError(f"mla_attention: no memory for the {npos}-position block work")
 
 
 # ---- router (§4.7.1) -----------------------------------------------------------------
@@ -705,6 +733,8 @@ def attnres(const float[:, :, ::1] stack, Py_ssize_t n_snap, const float[:, ::1]
         raise ValueError("attnres shapes do not match")
     if n_snap > 0 and (stack.shape[1] < T or stack.shape[2] != E):
         raise ValueError("attnres stack shape does not match")
+    if out.shape[0] != T or out.shape[1] != E:   # bounds checking is off: check it here
+        raise ValueError("attnres output shape does not match")
     with nogil:
         for t in range(T):
             for s in range(n):
