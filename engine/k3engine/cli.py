@@ -34,6 +34,8 @@ SUBCOMMANDS = {
     "devbw": "k3engine.tools.devbw",
     "budget": "k3engine.tools.budget",
     "download": "k3engine.tools.download",
+    "train-demo": "k3engine.tools.train_demo",
+    "demo": "k3engine.tools.demo",
 }
 
 USAGE = """\

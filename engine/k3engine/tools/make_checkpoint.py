@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import zlib
+from typing import Callable
 
 import numpy as np
 
@@ -220,8 +221,13 @@ def plan_shards(cfg: ModelConfig, shard_bytes: int) -> list[list[TensorDef]]:
 
 
 def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool = False,
-                    shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None) -> list[str]:
-    """Write the checkpoint; returns the shard paths.  `progress(done, total)` in bytes."""
+                    shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None,
+                    values: Callable[[TensorDef], np.ndarray] | None = None,
+                    generator: str | None = None) -> list[str]:
+    """Write the checkpoint; returns the shard paths.  `progress(done, total)` in bytes.
+    `values(tensor_def)` supplies each tensor's stored array instead of the random
+    generator (`k3 train-demo` exports trained weights through it); `generator` names the
+    producer in the shards' metadata."""
     os.makedirs(out_dir, exist_ok=True)
     shards = plan_shards(cfg, shard_bytes)
     total = sum(_spec(t).nbytes for s in shards for t in s)
@@ -233,7 +239,8 @@ def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool 
         if progress:
             progress(done, total)
 
-    gen = Generator(cfg, seed)
+    produce = values or Generator(cfg, seed).values
+    generator = generator or f"k3 make-checkpoint seed={seed}"
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else \
         [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -242,8 +249,8 @@ def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool 
     for fname, tensors in zip(names, shards):
         defs = {t.name: t for t in tensors}
         path = os.path.join(out_dir, fname)
-        write_safetensors(path, [_spec(t) for t in tensors], lambda s: gen.values(defs[s.name]),
-                          metadata={"format": "pt", "generator": f"k3 make-checkpoint seed={seed}"},
+        write_safetensors(path, [_spec(t) for t in tensors], lambda s: produce(defs[s.name]),
+                          metadata={"format": "pt", "generator": generator},
                           progress=step)
         paths.append(path)
         byname.update({t.name: fname for t in tensors})
