@@ -19,7 +19,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="k3-studio", description="K3 Studio: run Kimi K3 "
                                  "exactly on one computer and watch how it does it.")
     ap.add_argument("--demo", action="store_true",
-                    help="use the built-in demo model (random weights), making it if needed")
+                    help="use the built-in demo model (a tiny trained model, not Kimi K3), "
+                         "setting it up if needed")
     ap.add_argument("--model", metavar="DIR", help="checkpoint directory to select")
     ap.add_argument("--trunk", metavar="DIR", default="", help="packed trunk directory")
     ap.add_argument("--tok", metavar="DIR", default="", help="tokenizer directory")

@@ -93,9 +93,10 @@ class SetupPanel(QWidget):
         self.demo_box.setObjectName("bubble_system")
         dlay = QHBoxLayout(self.demo_box)
         self.demo_text = QLabel(
-            "<b>No model yet?</b> Create the built-in demo model: a 26 MB checkpoint in the "
-            "released layout with <b>random weights</b> (the output is not language), plus "
-            "its packed trunk. It shows every part of the machinery in seconds.")
+            "<b>No model yet?</b> Set up the built-in demo model: a 7 MB checkpoint in the "
+            "released layout, <b>a tiny model trained on a small corpus, not Kimi K3</b> "
+            "(it answers greetings, sums, days and questions about K3 Studio), plus its "
+            "packed trunk. It shows every part of the machinery in seconds.")
         self.demo_text.setWordWrap(True)
         self.demo_btn = QPushButton("Create the demo model")
         self.demo_btn.setObjectName("primary")
@@ -304,7 +305,7 @@ class SetupPanel(QWidget):
         model, trunk = paths
         self.demo_task = None
         self.demo_bar.setValue(1000)
-        self.demo_text.setText(f"Demo model ready in {model} (random weights).")
+        self.demo_text.setText(f"Demo model ready in {model} (a tiny trained model, not Kimi K3).")
         self.demo_btn.setEnabled(True)
         self.set_paths(model, trunk, "")
         self.demoReady.emit(model, trunk)

@@ -245,7 +245,7 @@ class MainWindow(QMainWindow):
         self.setup.set_engine_state(True, self.host.busy, text)
         is_demo = demo.is_demo(info["model_dir"])
         self.demo_label.setVisible(is_demo)
-        self.chat.set_model(f"<b>{name}</b> · {how}" + (" · <b>DEMO: random weights</b>"
+        self.chat.set_model(f"<b>{name}</b> · {how}" + (" · <b>DEMO: tiny trained model, not Kimi K3</b>"
                                                          if is_demo else ""), True)
         self.plots.reset(f"model {self._plotted_model or 'none'}")   # token axis from 1
         self._plotted_model = name

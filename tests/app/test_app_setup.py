@@ -127,14 +127,14 @@ def test_first_start_offers_and_makes_the_demo(qtbot, window):
     setup = window.setup
     qtbot.waitUntil(lambda: setup.inspection is not None, timeout=TIMEOUT)
     assert setup.demo_box.isVisible()
-    assert "random weights" in setup.demo_text.text()
+    assert "trained on a small corpus, not Kimi K3" in setup.demo_text.text()
     with qtbot.waitSignal(setup.demoReady, timeout=TIMEOUT) as b:
         setup.demo_btn.click()
     model, trunk = b.args
     assert model.startswith(window.data_dir) and os.path.isfile(os.path.join(trunk, "trunk.json"))
     qtbot.waitUntil(lambda: setup.inspection is not None and setup.inspection.runnable,
                     timeout=TIMEOUT)
-    assert setup.demo_badge.isVisible() and "random weights" in setup.demo_badge.text()
+    assert setup.demo_badge.isVisible() and "not Kimi K3" in setup.demo_badge.text()
     assert window.settings.model_dir == model
 
 

@@ -117,7 +117,7 @@ def collate(seqs, batch):
 
 # ---- training ---------------------------------------------------------------------------
 
-def train(out_dir: str, seed: int = 0, steps: int = 900, qat_steps: int = 150,
+def train(out_dir: str, seed: int = 0, steps: int = 360, qat_steps: int = 60,
           batch_tokens: int = 2048, lr: float = 3e-3, log=print) -> dict:
     import torch
     from .demo_torch import K3Torch
@@ -279,8 +279,8 @@ def main(argv: list[str]) -> int:
                                              "pip install -e '.[train]').")
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=900)
-    ap.add_argument("--qat-steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=360)
+    ap.add_argument("--qat-steps", type=int, default=60)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=3e-3)
     a = ap.parse_args(argv)
