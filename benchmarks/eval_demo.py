@@ -75,6 +75,7 @@ def chat_figures(lm, tok, ctl, corpus, convs):
         right = asked = 0
         unknown = Counter()
         lengths = []
+        fam_right, fam_asked = Counter(), Counter()
         for conv in convs:
             t = conv.turns[0]
             h = History(([Message("system", conv.system)] if conv.system else [])
@@ -90,7 +91,10 @@ def chat_figures(lm, tok, ctl, corpus, convs):
             unknown.update(w for w in ws if w not in vocab)
             if t.answer is not None:
                 asked += 1
-                right += r["parsed"] and answer_ok(t.answer, r["content"])
+                ok = bool(r["parsed"] and answer_ok(t.answer, r["content"]))
+                right += ok
+                fam_asked[t.family] += 1
+                fam_right[t.family] += ok
             if len(samples) < 12:
                 samples.append(dict(thinking=thinking, user=t.user, answer=t.answer,
                                     reasoning=r["reasoning"], content=r["content"],
@@ -104,6 +108,7 @@ def chat_figures(lm, tok, ctl, corpus, convs):
                         unknown_words=unknown.most_common(10),
                         one_answer_questions=asked, right=right,
                         accuracy_pct=round(100 * right / max(1, asked), 1),
+                        by_family={f: f"{fam_right[f]}/{n}" for f, n in sorted(fam_asked.items())},
                         mean_reply_ids=round(float(np.mean(lengths)), 1) if lengths else None)
     out["samples"] = samples
     return out
@@ -131,25 +136,25 @@ def transcripts(lm, tok, ctl, convs):
     return out
 
 
-def trace_figures(model_dir, tok, convs, cfg):
-    """~1,000 held-out tokens through the CLI with --dump-cache-trace, then k3 sim-cache."""
+def trace_figures(model_dir, tok, convs, cfg, n_tokens=1000):
+    """A held-out chat prompt, then greedy decode to n_tokens positions in all (one token per
+    step: the trace holds every decode step's routing), through the CLI with
+    --dump-cache-trace; then k3 sim-cache on that trace."""
     from k3engine.chat import encode_prompt, render_segments
-    ids = []
-    for conv in convs:
-        h = conv.history()
-        ids += encode_prompt(tok, render_segments(h, ChatOptions(thinking=conv.thinking), False))
-        if len(ids) >= 1000:
-            break
-    ids = ids[:1000]
+    h = History([Message("user", convs[0].turns[0].user)])
+    ids = encode_prompt(tok, render_segments(h, ChatOptions(thinking=True)))
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "ids.txt"), "w") as f:
             f.write(",".join(map(str, ids)))
         subprocess.run([sys.executable, "-m", "k3engine", model_dir, "--ids-file",
-                        os.path.join(d, "ids.txt"), "--gen", "1", "--incremental",
+                        os.path.join(d, "ids.txt"), "--gen", str(n_tokens - len(ids)),
+                        "--incremental",
                         "--dump-cache-trace", d, "--out", os.path.join(d, "run.json")],
                        check=True, capture_output=True)
         trace = os.path.join(d, "expert_trace.bin")
         pairs = np.fromfile(trace, dtype="<i4").reshape(-1, 2)
+        run = json.load(open(os.path.join(d, "run.json"), "rb"))
+        text = bytes(tok.decode(run["generated_ids"])).decode("utf-8", "replace")
         ebytes = 3 * cfg.moe_inter * (cfg.latent // 2 + cfg.latent // 32)
         slots = [17, 24, 32, 48, 64, 96, 128, 160, 192, 224]
         caps = ",".join(f"{s * ebytes / 1e9:.9f}" for s in slots)
@@ -161,10 +166,11 @@ def trace_figures(model_dir, tok, convs, cfg):
         c = Counter(pairs[pairs[:, 0] == L, 1].tolist())
         counts = np.array([c.get(e, 0) for e in range(cfg.n_experts)], dtype=float)
         usage[int(L)] = dict(used=int((counts > 0).sum()), of=cfg.n_experts,
-                             max_share_pct=round(100 * counts.max() / counts.sum(), 2),
-                             min_share_pct=round(100 * counts.min() / counts.sum(), 2),
+                             max_share_pct=round(float(100 * counts.max() / counts.sum()), 2),
+                             min_share_pct=round(float(100 * counts.min() / counts.sum()), 2),
                              cv=round(float(counts.std() / counts.mean()), 3))
-    return dict(trace_tokens=len(ids), requests=int(len(pairs)), usage=usage,
+    return dict(prompt_ids=len(ids), decoded_ids=n_tokens - len(ids), requests=int(len(pairs)),
+                usage=usage, decoded_text_head=text[:600],
                 sim_cache=sim.splitlines())
 
 
