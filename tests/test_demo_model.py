@@ -65,11 +65,16 @@ def test_the_corpus_is_deterministic_and_holds_out_its_test_prompts():
     assert not train_prompts & test_prompts
 
 
-def test_shipped_model_chats_two_turns_each_closed(shipped):
+def greedy_chat(shipped, first_user: str, thinking: bool):
     lm, tok, ctl = shipped
-    h = History([Message("user", "Hello!")])
-    chat = ChatSession(lm, tok, ctl, h, ChatOptions(thinking=False), Sampler.from_flags(greedy=True),
-                       incremental=True)
+    h = History([Message("user", first_user)])
+    return h, ChatSession(lm, tok, ctl, h, ChatOptions(thinking=thinking),
+                          Sampler.from_flags(greedy=True), incremental=True)
+
+
+def test_shipped_model_chats_two_turns_each_closed(shipped):
+    ctl = shipped[2]
+    h, chat = greedy_chat(shipped, "Hello!", thinking=False)
     r1 = chat.turn(gen=128)
     h.add(Message("user", "What is 3 plus 4?"))
     r2 = chat.turn(gen=128)
@@ -81,13 +86,10 @@ def test_shipped_model_chats_two_turns_each_closed(shipped):
 
 
 def test_thinking_turn_closes_with_reasoning(shipped):
-    lm, tok, ctl = shipped
-    h = History([Message("user", "What day comes after Monday?")])
-    chat = ChatSession(lm, tok, ctl, h, ChatOptions(thinking=True), Sampler.from_flags(greedy=True),
-                       incremental=True)
+    _, chat = greedy_chat(shipped, "What day comes after Monday?", thinking=True)
     r = chat.turn(gen=256)
     print(f"[gate] thinking turn: reasoning {r.reasoning!r}, content {r.content!r}")
-    assert r.end_id == ctl.end_of_msg and r.reasoning and r.content
+    assert r.end_id == shipped[2].end_of_msg and r.reasoning and r.content
 
 
 def test_ready_copy_in_the_cache(tmp_path):

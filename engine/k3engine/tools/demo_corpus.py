@@ -327,14 +327,13 @@ def make_corpus(seed: int = 0, n_train: int = 6000, n_test: int = 400, n_plain: 
 def conversation_ids(tok, conv: Conversation) -> tuple[list[int], list[int]]:
     """(ids, mask): the rendered conversation and 1 where the model generates (every
     assistant reply from just after its generation prompt through its end id)."""
-    from ..chat import ChatOptions, encode_prompt, render_segments
+    from ..chat import ChatOptions, History, encode_prompt, render_segments
     opts = ChatOptions(thinking=conv.thinking)
     ids: list[int] = []
     mask: list[int] = []
     for n in range(1, len(conv.turns) + 1):
         h = conv.history(n)
         # the prompt of turn n is the rendering of turns < n plus user n and the gen prompt
-        from ..chat import History, Message
         p = History(list(h)[:-1])
         prompt = encode_prompt(tok, render_segments(p, opts, generation_prompt=True))
         full = encode_prompt(tok, render_segments(h, opts, generation_prompt=False))

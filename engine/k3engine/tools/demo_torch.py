@@ -150,7 +150,6 @@ class K3Torch(torch.nn.Module):
         self.quant = False
         self.valid: torch.Tensor | None = None    # [B*T] bool: rows that are real tokens
         self.chunked = True             # False: the spec's step-by-step recurrence
-        self.route_bias_update: list[torch.Tensor] = []     # per MoE layer: expert loads
         self.aux_losses: list[torch.Tensor] = []
         self.expert_counts: dict[int, torch.Tensor] = {}
         gen = torch.Generator().manual_seed(seed)
@@ -268,7 +267,7 @@ class K3Torch(torch.nn.Module):
         """ids [B, T] -> logits [B, T, V]."""
         c = self.cfg
         eps = c["rms_norm_eps"]
-        self.aux_losses, self.route_bias_update = [], []
+        self.aux_losses = []
         h = self.w("embed_tokens.weight")[ids]
         stack: list[torch.Tensor] = []
         for L in range(c["num_hidden_layers"]):
