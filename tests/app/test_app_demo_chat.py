@@ -29,7 +29,7 @@ def test_two_turns_saved_reopened_continued(qtbot, window, tmp_path):
     assert [m.role for m in saved if m.role != "system"] == ["user", "assistant"] * 2
     assert all(m.content for m in saved if m.role == "assistant")
     with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT):
-        window.chat.new_btn.click()
+        window.actions_by_name["new"].trigger()         # File > New (Ctrl+N)
     with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT) as b:
         window.chat.open_conversation(str(path))
     assert len(b.args[0]) == len(saved)
