@@ -13,6 +13,7 @@ import bisect
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple
 
@@ -20,6 +21,8 @@ import numpy as np
 
 from .diskio import pread_into
 from .errors import EngineError
+from .inputfile import InputFileError, MiB, read_regular_file
+from .strict_json import STRICT_HOOKS, JSONFormatError, Refused, check_tree, loads_strict
 
 __all__ = [
     "CheckpointError", "PartialCheckpointError", "HeaderEntry", "TensorInfo", "Checkpoint",
@@ -32,6 +35,7 @@ MAX_RANK = 4
 INT64_MAX = 2**63 - 1
 WIDEN_CHUNK = 4 << 20      # source bytes per read_f32 step (§1.8); read at call time
 INDEX_JSON = "model.safetensors.index.json"
+INDEX_LIMIT = 256 * MiB    # the released index is ~40 MB (497,220 names)
 SUFFIX = ".safetensors"
 _JSON_WS = b" \t\n\r"
 
@@ -166,7 +170,13 @@ def _parse_entry(path: str, name: str, value, region: int, base: int) -> HeaderE
 def _check_tiling(path: str, entries: list[HeaderEntry], base: int, region: int) -> list[str]:
     """#13: the spans must tile the data region from 0 with no overlap and no gap.  Each
     entry was checked alone; two tensors claiming one span would otherwise both pass and
-    one would read the other's bytes as weights.  Returns the #14 trailing-bytes note."""
+    one would read the other's bytes as weights.
+
+    #14, stricter than the reference (which only notes trailing bytes) and equal to the
+    safetensors library ("file not fully covered"): the spans must end exactly at the end
+    of the file.  A header length prefix a few bytes short, still inside the header's space
+    padding, parses as the same JSON and shifts every tensor a few bytes early; only the
+    bytes it leaves past the last tensor show it (issue 14, finding 4)."""
     spans = sorted((e.offset - base, e.offset - base + e.nbytes, e.name) for e in entries)
     cursor, owner = 0, None
     for start, end, name in spans:
@@ -180,7 +190,9 @@ def _check_tiling(path: str, entries: list[HeaderEntry], base: int, region: int)
         if end > cursor:       # a zero-length span at the cursor is legal and moves nothing
             cursor, owner = end, (start, end, name)
     if region > cursor:
-        return [f"{path} has {region - cursor} trailing bytes after the last tensor"]
+        raise CheckpointError(f"{path} has {region - cursor} trailing bytes after the last "
+                              f"tensor: the tensors must cover the data region exactly (a "
+                              f"header length that is off shifts every tensor)", path)
     return []
 
 
@@ -188,7 +200,10 @@ def _scan_shard(fd: int, path: str) -> tuple[list[HeaderEntry], list[str]]:
     def bad(problem: str) -> CheckpointError:
         return CheckpointError(f"{path}: {problem}", path)
 
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise bad("not a regular file")
+    size = st.st_size
     head = _pread_bytes(fd, 8, 0)
     if len(head) < 8:                                                        # 1
         raise bad("too short for a header length")
@@ -211,9 +226,14 @@ def _scan_shard(fd: int, path: str) -> tuple[list[HeaderEntry], list[str]]:
     except UnicodeDecodeError as e:
         raise bad(f"header is not a JSON object (invalid UTF-8 at byte {e.start})") from None
     try:
-        top = json.loads(text, object_pairs_hook=_Pairs)
+        top = json.loads(text, object_pairs_hook=_Pairs, **STRICT_HOOKS)
+        check_tree(top, path)
     except json.JSONDecodeError as e:
         raise bad(_json_problem(text, e)) from None
+    except JSONFormatError as e:
+        raise bad(f"header is not a JSON object ({e.problem})") from None
+    except Refused as e:
+        raise bad(f"header is not a JSON object ({e})") from None
     except (ValueError, RecursionError) as e:
         # Not JSONDecodeError: an integer literal over Python's digit limit (ValueError),
         # or __metadata__ nested deeper than the recursion limit.
@@ -225,7 +245,10 @@ def _scan_shard(fd: int, path: str) -> tuple[list[HeaderEntry], list[str]]:
     entries: list[HeaderEntry] = []
     seen: set[str] = set()
     for name, value in top:
-        if name == "__metadata__":      # any JSON value; never a tensor
+        if name == "__metadata__":      # never a tensor
+            # The safetensors library refuses anything but an object of strings here.
+            if not (isinstance(value, _Pairs) and all(isinstance(v, str) for _, v in value)):
+                raise bad("__metadata__ is not an object of string values")
             continue
         if len(name.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:     # 16
             raise CheckpointError(f"{path}: tensor name {name[:60]}... is longer than "
@@ -322,19 +345,30 @@ def _check_index_json(model_dir: str) -> None:
     if not os.path.exists(path):
         return
     try:
-        with open(path, "rb") as f:
-            weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
-        files = sorted(set(weight_map.values()))
-        if not all(isinstance(s, str) for s in files):
+        doc = loads_strict(read_regular_file(path, INDEX_LIMIT, "shard index"), path)
+        weight_map = doc["weight_map"]
+        if not all(isinstance(s, str) for s in weight_map.values()):
             raise TypeError("shard names must be strings")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        files = sorted(set(weight_map.values()))
+    except (InputFileError, JSONFormatError) as e:
+        raise CheckpointError(f"{path}: not a usable shard index ({e.problem})", path) from None
+    except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: not a usable shard index ({type(e).__name__}: {e})",
                               path) from None
+    for shard in files:
+        if not _plain_name(shard):
+            raise CheckpointError(f"{path}: shard name {shard[:80]!r} is not a plain file "
+                                  f"name in {model_dir}", path)
     for shard in files:
         if not os.path.isfile(os.path.join(model_dir, shard)):
             missing = os.path.join(model_dir, shard)
             raise CheckpointError(f"{missing}: shard named in {INDEX_JSON} is missing "
                                   f"(a partial download cannot run the model)", missing)
+
+
+def _plain_name(name: str) -> bool:
+    return (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
 
 
 class Checkpoint:

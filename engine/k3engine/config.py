@@ -8,7 +8,6 @@ is reported in one refusal, then the eight validation rules of §1.4 run in orde
 """
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -18,6 +17,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from .errors import EXIT_USAGE, EngineError
 
+from .inputfile import InputFileError, MiB, read_regular_file
+from .strict_json import JSONFormatError, loads_strict
+
 __all__ = ["ConfigError", "ModelConfig", "parse_config", "load_config",
            "to_flat_dict", "to_nested_dict"]
 
@@ -25,6 +27,7 @@ __all__ = ["ConfigError", "ModelConfig", "parse_config", "load_config",
 MAX_TOPK = 64
 # Size of the layer-list buffer of every reference caller.
 MAX_FULL_ATTN = 128
+CONFIG_LIMIT = 16 * MiB    # the released config.json is a few KB
 
 
 class ConfigError(EngineError, ValueError):
@@ -96,6 +99,27 @@ _BY_NAME = {f.name: f for f in _FIELDS}
 _POSITIVE_EXTRA = ("kda_heads", "kda_head_dim", "n_heads", "q_lora", "kv_lora", "qk_nope",
                    "qk_rope", "v_head", "n_experts", "n_shared", "latent", "moe_inter",
                    "dense_inter")
+
+
+# Meaningful ranges (inclusive) of every field, checked after the eight rules and the
+# positivity extras.  Every K3 config (real: ARCHITECTURE §1.3; tiny, demo, mid) lies far
+# inside them.  Without them a count of 10^12 experts or 2^63 layers passed, and the
+# completeness check then built one name per expert: unbounded time and memory, no
+# message (issue 14, finding 2).  A value outside its range is refused naming the field.
+_K, _M = 1 << 10, 1 << 20
+_RANGES: dict[str, tuple[float, float]] = {
+    "hidden": (1, 64 * _K), "n_layers": (1, _K), "vocab": (1, _M),
+    "kda_heads": (1, _K), "kda_head_dim": (1, _K), "conv_k": (1, 64),
+    "n_heads": (1, _K), "q_lora": (1, 64 * _K), "kv_lora": (1, 64 * _K),
+    "qk_nope": (1, 4 * _K), "qk_rope": (1, 4 * _K), "v_head": (1, 4 * _K),
+    "n_experts": (1, 64 * _K), "topk": (1, MAX_TOPK), "n_shared": (1, 64),
+    "latent": (1, 64 * _K), "moe_inter": (1, 64 * _K), "dense_inter": (1, _M),
+    # float ranges: open at 0 where the value is a divisor or a scale that must not vanish
+    "rms_eps": (0.0, 1.0), "gate_lb": (-1e4, 0.0), "routed_scale": (0.0, 1e4),
+    "situ_b1": (0.0, 1e4), "situ_b2": (0.0, 1e4),
+}
+# Floats whose lower bound is exclusive (0 would divide by zero or silence the term).
+_OPEN_LOW = ("rms_eps", "routed_scale", "situ_b1", "situ_b2")
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,6 +258,19 @@ def _validate(cfg: ModelConfig) -> None:
         positive(name)
     if cfg.first_dense < 0:
         refuse(f"first_k_dense_replace must be >= 0 (got {cfg.first_dense})")
+    for name, (lo, hi) in _RANGES.items():
+        v = getattr(cfg, name)
+        low_ok = v > lo if name in _OPEN_LOW else v >= lo
+        if not (low_ok and v <= hi):
+            left = "(" if name in _OPEN_LOW else "["
+            refuse(f"{_BY_NAME[name].key} = {v!r} is outside its meaningful range "
+                   f"{left}{lo:g}, {hi:g}]")
+    if cfg.first_dense > n:
+        refuse(f"first_k_dense_replace = {cfg.first_dense} is outside its meaningful range "
+               f"[0, num_hidden_layers = {n}]")
+    if cfg.attn_res_block > n:
+        refuse(f"attn_res_block_size = {cfg.attn_res_block} is outside its meaningful range "
+               f"[1, num_hidden_layers = {n}]")
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,38 +384,17 @@ def parse_config(obj: dict, source: str = "<dict>") -> ModelConfig:
     return ModelConfig(**values, shape="flat" if txt is None else "nested", source=source)
 
 
-def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _BadValue(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _refuse_constant(name: str) -> None:
-    raise _BadValue(f"non-standard JSON constant {name}")
-
-
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """Read and validate ``config.json`` at *path*; every failure is a ConfigError."""
     source = os.fspath(path)
     try:
-        with open(source, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(source, "file not found") from None
-    except OSError as e:
-        raise ConfigError(source, f"cannot read file: {e.strerror or e}") from None
+        data = read_regular_file(source, CONFIG_LIMIT, "file")
+    except InputFileError as e:
+        raise ConfigError(source, "file not found" if e.missing else e.problem) from None
     try:
-        obj = json.loads(data, object_pairs_hook=_refuse_duplicates,
-                         parse_constant=_refuse_constant)
-    except _BadValue as e:
-        raise ConfigError(source, f"invalid JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(source, f"invalid JSON: not UTF-8 text ({e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(source, f"invalid JSON: {e}") from None
+        obj = loads_strict(data, source)
+    except JSONFormatError as e:
+        raise ConfigError(source, e.problem) from None
     return parse_config(obj, source)
 
 
