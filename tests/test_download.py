@@ -591,3 +591,106 @@ def test_revision_is_resolved_once_and_bad_revision_fails(hub, source, tmp_path,
     assert hub.seen("hub", "GET")[0]["path"].startswith(f"/api/models/{REPO}/revision/{COMMIT}")
     code, out, err = run(capsys, *args(hub, tmp_path / "b", "--revision", "nope"))
     assert code == 1 and "FAIL" in err
+
+
+# --- hostile names in the hub's listing (issue 14, finding 1) ------------------------------
+
+def _only_metadata_was_asked(h: FakeHub) -> bool:
+    return not h.blob_gets() and not [r for r in h.seen("hub") if r.get("name")]
+
+
+@pytest.mark.parametrize("bad", ["../../escaped_rel.txt", "../x", "a/../../x", "./x", "a//b",
+                                 "x\\..\\..\\y", ".k3-download/manifest.json", "c\x00d"])
+def test_relative_escape_is_refused_before_any_byte(source, tmp_path, capsys, bad):
+    outside = tmp_path / "escaped_rel.txt"
+    outside.write_text("precious\n")
+    h = FakeHub({**source, bad: b"pwned\n"})
+    try:
+        dest = tmp_path / "d1" / "d2" / "model"
+        code, out, err = run(capsys, *args(h, dest))
+    finally:
+        h.close()
+    assert code == 1 and "OK: " not in out
+    assert repr(bad[:120]) in err or bad in err
+    assert outside.read_text() == "precious\n"
+    assert not (tmp_path / "x").exists() and not (tmp_path / "d1" / "x").exists()
+    assert not dest.exists()                         # decided before anything was written
+    assert _only_metadata_was_asked(h)
+
+
+def test_absolute_name_is_refused(source, tmp_path, capsys):
+    target = tmp_path / "abs_target.txt"
+    target.write_text("precious\n")
+    h = FakeHub({**source, str(target): b"pwned\n"})
+    try:
+        code, out, err = run(capsys, *args(h, tmp_path / "model"))
+    finally:
+        h.close()
+    assert code == 1 and "an absolute path" in err and str(target) in err
+    assert target.read_text() == "precious\n"
+    assert not (tmp_path / "model").exists() and _only_metadata_was_asked(h)
+
+
+@pytest.mark.parametrize("where", ["dir", "file", "partdir"])
+def test_symlink_inside_dest_is_refused(source, tmp_path, capsys, where):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.json").write_text("precious\n")
+    dest = tmp_path / "model"
+    dest.mkdir()
+    files = dict(source)
+    if where == "dir":                               # DEST/sub -> outside, hub lists sub/x
+        (dest / "sub").symlink_to(outside, target_is_directory=True)
+        files["sub/victim.json"] = b"pwned\n"
+        link = dest / "sub"
+    elif where == "file":                            # DEST/config.json -> outside file
+        (dest / "config.json").symlink_to(outside / "victim.json")
+        link = dest / "config.json"
+    else:                                            # DEST/.k3-download -> outside
+        (dest / dl.PART_DIR).symlink_to(outside, target_is_directory=True)
+        link = dest / dl.PART_DIR
+    h = FakeHub(files)
+    try:
+        code, out, err = run(capsys, *args(h, dest))
+    finally:
+        h.close()
+    assert code == 1 and f"{link} is a symbolic link" in err
+    assert (outside / "victim.json").read_text() == "precious\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.json"]
+    assert _only_metadata_was_asked(h)
+
+
+@pytest.mark.parametrize("pair", [("Config.json", "config.json"), ("caf\u00e9.txt", "cafe\u0301.txt"),
+                                  ("a", "a/b")])
+def test_name_collision_is_refused(source, tmp_path, capsys, pair):
+    h = FakeHub({**source, pair[0]: b"one\n", pair[1]: b"two\n"})
+    try:
+        code, out, err = run(capsys, *args(h, tmp_path / "model"))
+    finally:
+        h.close()
+    assert code == 1 and (repr(pair[0]) in err or repr(pair[1]) in err)
+    assert not (tmp_path / "model").exists() and _only_metadata_was_asked(h)
+
+
+def test_plain_subdirectory_names_still_download(source, tmp_path, capsys):
+    h = FakeHub({**source, "original/notes.txt": b"fine\n"})
+    try:
+        code, out, err = run(capsys, *args(h, tmp_path / "model"))
+    finally:
+        h.close()
+    assert code == 0, err
+    assert (tmp_path / "model" / "original" / "notes.txt").read_bytes() == b"fine\n"
+
+
+def test_bad_sizes_and_hashes_in_the_listing_are_refused(source, tmp_path, capsys):
+    probe = FakeHub(source)
+    sib = probe.sibling_list()
+    probe.close()
+    for s, bad in zip(sib[:2], ({"size": True}, {"size": -1})):
+        s.update(bad)
+    h = FakeHub(source, siblings=sib)
+    try:
+        code, out, err = run(capsys, *args(h, tmp_path / "model"))
+    finally:
+        h.close()
+    assert code == 1 and "the size" in err and "Traceback" not in err

@@ -36,14 +36,18 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import time
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlparse
 
-from ..checkpoint import INDEX_JSON
+from ..checkpoint import INDEX_JSON, INDEX_LIMIT
+from ..inputfile import InputFileError, MiB, read_regular_file
+from ..strict_json import JSONFormatError, loads_strict
 from ..memory import human
 
 # --- the real checkpoint -------------------------------------------------------------------
@@ -85,6 +89,7 @@ assert sum(PUBLISHED_SHARD_SIZES.values()) == REAL_TOTAL_BYTES
 SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 PART_DIR = ".k3-download"           # partial files and the manifest, inside DEST
 MANIFEST = "manifest.json"
+MANIFEST_LIMIT = 64 * MiB
 HASH_CHUNK = 8 << 20                # streamed hashing, 8 MiB reads
 WRITE_BUFFER = 1 << 20              # file buffer for the HTTP body (chunks are taken as they
                                     # arrive: a re-chunking buffer would lose its bytes on a drop)
@@ -151,15 +156,123 @@ def _rate(nbytes: int, secs: float) -> str:
 
 # --- expected figures ----------------------------------------------------------------------
 
+# --- names the hub gives: where a file may be written ------------------------------------
+#
+# Silent-failure trap (issue 14, finding 1): the hub's listing decides file names, and
+# DEST / name with name "../../x", "/etc/x" or a path through a symlink writes outside DEST
+# (and the run still ended "verified").  Every name is checked here, before any byte is
+# written: plain relative components only, none of them a link, no two names for one file.
+
+_NAME_PART = re.compile(r"[^\x00-\x1f\x7f\\:]+")   # no control bytes, backslash or colon
+MAX_NAME_BYTES = 1024
+
+
+def check_name(name: object) -> str:
+    """`name` if it is a plain relative path (components joined by '/'), else DownloadError."""
+    if not isinstance(name, str) or not name:
+        raise DownloadError(f"the hub lists a file with no usable name ({name!r})")
+    shown = repr(name[:120])
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise DownloadError(f"the hub lists a file name of more than {MAX_NAME_BYTES} bytes")
+    if name.startswith("/") or os.path.isabs(name):
+        raise DownloadError(f"the hub lists {shown}: an absolute path; refusing to write "
+                            "outside the destination")
+    parts = name.split("/")
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise DownloadError(f"the hub lists {shown}: not a plain relative name "
+                                f"({'empty' if not part else repr(part)} component); refusing "
+                                "to write outside the destination")
+        if not _NAME_PART.fullmatch(part):
+            raise DownloadError(f"the hub lists {shown}: a control character, backslash or "
+                                "colon in the name")
+        try:
+            part.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DownloadError(f"the hub lists {shown}: not valid Unicode") from None
+    if parts[0] == PART_DIR:
+        raise DownloadError(f"the hub lists {shown}, inside this tool's own {PART_DIR}/")
+    return name
+
+
+def _fold(name: str) -> str:
+    # Two names one file system may take for one file (case-insensitive or normalising
+    # file systems: macOS, Windows) are a collision on every system.
+    return unicodedata.normalize("NFC", name).casefold()
+
+
+def check_names(names: Iterable[str]) -> None:
+    """Every name plain, no two of them one file, none a directory of another."""
+    seen: dict[str, str] = {}
+    names = [check_name(n) for n in names]
+    for n in names:
+        k = _fold(n)
+        if k in seen:
+            raise DownloadError(f"the hub lists {seen[k]!r} and {n!r}, which name the same "
+                                "file on a case-insensitive or normalising file system")
+        seen[k] = n
+    for n in names:
+        parts = _fold(n).split("/")
+        for i in range(1, len(parts)):
+            d = "/".join(parts[:i])
+            if d in seen:
+                raise DownloadError(f"the hub lists {seen[d]!r} as a file and {n!r} inside it")
+
+
+def safe_target(dest: Path, name: str) -> Path:
+    """DEST / name, refused if any component under DEST exists as a symlink (or the final
+    one as anything but a regular file): writing through it would land outside DEST."""
+    path = dest
+    parts = name.split("/")
+    for i, part in enumerate(parts):
+        path = path / part
+        last = i == len(parts) - 1
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            raise DownloadError(f"{path}: cannot check the target ({e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise DownloadError(f"{path} is a symbolic link; refusing to write {name} through "
+                                "it (it could point outside the destination)")
+        if last and not stat.S_ISREG(st.st_mode):
+            raise DownloadError(f"{path} exists and is not a regular file; refusing to "
+                                f"replace it with {name}")
+        if not last and not stat.S_ISDIR(st.st_mode):
+            raise DownloadError(f"{path} exists and is not a directory, but {name} needs it "
+                                "as one")
+    return dest / name
+
+
+def check_targets(dest: Path, names: Iterable[str]) -> None:
+    """The destination's own checks, before anything is written: DEST/.k3-download must
+    not be a link either."""
+    part_dir = dest / PART_DIR
+    if part_dir.is_symlink():
+        raise DownloadError(f"{part_dir} is a symbolic link; refusing to write partial "
+                            "files through it")
+    for n in names:
+        safe_target(dest, n)
+
+
 def expected_from_siblings(repo: str, commit: str, siblings: list[dict]) -> Expected:
     """Expected figures from the hub's file listing; for the real checkpoint the listing must
     match the published table (names, count, every size) or this raises naming the file."""
     files: dict[str, FileFigure] = {}
+    check_names(s.get("name") for s in siblings)
     for s in siblings:
         name = s["name"]
-        if s.get("size") is None:
+        size = s.get("size")
+        if size is None:
             raise DownloadError(f"the hub's listing gives no size for {name}")
-        files[name] = FileFigure(name, int(s["size"]), s.get("sha256"), s.get("git_oid"))
+        if type(size) is not int or not 0 <= size < 1 << 50:
+            raise DownloadError(f"the hub's listing gives {name} the size {size!r}")
+        for key in ("sha256", "git_oid"):
+            v = s.get(key)
+            if v is not None and not (isinstance(v, str) and re.fullmatch(r"[0-9a-fA-F]{40,64}", v)):
+                raise DownloadError(f"the hub's listing gives {name} the {key} {str(v)[:80]!r}")
+        files[name] = FileFigure(name, size, s.get("sha256"), s.get("git_oid"))
     shards = sort_shards(n for n in files if SHARD_RE.match(n))
     if repo == REAL_REPO_ID:
         problems = []
@@ -217,15 +330,20 @@ def save_manifest(dest: Path, exp: Expected, endpoint: str) -> None:
 
 
 def load_manifest(dest: Path, repo: str) -> Expected | None:
+    path = dest / PART_DIR / MANIFEST
     try:
-        doc = json.loads((dest / PART_DIR / MANIFEST).read_text())
-    except (OSError, ValueError):
+        doc = loads_strict(read_regular_file(path, MANIFEST_LIMIT, "manifest"), str(path))
+    except (InputFileError, JSONFormatError):
         return None
-    if doc.get("repo") != repo:
+    if not isinstance(doc, dict) or doc.get("repo") != repo:
         return None
-    siblings = [{"name": f["name"], "size": f["size"], "sha256": f.get("sha256"),
-                 "git_oid": f.get("git_oid")} for f in doc["files"]]
-    exp = expected_from_siblings(repo, doc["commit"], siblings)
+    try:
+        siblings = [{"name": f["name"], "size": f["size"], "sha256": f.get("sha256"),
+                     "git_oid": f.get("git_oid")} for f in doc["files"]]
+        commit = doc["commit"]
+    except (KeyError, TypeError, AttributeError):
+        raise DownloadError(f"{path}: the saved manifest is damaged") from None
+    exp = expected_from_siblings(repo, str(commit), siblings)
     exp.source += " (saved manifest; hub not reachable)"
     return exp
 
@@ -322,7 +440,7 @@ def part_path(dest: Path, fig: FileFigure) -> Path:
 
 def fetch_file(hub: Hub, dest: Path, fig: FileFigure, out: Out, label: str) -> None:
     """Download one file to DEST/name, resuming DEST/.k3-download/name.<hash>.incomplete."""
-    final = dest / fig.name
+    final = safe_target(dest, fig.name)
     part = part_path(dest, fig)
     part.parent.mkdir(parents=True, exist_ok=True)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -357,6 +475,7 @@ def fetch_file(hub: Hub, dest: Path, fig: FileFigure, out: Out, label: str) -> N
             time.sleep(min(RETRY_SLEEP_MAX, 2.0 ** (attempt - 1)) if RETRY_SLEEP_MAX else 0)
     with open(part, "r+b" if part.exists() else "w+b") as f:
         os.fsync(f.fileno())
+    safe_target(dest, fig.name)        # again: a link may have appeared while fetching
     os.replace(part, final)
     secs = time.monotonic() - t0
     got = fig.size - start
@@ -607,6 +726,8 @@ def _run(args: argparse.Namespace, token: str | None, out: Out) -> int:
                                 "does not exist") from None
         out.say(f"k3 download: hub not reachable ({type(e).__name__}); using the saved manifest")
     shards = exp.shards()
+    if not args.verify_only:
+        check_targets(dest, list(exp.files))
     out.say(f"commit {exp.commit}: {len(exp.files)} files, {len(shards)} shards, "
             f"{sum(exp.files[n].size for n in shards):,} shard bytes ({exp.source})")
 
@@ -621,8 +742,14 @@ def _run(args: argparse.Namespace, token: str | None, out: Out) -> int:
             if not _complete(dest / INDEX_JSON, idx):
                 fetch_file(hub, dest, idx, out, "[index]")
         try:
-            weight_map = json.loads((dest / INDEX_JSON).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            weight_map = loads_strict(read_regular_file(dest / INDEX_JSON, INDEX_LIMIT, "index"),
+                                      str(dest / INDEX_JSON))["weight_map"]
+            if not (isinstance(weight_map, dict)
+                    and all(isinstance(v, str) for v in weight_map.values())):
+                raise TypeError("weight_map is not an object of shard names")
+        except (InputFileError, JSONFormatError) as e:
+            raise DownloadError(f"cannot read the weight map ({e})") from None
+        except (KeyError, TypeError) as e:
             raise DownloadError(f"{dest / INDEX_JSON}: cannot read the weight map ({e})") from None
         need, n_total = shards_for_layers(weight_map, args.layers)
         if args.layers > n_total:
@@ -640,7 +767,7 @@ def _run(args: argparse.Namespace, token: str | None, out: Out) -> int:
         res = verify(dest, exp, selected, checksum, out, partial_of=args.layers)
         return EXIT_OK if res.ok else EXIT_FAIL
 
-    # 4. plan and free space
+    # 4. plan and free space (every target was checked above, before the first byte)
     dest.mkdir(parents=True, exist_ok=True)
     save_manifest(dest, exp, hub.endpoint)
     todo: list[FileFigure] = []
