@@ -221,7 +221,8 @@ def test_truncated_payload(saved, tmp_path):
     for n in (len(data) - 7, len(data) - 1, HEADER_SIZE):
         mut = tmp_path / "mut.k3st"
         mut.write_bytes(data[:n])
-        peek_state(mut)  # the header alone is fine
+        with pytest.raises(StateFileError, match="is truncated"):
+            peek_state(mut)  # the header's sizes are checked against the file's (issue 14)
         refused(mut, make_state(fill=1.5), f"{mut} is truncated")
 
 
@@ -368,14 +369,15 @@ def test_resave_is_a_new_inode(saved):
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
-def test_mode_is_0666_less_umask(tmp_path, mask):
+def test_mode_is_0600_whatever_the_umask(tmp_path, mask):
+    # issue 14: a state file holds the conversation (ids and KV rows), like the history
     old = os.umask(mask)
     try:
         path = tmp_path / "m.k3st"
         save_state(path, make_state(), TOKENS)
     finally:
         os.umask(old)
-    assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
+    assert os.stat(path).st_mode & 0o777 == 0o600
     assert no_residue(tmp_path)
 
 
@@ -465,3 +467,25 @@ def test_empty_sequence_round_trip(tmp_path):
     for (name, a), (_, b) in zip(arrays(src), arrays(dst)):
         if not name.endswith(("kv", "rope")):
             assert np.array_equal(bits(a), bits(b)), name
+
+
+@pytest.mark.parametrize("nseq", [2**31 - 1, 300_000_000])
+def test_header_counts_are_checked_against_the_file_size_at_peek(saved, tmp_path, nseq):
+    """issue 14 finding 3: a header claiming 2**31-1 ids made the CLI allocate ~17 GB
+    (MemoryError) before any check; 3e8 took 2.4 GB, then a message without the file."""
+    path, _, _ = saved
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<i", raw, 4 + 4 + 48 + 12, nseq)      # n_bound, n_mla, cached, nseq
+    mut = tmp_path / "big_nseq.k3st"
+    mut.write_bytes(bytes(raw))
+    with pytest.raises(StateFileError) as e:
+        peek_state(mut)
+    assert str(mut) in str(e.value) and "is truncated" in str(e.value)
+
+
+def test_fifo_and_device_are_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "state.fifo"
+    os.mkfifo(fifo)
+    for p in (fifo, "/dev/zero"):
+        with pytest.raises(StateFileError, match="not a regular file"):
+            peek_state(p)

@@ -24,6 +24,7 @@ KV slice; each rope slice), each region's tail bytes folded one at a time.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -262,21 +263,6 @@ def _payload_regions(state: SequenceState, ids: np.ndarray, geo: _Geometry
         yield [_as_bytes(st.rope[:state.n_cached])]
 
 
-def _current_umask() -> int:
-    """The process umask, read without changing it where /proc allows (os.umask can
-    only read by writing, which races with any thread creating files meanwhile)."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -290,7 +276,7 @@ def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[i
     bytes written (header + payload).
 
     Published atomically: the file is staged as PATH.tmp.* in the same directory with
-    mode 0666 & ~umask, fsynced, then renamed over PATH, so PATH changes exactly once,
+    mode 0600 (the file holds the conversation), fsynced, then renamed over PATH, so PATH changes exactly once,
     from the old complete file to the new one.  On any failure the temp file is removed,
     PATH is left untouched and StateFileError("failed writing PATH: reason") is raised.
     `fingerprint` defaults to (and must equal) model_fingerprint(state.cfg).
@@ -314,9 +300,8 @@ def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[i
                                    f"{directory}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
-            # mkstemp creates 0600; a plain open() would have given 0666 & ~umask, and a
-            # saved state stays as readable as any other file the user writes.
-            os.fchmod(f.fileno(), 0o666 & ~_current_umask())
+            # mkstemp creates 0600 and it stays so: the state holds the conversation's
+            # ids and KV rows, which a reader can decode back into its text (issue 14).
             # The hash is known only after the payload has been walked, and walking it
             # twice would double the cost of a save: write the header with hash 0 and
             # rewrite it at the end (nothing can observe the temp file meanwhile).
@@ -367,10 +352,16 @@ def _read_header(f, path: str) -> StateHeader:
 
 
 def _open_for_reading(path: str):
+    # Non-blocking open: a FIFO would block open() itself; only a regular file is read.
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise StateFileError(path, f"cannot read {path}: {e.strerror or e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StateFileError(path, f"cannot read {path}: not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def peek_state(path: str | os.PathLike) -> StateHeader:
@@ -378,7 +369,24 @@ def peek_state(path: str | os.PathLike) -> StateHeader:
     its cache before committing to a load."""
     path = os.fspath(path)
     with _open_for_reading(path) as f:
-        return _read_header(f, path)
+        hd = _read_header(f, path)
+        _check_size(f, path, hd)
+        return hd
+
+
+def _check_size(f, path: str, hd: StateHeader) -> None:
+    """The header's counts size what a caller allocates (nseq 2**31-1 made the CLI build a
+    17 GB id list before any check, issue 14 finding 3): the sizes it declares must add up
+    to the file's own size before anyone trusts one of them.  load_state makes the same
+    check after its compatibility refusals (their order is the reference's)."""
+    size = os.fstat(f.fileno()).st_size
+    if size < hd.file_bytes:
+        raise StateFileError(path, f"{path} is truncated: its header declares "
+                                   f"{hd.file_bytes:,} bytes ({hd.nseq:,} ids, {hd.cached:,} "
+                                   f"positions), the file has {size:,}")
+    if size > hd.file_bytes:
+        raise StateFileError(path, f"{path} is longer than its header declares "
+                                   f"({hd.file_bytes} bytes; the file has {size:,})")
 
 
 def _check_compatible(path: str, hd: StateHeader, fp: tuple[int, ...], geo: _Geometry,
@@ -425,8 +433,7 @@ def _verify_payload(f, path: str, hd: StateHeader) -> np.ndarray:
     scale)."""
     # Sizes come from the header: check them against the file before allocating by
     # them, so a damaged count cannot ask for gigabytes.  The reads still check too.
-    if os.fstat(f.fileno()).st_size < hd.file_bytes:
-        raise StateFileError(path, f"{path} is truncated")
+    _check_size(f, path, hd)
     f.seek(HEADER_SIZE)
     sizes = hd.region_sizes()
     chunk = memoryview(bytearray(max(8, min(_READ_CHUNK, max(sizes[1:])))))
