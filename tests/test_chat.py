@@ -602,7 +602,7 @@ def test_failed_temp_creation_leaves_old_file_byte_identical(tmp_path, monkeypat
 
     def boom(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(chat.tempfile, "mkstemp", boom)
+    monkeypatch.setattr(chat.os, "open", boom)            # the temp file's creation
     with pytest.raises(ChatError, match="Permission denied"):
         History([Message("user", "new")]).save(p)
     assert p.read_bytes() == before

@@ -1,9 +1,18 @@
 """Atomic file publication: a file we save appears under its final name only when it is
 complete (temp file in the same directory, write, fsync, rename), so a crash or a failed
-write never leaves half a file and never damages the previous one."""
+write never leaves half a file and never damages the previous one.
+
+Everything this writer makes is 0600 (issue 14): --out, --dump-logits, histories and state
+files can hold the conversation or what decodes back into it.  A temp file of ours left by
+a killed process (`.NAME.tmp-PID`, PID no longer running) is removed by the next save of
+the same file, so kill -9 mid-save does not leave litter that grows.
+"""
 from __future__ import annotations
 
 import os
+import re
+
+PRIVATE = 0o600
 
 
 def fsync_dir(directory: str) -> None:
@@ -21,20 +30,81 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o666) -> None:
-    """`mode` (before the umask) is the new file's: 0o600 for files holding conversation
-    content, set when the temp file is created so the content is never readable by others."""
-    d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
-        if os.path.exists(tmp):
-            os.unlink(tmp)      # a stale temp of ours keeps its old mode otherwise
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb") as f:
-            f.write(data)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def stale_temps(directory: str, pattern: re.Pattern) -> list[str]:
+    """Names in `directory` matching `pattern` (whose group 'pid' is the writer's pid) left
+    by a process that no longer runs."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        m = pattern.fullmatch(n)
+        if m and int(m.group("pid")) != os.getpid() and not pid_alive(int(m.group("pid"))):
+            out.append(n)
+    return sorted(out)
+
+
+def remove_stale(directory: str, pattern: re.Pattern) -> list[str]:
+    """Remove stale temps (see stale_temps); returns the names removed."""
+    gone = []
+    for n in stale_temps(directory, pattern):
+        try:
+            os.unlink(os.path.join(directory, n))
+            gone.append(n)
+        except OSError:
+            pass
+    return gone
+
+
+def _temp_pattern(base: str) -> re.Pattern:
+    return re.compile(re.escape(f".{base}.tmp-") + r"(?P<pid>[0-9]+)")
+
+
+def open_private(path: str, mode: str = "w", **kw):
+    """open() for a file that may hold conversation content: created 0600, and an existing
+    file is narrowed to 0600 before anything is written into it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                 PRIVATE)
+    try:
+        os.fchmod(fd, PRIVATE)
+    except OSError:
+        pass                    # not ours to change (e.g. /dev/null): the data goes anyway
+    return os.fdopen(fd, mode, **kw)
+
+
+def write_atomic(path: str, data: bytes, mode: int = PRIVATE) -> None:
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    remove_stale(d, _temp_pattern(base))
+    tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                     mode)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)     # a temp left by an earlier crash had its own mode
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
     fsync_dir(d)

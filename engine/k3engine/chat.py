@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from .atomic import fsync_dir
+from .atomic import write_atomic
 from .errors import EXIT_USAGE, EngineError
+from .inputfile import InputFileError, read_regular_file
 
 __all__ = [
-    "ChatError", "Message", "ChatOptions", "History", "EFFORTS", "effort_text",
+    "ChatError", "Message", "ChatOptions", "History", "HistoryLock", "EFFORTS", "effort_text",
     "render_segments", "render_text", "encode_prompt", "parse_reply", "reuse_positions",
     "apply_system", "classify_line", "MAX_PROMPT_IDS", "MAX_LINE_BYTES", "HELP_LINES",
     "USER_PROMPT", "banner_line", "progress_line", "turn_end_line", "reply_text", "reuse_line",
@@ -37,6 +37,7 @@ EFFORTS = ("low", "high", "max")
 
 MAX_PROMPT_IDS = 32_768           # K3_MAX_PROMPT; more is a render refusal (§9.3)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # longest JSONL line the reader accepts (§9.1)
+HISTORY_LIMIT = 4 << 30           # /dev/zero as --history was read until memory ran out
 
 CTL, TXT = "ctl", "txt"
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -174,6 +175,7 @@ class History:
         why = _position_error(self._messages + [message], len(self._messages))
         if why:
             raise ChatError(why)
+        _check_savable(message)
         self._messages.append(message)
 
     def remove_last(self) -> Message:
@@ -193,12 +195,11 @@ class History:
         refusal names `PATH:N`."""
         path = os.fspath(path)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return cls()
-        except OSError as e:
-            raise ChatError(f"{path}: cannot read history: {e.strerror or e}") from None
+            data = read_regular_file(path, HISTORY_LIMIT, "history")
+        except InputFileError as e:
+            if e.missing:
+                return cls()
+            raise ChatError(f"{path}: cannot read history: {e.problem}") from None
         lines = data.split(b"\n")
         if lines[-1] == b"":  # the final newline ends the last line; it does not open one
             lines.pop()
@@ -217,42 +218,102 @@ class History:
 
     def to_jsonl(self) -> bytes:
         """The exact bytes `save` writes (§9.1 writer)."""
-        out = []
-        for m in self._messages:
-            rec = '{"role":' + _jstr(m.role) + ',"content":' + _jstr(m.content)
-            if m.role == ASSISTANT and m.reasoning_content is not None:
-                rec += ',"reasoning_content":' + _jstr(m.reasoning_content)
-            out.append(rec + "}\n")
-        return "".join(out).encode("utf-8")
+        return "".join(_record(m) + "\n" for m in self._messages).encode("utf-8")
 
     def save(self, path: str | os.PathLike) -> None:
-        """Rewrite the file atomically: mkstemp `PATH.tmp.XXXXXX` in the same directory (mode
-        0600: the file holds every user message and the full reasoning), write, fsync, rename.
-        On any failure the temp file is removed and the old file is untouched."""
+        """Rewrite the file atomically (k3engine.atomic.write_atomic: temp file in the same
+        directory, mode 0600 -- the file holds every user message and the full reasoning --
+        write, fsync, rename).  On any failure the temp file is removed and the old file is
+        untouched.  A record the reader would refuse is never written (issue 14: a 17 MiB
+        line was saved, and every later start refused the history)."""
         path = os.fspath(path)
-        data = self.to_jsonl()
-        directory, base = os.path.split(path)
-        directory = directory or "."
+        for i, m in enumerate(self._messages, start=1):
+            try:
+                _check_savable(m)
+            except ChatError as e:
+                raise ChatError(f"{path}: cannot save history: record {i}: {e}") from None
         try:
-            fd, tmp = tempfile.mkstemp(prefix=base + ".tmp.", dir=directory)
+            write_atomic(path, self.to_jsonl())
         except OSError as e:
             raise ChatError(f"{path}: cannot save history: {e.strerror or e}") from None
+
+
+def _record(m: Message) -> str:
+    rec = '{"role":' + _jstr(m.role) + ',"content":' + _jstr(m.content)
+    if m.role == ASSISTANT and m.reasoning_content is not None:
+        rec += ',"reasoning_content":' + _jstr(m.reasoning_content)
+    return rec + "}"
+
+
+def _check_savable(m: Message) -> None:
+    """A message whose JSONL line the reader would refuse (§9.1: over 16 MiB) is refused
+    before it enters a history, so it is never saved and never sticks the conversation."""
+    n = len(_record(m).encode("utf-8"))
+    if n > MAX_LINE_BYTES:
+        raise ChatError(f"the {m.role} message is {n:,} bytes as a history line; the history "
+                        f"reader accepts at most 16 MiB ({MAX_LINE_BYTES:,} bytes) per line")
+
+
+# --------------------------------------------------------------------------- history lock
+
+
+class HistoryLock:
+    """An exclusive lock on a history file against a second writer (issue 14: two chats on
+    one history lost one user's message silently).  The lock is flock() on a hidden
+    sidecar `.NAME.lock` beside the history: the history itself is replaced on every save
+    (a new inode), so a lock on it would not hold.  The sidecar is never deleted (deleting
+    a lock file races with the next locker).  Released by release(), at `with` exit, or
+    when the process ends (the kernel drops flock locks of a dead process: no stale lock)."""
+
+    def __init__(self, path: str | os.PathLike):
+        import fcntl
+        self.path = os.fspath(path)
+        d, base = os.path.split(os.path.abspath(self.path))
+        self.lock_path = os.path.join(d, f".{base}.lock")
         try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+                               0o600)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise ChatError(f"{path}: cannot save history: {e.strerror or e}") from None
-        fsync_dir(directory)
+            raise ChatError(f"{self.path}: cannot lock history ({self.lock_path}: "
+                            f"{e.strerror or e})") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            who = f" (process {holder})" if holder else ""
+            raise ChatError(f"{self.path} is in use by another k3 chat{who}; two chats on "
+                            "one history would lose messages. Close the other one, or give "
+                            "this one another --history.") from None
+        except OSError as e:
+            os.close(self._fd)
+            self._fd = -1
+            raise ChatError(f"{self.path}: cannot lock history: {e.strerror or e}") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)          # closing the descriptor drops the flock
+            self._fd = -1
+
+    def __enter__(self) -> "HistoryLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        self.release()
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+        return int(text) if text.isascii() and text.isdigit() else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
 
 
 def apply_system(history: History, text: str) -> bool:

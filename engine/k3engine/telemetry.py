@@ -9,6 +9,8 @@ import resource
 import time
 from typing import Callable
 
+from .atomic import open_private
+
 _T0 = time.monotonic()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -92,7 +94,7 @@ class JsonLinesSink:
     """--events PATH: one JSON object per line, flushed per event."""
 
     def __init__(self, path: str):
-        self.f = open(path, "w", encoding="utf-8")
+        self.f = open_private(path, "w", encoding="utf-8")    # events carry the text
 
     def __call__(self, e: dict) -> None:
         self.f.write(json.dumps(e, separators=(",", ":")) + "\n")

@@ -16,8 +16,11 @@ Silent-failure traps handled here (each has a test in tests/test_trunk.py):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +29,13 @@ from typing import Callable
 
 import numpy as np
 
+from .atomic import fsync_dir, remove_stale
 from .bind import Binder
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, to_bf16, widen_bf16
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
+from .inputfile import InputFileError, read_regular_file
 from .names import PREFIX
+from .strict_json import JSONFormatError, loads_strict
 from .weights import I8R, LayerWeights, ModelTables
 
 TRUNK_BIN, TRUNK_JSON = "trunk.bin", "trunk.json"
@@ -64,6 +70,34 @@ class TrunkLayer:
     file_off: int
     nbytes: int         # run length rounded up to 4096: the bytes read
     tensors: dict[str, TrunkTensor]
+    sha256: str | None = None   # of the nbytes read (NEW field; the reference ignores it)
+
+
+MAX_RANK = 4
+MAX_DIM = 1 << 40
+MANIFEST_LIMIT = 256 << 20     # the released trunk.json is well under 1 MB
+
+
+def _is_count(v) -> bool:
+    """A JSON integer >= 0 (bool is an int subclass in Python, not a count)."""
+    return type(v) is int and 0 <= v < 1 << 62
+
+
+def _tensor_entry(t) -> "TrunkTensor | None":
+    if not isinstance(t, dict):
+        return None
+    off, nb, dt, shape = t.get("off"), t.get("nbytes"), t.get("dtype"), t.get("shape", [])
+    if not (_is_count(off) and _is_count(nb) and isinstance(dt, str) and isinstance(shape, list)
+            and len(shape) <= MAX_RANK and all(_is_count(d) and d < MAX_DIM for d in shape)):
+        return None
+    return TrunkTensor(off, nb, dt, tuple(shape))
+
+
+def _refuse_overlap(tensors: dict, bad) -> None:
+    spans = sorted((t.off, t.off + t.nbytes, n) for n, t in tensors.items() if t.nbytes)
+    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise bad(f"tensor {n1} [{s1}, {e1}) overlaps {n0} [{s0}, {e0})")
 
 
 def _is_trunk_tensor(name: str, L: int) -> bool:
@@ -136,10 +170,14 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
         runs = trunk_runs(ck, n)
         layers = [_tensor_map(infos, lo) for _, lo, _, infos in runs]
         os.makedirs(trunk_dir, exist_ok=True)
-        _refuse_other_model(trunk_dir, layers, draft is not None)
+        old = _refuse_other_model(trunk_dir, layers, draft is not None)
+        notes = [f"removed {n}, left by an interrupted pack-trunk"
+                 for n in remove_stale(trunk_dir, PARTIAL_RE)]
         total = sum(own for _, _, own, _ in runs)
         bin_path = os.path.join(trunk_dir, TRUNK_BIN)
+        json_path = os.path.join(trunk_dir, TRUNK_JSON)
         tmp_bin = f"{bin_path}.partial-{os.getpid()}"
+        tmp_json = f"{json_path}.partial-{os.getpid()}"
         manifest = {"n_layers": n, "align": ALIGN, "layers": []}
         if draft:
             manifest["draft"] = draft
@@ -150,6 +188,7 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                 for L, (shard, lo, own, infos) in enumerate(runs):
                     out.write(b"\0" * (-out.tell() % ALIGN))
                     file_off = out.tell()
+                    digest = hashlib.sha256()      # of exactly the bytes a reader reads
                     run = bytearray(own) if draft else None   # a draft layer is rewritten whole
                     fd = os.open(ck.shards[shard], os.O_RDONLY)
                     try:
@@ -164,6 +203,7 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                                                  f"layer {L}", ck.shards[shard])
                             if not draft:
                                 out.write(dest)
+                                digest.update(dest)
                             done += m
                             if progress:
                                 progress(L, done, total)
@@ -174,30 +214,58 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                         run, tensors = _draft_run(run, infos, lo, tensors, draft_bits,
                                                   draft_format)
                         out.write(run)
+                        digest.update(run)
                         size = len(run)
-                    out.write(b"\0" * (-out.tell() % ALIGN))   # an O_DIRECT read never passes EOF
+                    pad = b"\0" * (-out.tell() % ALIGN)
+                    out.write(pad)                 # an O_DIRECT read never passes EOF
+                    digest.update(pad)
                     manifest["layers"].append({
                         "layer": L, "shard": os.path.basename(ck.shards[shard]), "run_start": lo,
-                        "nbytes": align_up(size), "file_off": file_off, "tensors": tensors})
+                        "nbytes": align_up(size), "file_off": file_off, "tensors": tensors,
+                        "sha256": digest.hexdigest()})
                     if progress:
                         progress(L + 1, done, total)
                 out.flush()
                 os.fsync(out.fileno())
-            json_path = os.path.join(trunk_dir, TRUNK_JSON)
-            if os.path.exists(json_path):
-                os.unlink(json_path)            # never a stale json beside a new bin
-            os.replace(tmp_bin, bin_path)
-            tmp_json = f"{json_path}.partial-{os.getpid()}"
             with open(tmp_json, "w") as f:
                 json.dump(manifest, f)
                 f.flush()
                 os.fsync(f.fileno())
+            # Both files are complete.  The publish is two renames; a kill between them
+            # leaves the old trunk.json beside the new trunk.bin, which is a usable trunk
+            # only if the old manifest describes the new bytes exactly: same runs, same
+            # tensors, same per-layer digests (a re-pack of the same model).  Otherwise the
+            # old manifest goes first, so a kill leaves no trunk rather than a wrong one.
+            if old is not None and not _describes(old, manifest):
+                os.unlink(json_path)
+            os.replace(tmp_bin, bin_path)
             os.replace(tmp_json, json_path)
+            fsync_dir(trunk_dir)
         finally:
-            for p in (tmp_bin, os.path.join(trunk_dir, f"{TRUNK_JSON}.partial-{os.getpid()}")):
+            for p in (tmp_bin, tmp_json):
                 if os.path.exists(p):
                     os.unlink(p)
-    return TrunkManifest.load(trunk_dir)
+    m = TrunkManifest.load(trunk_dir)
+    m.notes = notes
+    return m
+
+
+PARTIAL_RE = re.compile(r"trunk\.(?:bin|json)\.partial-(?P<pid>[0-9]+)")
+
+
+def _describes(old: "TrunkManifest", new: dict) -> bool:
+    """Whether the old manifest, read beside the new trunk.bin, reads exactly the bytes
+    it read before (every layer it lists has the same run, tensors and digest)."""
+    if old.draft != new.get("draft") or len(old.layers) > len(new["layers"]):
+        return False
+    for have, want in zip(old.layers, new["layers"]):
+        if (have.sha256 is None or have.sha256 != want["sha256"]
+                or (have.file_off, have.nbytes) != (want["file_off"], want["nbytes"])
+                or _first_mismatch(have.tensors, want["tensors"]) is not None
+                or any(have.tensors[k].off != v["off"] for k, v in want["tensors"].items())):
+            return False
+    return True
+
 
 
 def draft_quantised(t) -> bool:
@@ -260,14 +328,16 @@ def _draft_run(run: bytearray, infos: list[TensorInfo], lo: int, tensors: dict, 
     return out, tensors                 # still in name order (_tensor_map)
 
 
-def _refuse_other_model(trunk_dir: str, layers: list[dict], draft: bool) -> None:
+def _refuse_other_model(trunk_dir: str, layers: list[dict], draft: bool) -> "TrunkManifest | None":
+    """The usable trunk already in the directory (None if none), after refusing to
+    overwrite another model's trunk or an exact trunk with a draft."""
     json_path = os.path.join(trunk_dir, TRUNK_JSON)
     if not os.path.exists(json_path):
-        return
+        return None
     try:
         old = TrunkManifest.load(trunk_dir)
     except TrunkError:
-        return                                  # damaged: nothing worth protecting
+        return None                             # damaged: nothing worth protecting
     if old.draft is None and draft:             # would silently degrade the exact model
         raise TrunkError(f"{json_path}: the directory holds an exact packed trunk; a draft "
                          f"trunk must go to another directory", json_path)
@@ -277,6 +347,7 @@ def _refuse_other_model(trunk_dir: str, layers: list[dict], draft: bool) -> None
             raise TrunkMismatchError(f"{json_path}: the directory holds the trunk of a different "
                                      f"model (layer {L}: {mism}); remove it or choose another "
                                      f"directory", json_path)
+    return old
 
 
 def _first_mismatch(have: dict[str, TrunkTensor], want: dict[str, dict]) -> str | None:
@@ -301,6 +372,7 @@ class TrunkManifest:
                  draft: dict | None = None):
         self.trunk_dir, self.layers, self.align, self.bin_size = trunk_dir, layers, align, bin_size
         self.draft = draft          # how a draft trunk was derived; None for the exact trunk
+        self.notes: list[str] = []  # what pack_trunk cleaned up
 
     def require_exact(self) -> None:
         """The exact model must never bind a quantised draft trunk (fluent, subtly wrong
@@ -318,27 +390,39 @@ class TrunkManifest:
 
     @classmethod
     def load(cls, trunk_dir: str) -> "TrunkManifest":
+        """Silent-failure traps handled here (issue 14, finding 4; tests in
+        tests/test_hostile_trunk.py): offsets written `true`, `1e-400` or `"0"` were read as
+        1, 0, 0 by int() and ran with other ids, and two tensors overlapping inside a run
+        both bound.  Every count is a JSON integer (never a bool, float or string), every
+        tensor lies inside its run, and no two tensors of a run overlap."""
         jp = os.path.join(trunk_dir, TRUNK_JSON)
         bp = os.path.join(trunk_dir, TRUNK_BIN)
 
         def bad(problem: str) -> TrunkError:
             return TrunkError(f"{jp}: {problem}", jp)
         try:
-            with open(jp, "rb") as f:
-                raw = json.loads(f.read())
-        except FileNotFoundError:
-            raise TrunkError(f"{jp}: no trunk.json (pack one with k3 pack-trunk)", jp) from None
-        except (OSError, ValueError) as e:
-            raise bad(f"not valid JSON ({e})") from None
+            raw = loads_strict(read_regular_file(jp, MANIFEST_LIMIT, "trunk.json"), jp)
+        except InputFileError as e:
+            if e.missing:
+                raise TrunkError(f"{jp}: no trunk.json (pack one with k3 pack-trunk)", jp) \
+                    from None
+            raise bad(e.problem) from None
+        except JSONFormatError as e:
+            raise bad(f"not valid JSON ({e.problem})") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("layers"), list):
             raise bad("has no 'layers' array")
         try:
-            bin_size = os.path.getsize(bp)
+            st = os.stat(bp)
         except OSError:
             raise TrunkError(f"{bp}: missing trunk.bin beside trunk.json", bp) from None
-        align = raw.get("align", 0) if isinstance(raw.get("align", 0), int) else 0
+        if not stat.S_ISREG(st.st_mode):
+            raise TrunkError(f"{bp}: not a regular file", bp)
+        bin_size = st.st_size
+        align = raw.get("align", 0)
+        if not _is_count(align):
+            raise bad(f"'align' is {align!r}, not a non-negative integer")
         draft = raw.get("draft")
-        if draft is not None and not (isinstance(draft, dict) and isinstance(draft.get("bits"), int)):
+        if draft is not None and not (isinstance(draft, dict) and _is_count(draft.get("bits"))):
             raise bad("has a malformed 'draft' entry")
         dtypes = set(ELEM) | ({"I8R"} if draft else set())   # int8 rows: drafts only
         layers, prev_end = [], 0
@@ -346,8 +430,9 @@ class TrunkManifest:
             if not isinstance(e, dict) or not isinstance(e.get("tensors"), dict):
                 raise bad(f"layer {i} has no 'tensors' object")
             fo, nb = e.get("file_off"), e.get("nbytes")
-            if not (isinstance(fo, int) and isinstance(nb, int)) or fo < 0 or nb < 0:
-                raise bad(f"layer {i} has no valid file_off/nbytes")
+            if not (_is_count(fo) and _is_count(nb)):
+                raise bad(f"layer {i} has no valid file_off/nbytes (non-negative JSON "
+                          f"integers; got {fo!r}, {nb!r})")
             if fo % ALIGN or nb % ALIGN:
                 raise bad(f"layer {i}: file_off {fo} or nbytes {nb} is not a multiple of {ALIGN}")
             if fo + nb > bin_size:
@@ -356,26 +441,31 @@ class TrunkManifest:
             if fo < prev_end:
                 raise bad(f"layer {i} overlaps the previous layer's run")
             prev_end = fo + nb
+            digest = e.get("sha256")
+            if digest is not None and not (isinstance(digest, str)
+                                           and re.fullmatch(r"[0-9a-f]{64}", digest)):
+                raise bad(f"layer {i}: 'sha256' is not 64 lower-case hex digits")
             tensors = {}
             for name, t in e["tensors"].items():
-                try:
-                    tt = TrunkTensor(int(t["off"]), int(t["nbytes"]), str(t["dtype"]),
-                                     tuple(int(d) for d in t.get("shape", [])))
-                except (KeyError, TypeError, ValueError):
-                    raise bad(f"layer {i}: tensor {name} entry is malformed") from None
+                tt = _tensor_entry(t)
+                if tt is None:
+                    raise bad(f"layer {i}: tensor {name} entry is malformed (off and nbytes "
+                              f"non-negative JSON integers, dtype a string, shape a list of "
+                              f"at most {MAX_RANK} integers)")
                 if tt.dtype not in dtypes:
                     raise bad(f"layer {i}: tensor {name} has dtype {tt.dtype!r}, which this "
                               f"reader does not decode{' outside a draft trunk' if tt.dtype == 'I8R' else ''}")
-                if tt.off < 0 or tt.off + tt.nbytes > nb:
+                if tt.off + tt.nbytes > nb:
                     raise bad(f"layer {i}: tensor {name} lies outside its run")
                 if tensor_nbytes(tt.dtype, tt.shape) != tt.nbytes:
                     raise bad(f"layer {i}: tensor {name} is {tt.nbytes} bytes but its shape "
                               f"implies {tensor_nbytes(tt.dtype, tt.shape)}")
                 tensors[name] = tt
+            _refuse_overlap(tensors, lambda problem: bad(f"layer {i}: {problem}"))
             if "blocks" in e:
                 raise bad(f"layer {i} uses the compressed block format, which this reader "
                           f"does not implement")
-            layers.append(TrunkLayer(fo, nb, tensors))
+            layers.append(TrunkLayer(fo, nb, tensors, digest))
         return cls(trunk_dir, layers, align, bin_size, draft)
 
     def check_against(self, ck: Checkpoint, n_layers: int) -> None:

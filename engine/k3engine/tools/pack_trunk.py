@@ -45,9 +45,18 @@ def main(argv: list[str]) -> int:
     except (CheckpointError, ConfigError) as e:
         print(f"k3 pack-trunk: {e}", file=sys.stderr)
         return 1
+    except OSError as e:        # read-only or full target: the old trunk is untouched
+        where = e.filename or a.trunk_dir
+        print(f"k3 pack-trunk: cannot write {where}: {e.strerror or e} (any trunk already "
+              f"in {a.trunk_dir} is unchanged)", file=sys.stderr)
+        return 1
+    for note in m.notes:
+        print(f"k3 pack-trunk: {note}")
     kind = f" (draft, {a.draft_bits}-bit per row, {a.draft_format})" if a.draft_bits else ""
     print(f"wrote trunk.bin{kind}: {m.total_bytes() / 1e9:.2f} GB across {len(m.layers)} "
           f"layers in {time.monotonic() - t0:.1f} s")
     print(f"largest layer run: {max(x.nbytes for x in m.layers) / 1e9:.3f} GB  <- the "
           f"streaming slot size")
+    print("per-layer SHA-256 digests recorded in trunk.json (check with k3 doctor --verify "
+          f"--trunk {a.trunk_dir})")
     return 0
