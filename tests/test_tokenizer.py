@@ -277,8 +277,9 @@ def _write(d: pathlib.Path, lines: list[bytes] | None = None, config: str | None
     if lines is not None:
         (d / "tiktoken.model").write_bytes(sep.join(lines) + sep)
     if config is None:
+        first = sum(1 for x in lines or () if x.strip())    # ids ranks + index (§8.1)
         config = json.dumps({"added_tokens_decoder": {
-            str(300 + i): {"content": n, "special": True}
+            str(first + i): {"content": n, "special": True}
             for i, n in enumerate(("[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"))}})
     (d / "tokenizer_config.json").write_text(config, encoding="utf-8")
     return d
@@ -286,7 +287,7 @@ def _write(d: pathlib.Path, lines: list[bytes] | None = None, config: str | None
 
 def test_small_valid_directory_loads(tmp_path):
     t = Tokenizer.from_dir(_write(tmp_path / "v", _vocab_lines([b"aGk= 256"])))
-    assert (t.n_ranks, t.max_rank, t.vocab_size, len(t.added)) == (257, 256, 306, 6)
+    assert (t.n_ranks, t.max_rank, t.vocab_size, len(t.added)) == (257, 256, 263, 6)
     assert t.encode("hi", allow_special=False) == [256]
     assert t.report_line() == "[TOK] 257 ranks (max id 256) + 6 added tokens | kimi=1 rankbpe=1"
 
@@ -417,20 +418,20 @@ def test_config_not_utf8(tmp_path):
 
 def test_control_ids_by_name(tmp_path):
     t = Tokenizer.from_dir(_write(tmp_path / "v", _vocab_lines()))
-    ctl = control_ids(t, {"eos_token_id": 302})
-    assert (ctl.bos, ctl.eos, ctl.end_of_msg, ctl.open, ctl.close, ctl.sep) == (300, 301, 302, 303, 304, 305)
-    assert ctl.end_ids == (302, 301)
-    assert control_ids(t, {"eos_token_id": 301}) == ctl
-    assert control_ids(t, {"eos_token_id": [302, 301]}) == ctl
+    ctl = control_ids(t, {"eos_token_id": 258})
+    assert (ctl.bos, ctl.eos, ctl.end_of_msg, ctl.open, ctl.close, ctl.sep) == (256, 257, 258, 259, 260, 261)
+    assert ctl.end_ids == (258, 257)
+    assert control_ids(t, {"eos_token_id": 257}) == ctl
+    assert control_ids(t, {"eos_token_id": [258, 257]}) == ctl
     assert control_ids(t, {}) == ctl
-    for bad in (5, "302", True, [302, 7]):
-        with pytest.raises(TokenizerError, match=r"config.json: eos_token_id .* is neither <\|end_of_msg\|> \(302\) nor \[EOS\] \(301\)"):
+    for bad in (5, "258", True, [258, 7]):
+        with pytest.raises(TokenizerError, match=r"config.json: eos_token_id .* is neither <\|end_of_msg\|> \(258\) nor \[EOS\] \(257\)"):
             control_ids(t, {"eos_token_id": bad})
 
 
 def test_control_ids_missing_names(tmp_path):
-    config = json.dumps({"added_tokens_decoder": {"300": {"content": "[BOS]"}, "301": {"content": "[EOS]"},
-                                                  "302": {"content": "<|open|>"}}})
+    config = json.dumps({"added_tokens_decoder": {"256": {"content": "[BOS]"}, "257": {"content": "[EOS]"},
+                                                  "258": {"content": "<|open|>"}}})
     t = Tokenizer.from_dir(_write(tmp_path / "v", _vocab_lines(), config=config))
     with pytest.raises(TokenizerError) as e:
         control_ids(t, None)

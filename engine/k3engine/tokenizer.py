@@ -23,6 +23,9 @@ from typing import Iterable
 import tiktoken
 from .errors import EngineError
 
+from .inputfile import InputFileError, MiB, read_regular_file
+from .strict_json import STRICT_HOOKS, JSONFormatError, Refused, check_tree
+
 MODEL_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -31,6 +34,8 @@ ID_LIMIT = 163_840
 # A longer base64 field is implausible (the C loader's limit; with padding it admits tokens of
 # at most 510 bytes, and the real vocabulary is far below that).
 MAX_B64_CHARS = 682
+MODEL_LIMIT = 64 * MiB     # the released tiktoken.model is about 2.5 MB
+CONFIG_LIMIT = 16 * MiB
 
 # §8.4, verbatim from the checkpoint's tokenization_kimi.py; order matters (leftmost
 # alternative wins). Parity tests compare this with the file's own pattern, extracted by `ast`.
@@ -70,13 +75,7 @@ def _where(path: pathlib.Path, line: int | None = None) -> str:
 def load_ranks(path: str | pathlib.Path) -> dict[bytes, int]:
     """Read a `tiktoken.model` file: `<base64 of the token bytes> <rank>` per line (§8.1)."""
     path = pathlib.Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: tokenizer file not found") from None
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-
+    data = _read(path, MODEL_LIMIT)
     ranks: dict[bytes, int] = {}
     line_of_rank: dict[int, int] = {}
     a2b = binascii.a2b_base64
@@ -166,19 +165,22 @@ def load_added_tokens(path: str | pathlib.Path) -> tuple[dict[int, str], dict]:
     Returns ({id: content}, the whole parsed JSON object). Ids come from the keys."""
     path = pathlib.Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: tokenizer file not found") from None
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
+        text = _read(path, CONFIG_LIMIT).decode("utf-8")
     except UnicodeDecodeError as e:
         raise TokenizerError(f"{path}: not UTF-8 (byte offset {e.start})") from None
     try:
-        cfg = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        cfg = json.loads(text, object_pairs_hook=_no_duplicate_keys, **STRICT_HOOKS)
+        check_tree(cfg, str(path))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{_where(path, e.lineno)}: invalid JSON: {e.msg} (column {e.colno})") from None
     except _DuplicateKey as e:
         raise TokenizerError(f"{path}: invalid JSON: duplicate key {e.args[0]!r}") from None
+    except Refused as e:
+        raise TokenizerError(f"{path}: invalid JSON: {e}") from None
+    except JSONFormatError as e:
+        raise TokenizerError(str(e)) from None
+    except RecursionError:
+        raise TokenizerError(f"{path}: invalid JSON: nested too deeply") from None
     if not isinstance(cfg, dict):
         raise TokenizerError(f"{path}: top level is not a JSON object")
     if "added_tokens_decoder" not in cfg:
@@ -214,6 +216,35 @@ def load_added_tokens(path: str | pathlib.Path) -> tuple[dict[int, str], dict]:
 
 class _DuplicateKey(Exception):
     pass
+
+
+def _read(path: pathlib.Path, limit: int) -> bytes:
+    try:
+        return read_regular_file(path, limit, "tokenizer file")
+    except InputFileError as e:
+        if e.missing:
+            raise TokenizerError(f"{path}: tokenizer file not found") from None
+        raise TokenizerError(str(e)) from None
+
+
+def check_rank_layout(ranks: dict[bytes, int], added: dict[int, str], model_path,
+                      config_path) -> None:
+    """The ranks must be exactly 0..n-1 and the added tokens must start at n (SYSTEM §8.1:
+    they sit at ids ranks + index).  Silent-failure trap (issue 14, finding 4): a
+    tiktoken.model cut at a line boundary is a valid file of fewer ranks; it loaded and
+    tokenised differently.  tokenizer_config.json's added-token offsets say how many
+    ranks the vocabulary has."""
+    n = len(ranks)
+    top = max(ranks.values())
+    if top != n - 1:
+        have = set(ranks.values())
+        missing = next(r for r in range(n) if r not in have)
+        raise TokenizerError(f"{model_path}: the ranks are not contiguous ({n} ranks, highest "
+                             f"{top}; rank {missing} is missing)")
+    if added and min(added) != n:
+        raise TokenizerError(f"{model_path} has {n} ranks (0..{n - 1}) but {config_path} "
+                             f"places its added tokens from id {min(added)}: the model file "
+                             f"is cut or belongs to another vocabulary")
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -276,7 +307,9 @@ class Tokenizer:
         model_path, config_path = d / MODEL_FILE, d / CONFIG_FILE
         ranks = load_ranks(model_path)
         added, _ = load_added_tokens(config_path)
-        return cls(ranks, added, model_path=model_path, config_path=config_path)
+        tok = cls(ranks, added, model_path=model_path, config_path=config_path)
+        check_rank_layout(ranks, added, model_path, config_path)
+        return tok
 
     # -- encoding
 
