@@ -87,6 +87,21 @@ def open_private(path: str, mode: str = "w", **kw):
     return os.fdopen(fd, mode, **kw)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask can only
+    read by writing, which races with any thread creating files meanwhile)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str, data: bytes, mode: int = PRIVATE) -> None:
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
@@ -97,7 +112,7 @@ def write_atomic(path: str, data: bytes, mode: int = PRIVATE) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
                      mode)
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)     # a temp left by an earlier crash had its own mode
+            os.fchmod(f.fileno(), mode & ~_umask())   # explicit modes still honour the umask
             view = memoryview(data)
             while view:
                 view = view[f.write(view):]

@@ -160,11 +160,17 @@ class Binder:
         every trunk tensor of the bound layers, the model tables and every routed expert."""
         cfg = self.cfg
         names = {}
+        by_kind: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         for L in range(n_layers):
             names[L] = [t.name for t in layer_tensors(cfg, L)]
             if not cfg.is_dense(L):
-                names[L] += [t.name for e in range(cfg.n_experts) for t in expert_tensors(cfg, L, e)]
+                for e in range(cfg.n_experts):
+                    for t in expert_tensors(cfg, L, e):
+                        names[L].append(t.name)
+                        by_kind.setdefault((t.key, t.shape), []).append(t.name)
         require_tensors(self.ck, names, n_layers)
+        for (_, shape), group in by_kind.items():     # every expert's geometry, up front
+            self.ck.require_shapes(group, "U8", shape)
         for t in model_tensors(cfg):
             self.ck.info(t.name)            # raises "missing tensor NAME in DIR"
 

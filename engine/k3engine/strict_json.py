@@ -7,7 +7,7 @@ silent reading:
 * an integer literal over 4,300 digits raises a bare ValueError, and a long one takes
   quadratic time to convert: integer literals are capped at MAX_INT_DIGITS digits, far above
   any count or offset a file of ours can hold, before int() is called;
-* NaN / Infinity / -Infinity are accepted by default;
+* NaN / Infinity / -Infinity are accepted by default, and 1e999 parses as infinity;
 * duplicate keys keep the last value silently;
 * "\\ud800" decodes to a lone surrogate that later fails to encode mid-run;
 * bytes are decoded as UTF-16/32 when they contain NULs.
@@ -42,12 +42,19 @@ def _int(text: str) -> int:
     return int(text)
 
 
+def _float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):     # 1e999 is Infinity spelled as a number
+        raise Refused(f"number {text[:40]} overflows a float")
+    return v
+
+
 def _constant(name: str):
     raise Refused(f"non-standard JSON constant {name}")
 
 
 # For a caller that drives json.loads itself (the shard header keeps its own messages).
-STRICT_HOOKS = {"parse_int": _int, "parse_constant": _constant}
+STRICT_HOOKS = {"parse_int": _int, "parse_float": _float, "parse_constant": _constant}
 
 
 def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:

@@ -188,6 +188,7 @@ class State:
     tok_ok: bool = False
     chat_ok: bool = False
     preset: str | None = None       # the run line's preset
+    verify_failed: bool = False     # --verify found a bad layer or shard (exit 1)
 
 
 def import_engine():
@@ -553,6 +554,10 @@ def verdict(r: Report, st: State, a) -> None:
             cmd = "python -m pip install --force-reinstall k3studio"
         r.plain(f"  next (rebuilds the extension; needs a C compiler): {cmd}")
         return
+    if st.verify_failed:
+        r.plain("  --verify found damaged data (named above): re-pack a damaged trunk with "
+                "k3 pack-trunk, fetch a damaged shard again with k3 download.")
+        return
     if st.recommended:
         r.plain(f"  this machine can run Kimi K3 (the released checkpoint) with --preset "
                 f"{st.recommended}.")
@@ -594,7 +599,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="k3 doctor", description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 checked (warnings are listed, not fatal), 1 the engine cannot "
-               "run (its compiled extension does not import).")
+               "run (its compiled extension does not import), or --verify found a layer or "
+               "shard that does not match its recorded digest.")
     ap.add_argument("--model", metavar="DIR", help="checkpoint directory to check")
     ap.add_argument("--trunk", metavar="DIR", help="packed trunk (k3 pack-trunk) to check")
     ap.add_argument("--tok", metavar="DIR",
@@ -602,6 +608,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--scratch", metavar="DIR",
                     help="where to write the read-test file (default: the model directory, "
                          "else the current one)")
+    ap.add_argument("--verify", action="store_true",
+                    help="re-read every byte: the trunk's layers against the SHA-256 digests "
+                         "pack-trunk recorded, the checkpoint's shards against the digests "
+                         "recorded by k3 download or make-checkpoint; names any bad layer or "
+                         "shard and exits 1 (slow: not part of a normal check)")
     ap.add_argument("--probe-mb", type=int, default=PROBE_MB, metavar="N",
                     help="size of the read-test file in MB; 0 skips the test "
                          "(default %(default)s)")
@@ -619,7 +630,10 @@ def main(argv: list[str]) -> int:
         ("tokenizer", lambda: (a.model or a.tok) and check_tokenizer(r, st, a.tok, a.model)),
         ("plan", lambda: st.engine_ok and st.model_ok and check_plan(r, st)),
         ("storage", lambda: check_storage(r, st, _scratch_dir(a), a.probe_mb, bool(a.model))),
+        ("leftovers", lambda: check_leftovers(r, [a.model, a.trunk])),
     ]
+    if a.verify:
+        sections.append(("verify", lambda: check_verify(r, st, a)))
     try:
         for name, run in sections:
             try:
@@ -636,7 +650,45 @@ def main(argv: list[str]) -> int:
     n = len(r.warnings)
     r.plain(f"\n{n} warning{'s' if n != 1 else ''}"
             + (f", {len(r.failures)} failure(s)" if r.failures else ""))
+    if a.verify and st.verify_failed:
+        return 1
     return 0 if st.engine_ok else 1
+
+
+def check_leftovers(r: Report, dirs: list[str | None]) -> None:
+    """Temp and partial files of ours that a killed save, pack or download left behind."""
+    from ..integrity import stale_files
+    found = [f for d in dirs if d and os.path.isdir(d) for f in stale_files(d)]
+    if not found:
+        return
+    r.section("leftovers")
+    for path, size in found:
+        what = ("a partial download (k3 download resumes it)" if path.endswith(".incomplete")
+                else "left by an interrupted save or pack (safe to delete when no k3 runs)")
+        r.warn(f"{path}: {human(size)}, {what}")
+
+
+def check_verify(r: Report, st: State, a) -> None:
+    """--verify: every byte against its recorded digest, with progress, naming what is bad."""
+    from ..integrity import verify_shards, verify_trunk
+    if not (a.trunk or a.model):
+        r.section("verify")
+        r.warn("--verify needs --trunk DIR and/or --model DIR")
+        st.verify_failed = True
+        return
+    if a.trunk:
+        r.section(f"verify trunk: {a.trunk}")
+        for p in verify_trunk(a.trunk, r.plain):
+            r.fail(p)
+            st.verify_failed = True
+    if a.model:
+        r.section(f"verify shards: {a.model}")
+        problems, what = verify_shards(a.model, r.plain)
+        for p in problems:
+            r.fail(p)
+            st.verify_failed = True
+        if not problems:
+            (r.ok if "not verified" not in what else r.warn)(what)
 
 
 def _scratch_dir(a) -> str:

@@ -15,6 +15,7 @@ the wrong index, trap #16).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from ..atomic import write_atomic
 from ..checkpoint import to_bf16
 from ..config import ModelConfig, parse_config, to_flat_dict, to_nested_dict
 from ..names import PREFIX, TensorDef, expert_tensors, layer_tensors, model_tensors
+from ..integrity import DIGEST_SIDECAR
 from .st_writer import TensorSpec, write_safetensors
 
 # The peer's 13-layer tiny dims (ARCHITECTURE §0.2) with moe_intermediate_size 64, so
@@ -246,14 +248,19 @@ def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool 
         [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     byname = {}
     paths = []
+    sums = []
     for fname, tensors in zip(names, shards):
         defs = {t.name: t for t in tensors}
         path = os.path.join(out_dir, fname)
+        h = hashlib.sha256()
         write_safetensors(path, [_spec(t) for t in tensors], lambda s: produce(defs[s.name]),
                           metadata={"format": "pt", "generator": generator},
-                          progress=step)
+                          progress=step, digest=h)
         paths.append(path)
+        sums.append(f"{h.hexdigest()}  {fname}\n")
         byname.update({t.name: fname for t in tensors})
+    # what `k3 doctor --verify` checks the shards against (sha256sum format)
+    write_atomic(os.path.join(out_dir, DIGEST_SIDECAR), "".join(sums).encode(), mode=0o644)
     if n > 1:
         _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
                     {"metadata": {"total_size": total}, "weight_map": byname})
@@ -264,7 +271,7 @@ def make_checkpoint(out_dir: str, cfg: ModelConfig, seed: int = 0, nested: bool 
 
 
 def _write_json(path: str, obj: dict) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode(), mode=0o644)  # model data, not private
 
 
 def main(argv: list[str]) -> int:

@@ -41,20 +41,25 @@ def header_bytes(specs: Iterable[TensorSpec], metadata: dict | None = None) -> b
 def write_safetensors(path: str, specs: list[TensorSpec],
                       produce: Callable[[TensorSpec], np.ndarray],
                       metadata: dict | None = None,
-                      progress: Callable[[int], None] | None = None) -> int:
+                      progress: Callable[[int], None] | None = None,
+                      digest=None) -> int:
     """Write `specs` in order, asking `produce(spec)` for each tensor's array.  Returns
-    the file size."""
+    the file size; `digest` (a hashlib object) is fed every byte written."""
     hdr = header_bytes(specs, metadata)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(len(hdr).to_bytes(8, "little"))
-            f.write(hdr)
+            def put(b) -> None:
+                f.write(b)
+                if digest is not None:
+                    digest.update(b)
+            put(len(hdr).to_bytes(8, "little"))
+            put(hdr)
             for s in specs:
                 arr = np.ascontiguousarray(produce(s))
                 if arr.nbytes != s.nbytes:
                     raise ValueError(f"{s.name}: produced {arr.nbytes} bytes, header says {s.nbytes}")
-                f.write(arr.tobytes() if arr.dtype.byteorder == ">" else memoryview(arr).cast("B"))
+                put(arr.tobytes() if arr.dtype.byteorder == ">" else memoryview(arr).cast("B"))
                 if progress:
                     progress(s.nbytes)
             f.flush()
