@@ -159,15 +159,22 @@ class Binder:
         """Refuse a partial download before anything large is allocated (SYSTEM §1.9):
         every trunk tensor of the bound layers, the model tables and every routed expert."""
         cfg = self.cfg
-        names = {}
+        # Bounded by the file, not by the config: each layer's name list stops at its first
+        # missing tensor, so a config's counts (10^12 experts passed once) cannot drive a
+        # loop longer than the index plus one name per layer.
+        names: dict[int, list[str]] = {}
         by_kind: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         for L in range(n_layers):
-            names[L] = [t.name for t in layer_tensors(cfg, L)]
+            names[L] = mine = []
+            defs = [layer_tensors(cfg, L)]
             if not cfg.is_dense(L):
-                for e in range(cfg.n_experts):
-                    for t in expert_tensors(cfg, L, e):
-                        names[L].append(t.name)
-                        by_kind.setdefault((t.key, t.shape), []).append(t.name)
+                defs.append(t for e in range(cfg.n_experts) for t in expert_tensors(cfg, L, e))
+            for t in (t for group in defs for t in group):
+                mine.append(t.name)
+                if t.name not in self.ck:
+                    break
+                if t.kind == "mxfp4":
+                    by_kind.setdefault((t.key, t.shape), []).append(t.name)
         require_tensors(self.ck, names, n_layers)
         for (_, shape), group in by_kind.items():     # every expert's geometry, up front
             self.ck.require_shapes(group, "U8", shape)

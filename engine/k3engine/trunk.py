@@ -93,11 +93,21 @@ def _tensor_entry(t) -> "TrunkTensor | None":
     return TrunkTensor(off, nb, dt, tuple(shape))
 
 
-def _refuse_overlap(tensors: dict, bad) -> None:
+def _refuse_overlap(tensors: dict, bad, gaps: bool = False) -> int:
+    """The tensors must tile [0, extent) exactly, as pack-trunk copies one contiguous shard
+    run (a draft's I8R layout aligns each tensor to 64 bytes: `gaps` allows that padding,
+    never an overlap); returns the extent."""
     spans = sorted((t.off, t.off + t.nbytes, n) for n, t in tensors.items() if t.nbytes)
-    for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
-        if s1 < e0:
+    cursor, prev = 0, None
+    for s1, e1, n1 in spans:
+        if s1 < cursor:
+            s0, e0, n0 = prev
             raise bad(f"tensor {n1} [{s1}, {e1}) overlaps {n0} [{s0}, {e0})")
+        if s1 > cursor and not (gaps and s1 - cursor < 64):
+            raise bad(f"{s1 - cursor} bytes at offset {cursor} of the run belong to no tensor "
+                      f"(gap before {n1})")
+        cursor, prev = e1, (s1, e1, n1)
+    return cursor
 
 
 def _is_trunk_tensor(name: str, L: int) -> bool:
@@ -362,6 +372,9 @@ def _first_mismatch(have: dict[str, TrunkTensor], want: dict[str, dict]) -> str 
         if (h.dtype, list(h.shape), h.nbytes) != (w["dtype"], list(w["shape"]), w["nbytes"]):
             return (f"{name} is {h.dtype} {list(h.shape)} in the trunk, {w['dtype']} "
                     f"{list(w['shape'])} in the checkpoint")
+        if "abs" in w and "off" in w and h.off != w["off"]:
+            return (f"{name} is at offset {h.off} of the packed run, at {w['off']} of the "
+                    f"checkpoint's run")
     return None
 
 
@@ -438,8 +451,12 @@ class TrunkManifest:
             if fo + nb > bin_size:
                 raise TrunkError(f"{bp}: layer {i} run [{fo}, {fo + nb}) passes the end of "
                                  f"trunk.bin ({bin_size} bytes): truncated trunk", bp)
-            if fo < prev_end:
-                raise bad(f"layer {i} overlaps the previous layer's run")
+            # SYSTEM §2.3: the runs follow each other in layer order, each padded to the
+            # next 4096; a run elsewhere would bind other bytes as this layer's weights.
+            if fo != prev_end:
+                raise bad(f"layer {i} starts at {fo}, not where the previous run ends "
+                          f"({prev_end})" if fo > prev_end or i == 0
+                          else f"layer {i} overlaps the previous layer's run")
             prev_end = fo + nb
             digest = e.get("sha256")
             if digest is not None and not (isinstance(digest, str)
@@ -461,11 +478,18 @@ class TrunkManifest:
                     raise bad(f"layer {i}: tensor {name} is {tt.nbytes} bytes but its shape "
                               f"implies {tensor_nbytes(tt.dtype, tt.shape)}")
                 tensors[name] = tt
-            _refuse_overlap(tensors, lambda problem: bad(f"layer {i}: {problem}"))
+            extent = _refuse_overlap(tensors, lambda problem: bad(f"layer {i}: {problem}"),
+                                     gaps=draft is not None)
+            if nb != align_up(extent):
+                raise bad(f"layer {i}: nbytes {nb} is not its tensors' extent {extent} rounded "
+                          f"up to {ALIGN} ({align_up(extent)})")
             if "blocks" in e:
                 raise bad(f"layer {i} uses the compressed block format, which this reader "
                           f"does not implement")
             layers.append(TrunkLayer(fo, nb, tensors, digest))
+        if prev_end != bin_size:
+            raise TrunkError(f"{bp} has {bin_size - prev_end} bytes after the last layer run "
+                             f"that {jp} describes (another pack's trunk.bin?)", bp)
         return cls(trunk_dir, layers, align, bin_size, draft)
 
     def check_against(self, ck: Checkpoint, n_layers: int) -> None:
@@ -479,8 +503,16 @@ class TrunkManifest:
             L = _layer_of(n)
             if L is not None and L < n_layers and _is_trunk_tensor(n, L):
                 i = ck.info(n)
-                want[L][n] = {"dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes}
+                want[L][n] = {"dtype": i.dtype, "shape": list(i.shape), "nbytes": i.nbytes,
+                              "abs": i.offset}
         for L in range(n_layers):
+            if self.draft is None and want[L]:
+                # An exact trunk copies the layer's shard run verbatim, so each tensor's
+                # place in the run is its place in the shard: a moved offset that still
+                # tiles would otherwise bind another tensor's bytes without any error.
+                lo = min(w["abs"] for w in want[L].values())
+                for w in want[L].values():
+                    w["off"] = w["abs"] - lo
             mism = _first_mismatch(self.layers[L].tensors, want[L])
             if mism:
                 raise TrunkMismatchError(f"{jp}: trunk does not belong to {ck.model_dir} "
