@@ -489,3 +489,16 @@ def test_fifo_and_device_are_refused_without_blocking(tmp_path):
     for p in (fifo, "/dev/zero"):
         with pytest.raises(StateFileError, match="not a regular file"):
             peek_state(p)
+
+
+@pytest.mark.parametrize("field_at", [60, 56], ids=["n_mla", "n_bound"])
+def test_huge_layer_counts_are_refused_at_peek_without_building_lists(saved, tmp_path, field_at):
+    """Found by the state-file fuzzer: n_mla = 2**31-1 made the size check itself build a
+    list of four billion region sizes (minutes and gigabytes) before refusing."""
+    path, _, _ = saved
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<i", raw, field_at, 2**31 - 1)
+    mut = tmp_path / "huge.k3st"
+    mut.write_bytes(bytes(raw))
+    with pytest.raises(StateFileError, match="is truncated"):
+        peek_state(mut)
