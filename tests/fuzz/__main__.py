@@ -1,5 +1,6 @@
-"""`python -m tests.fuzz --minutes N`: run every fuzz family for N minutes in total (split
-evenly), with fresh random seeds, and report how many inputs each family ran and how they
+"""`python -m tests.fuzz --minutes N [--examples K]`: run every fuzz family for N minutes in
+total (split evenly; with --examples, each family also until it has run K inputs), with
+fresh random seeds, and report how many inputs each family ran and how they
 ended.  Exit 1 when any input broke the property (the failing input is printed)."""
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from .families import FAMILIES, Violation
 
 
-def run_family(fam, seconds: float, batch: int = 200) -> tuple[collections.Counter, list[str]]:
+def run_family(fam, seconds: float, batch: int = 200, examples: int = 0
+               ) -> tuple[collections.Counter, list[str]]:
     counts: collections.Counter = collections.Counter()
     failures: list[str] = []
     deadline = time.monotonic() + seconds
@@ -22,7 +24,7 @@ def run_family(fam, seconds: float, batch: int = 200) -> tuple[collections.Count
     def one(x):
         counts[fam.check(x)] += 1
 
-    while time.monotonic() < deadline and not failures:
+    while (time.monotonic() < deadline or sum(counts.values()) < examples) and not failures:
         test = settings(max_examples=batch, deadline=None, database=None, derandomize=False,
                         phases=[Phase.generate, Phase.shrink],
                         suppress_health_check=list(HealthCheck))(given(fam.strategy)(one))
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--family", action="append", help="only this family (repeatable)")
+    ap.add_argument("--examples", type=int, default=0, metavar="N",
+                    help="keep each family running until it has run at least N inputs")
     a = ap.parse_args(argv)
     fams = [f for f in FAMILIES if not a.family or f.name in a.family]
     per = a.minutes * 60 / max(1, len(fams))
@@ -47,7 +51,7 @@ def main(argv=None) -> int:
     print(f"{'family':16} {'inputs':>8}  outcomes")
     for fam in fams:
         t0 = time.monotonic()
-        counts, failures = run_family(fam, per)
+        counts, failures = run_family(fam, per, examples=a.examples)
         total = sum(counts.values())
         outcome = ", ".join(f"{k} {v}" for k, v in counts.most_common())
         print(f"{fam.name:16} {total:8d}  {outcome}  ({time.monotonic() - t0:.0f} s)", flush=True)
