@@ -192,6 +192,10 @@ HOSTILE = {
     "integer_literal_over_digit_limit": (_st_bytes(
         '{"a": {"dtype": "U8", "shape": [' + "9" * 5000 + '], "data_offsets": [0, 1]}}', b"x"),
         "header is not a JSON object (integer literal of 5000 digits", None),
+    # found by the differential fuzzer: a JSON object where a list belongs (kept as a
+    # pairs list internally) was read as an empty shape, i.e. a scalar
+    "shape_is_an_object": (_mutant(lambda h, d: ({**h, "c": {**h["c"], "shape": {}}}, d)),
+                           "c has impossible shape", "c"),
     "entry_not_object": (_mutant(lambda h, d: ({**h, "a": [0, 8]}, d)),
                          "entry is not an object", "a"),
     "missing_dtype": (_mutant(lambda h, d: ({**h, "a": {"shape": [2], "data_offsets": [0, 8]}},

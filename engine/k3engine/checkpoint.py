@@ -142,7 +142,9 @@ def _parse_entry(path: str, name: str, value, region: int, base: int) -> HeaderE
         raise bad(f"unsupported dtype '{dtype}' on {name}")
     shape = fields.get("shape")
     # Stricter than the C reader, which reads a missing shape as a scalar.
-    if not isinstance(shape, list):
+    # type() is list, not isinstance: a JSON object is kept as _Pairs, a list subclass, and
+    # "shape": {} read as an empty list was a scalar (found by the differential fuzzer).
+    if type(shape) is not list:
         raise bad(f"{name} is missing shape" if shape is None
                   else f"{name} has impossible shape {shape!r}: not a list")
     if len(shape) > MAX_RANK:                                                # 8
@@ -153,7 +155,7 @@ def _parse_entry(path: str, name: str, value, region: int, base: int) -> HeaderE
     if any(d < 0 for d in shape):
         raise bad(f"{name} has impossible shape {shape}: negative dimension")
     # 10: bounds on the relative offsets, before the base is added.
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+    if not (type(offsets) is list and len(offsets) == 2 and all(map(_is_int, offsets))):
         raise bad(f"{name} has impossible data_offsets {offsets!r}")
     start, end = offsets
     if start < 0 or end < start or end > region:
@@ -262,7 +264,10 @@ def _scan_shard(fd: int, path: str) -> tuple[list[HeaderEntry], list[str]]:
 
 def _open_ro(path: str) -> int:
     try:
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+        # O_NONBLOCK: a FIFO named *.safetensors would block open() itself (the scan then
+        # refuses anything but a regular file); it changes nothing for a regular file.
+        flags = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_BINARY", 0))
         return os.open(path, flags)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open ({e.strerror})", path) from None

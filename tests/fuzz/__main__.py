@@ -31,10 +31,9 @@ def run_family(fam, seconds: float, batch: int = 200, examples: int = 0
         test = seed(random.getrandbits(64))(test)
         try:
             test()
-        except Violation as e:
-            failures.append(str(e))
         except Exception as e:  # noqa: BLE001 - report, do not die: other families still run
-            failures.append(f"{type(e).__name__}: {e}")
+            what = str(e) if isinstance(e, Violation) else f"{type(e).__name__}: {e}"
+            failures.append("\n    ".join([what, *getattr(e, "__notes__", [])]))
     return counts, failures
 
 
