@@ -9,7 +9,6 @@ shapes stay valid, the run goes on with other ids); only these digests can see i
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import time

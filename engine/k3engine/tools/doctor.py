@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
-import json
 import os
 import platform
 import re
@@ -25,7 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..checkpoint import INDEX_JSON, SUFFIX
+from ..checkpoint import INDEX_JSON, INDEX_LIMIT, SUFFIX
+from ..config import CONFIG_LIMIT
+from ..inputfile import InputFileError, read_regular_file
+from ..strict_json import JSONFormatError, loads_strict
 from ..diskio import ALIGN
 from ..memory import PRESETS, BudgetError, auto_budget, available_memory, human
 from . import devbw
@@ -133,7 +135,10 @@ def shard_set(model_dir: str) -> ShardSet:
     matches = [m for m in map(_SHARD_NAME.match, present) if m]
     totals = {m.group(2) for m in matches}
     released = False
-    if matches and len(totals) == 1:
+    # A name's "-of-N" is bounded (the engine indexes at most 65535 shards) before it sizes
+    # the expected set: model-00001-of-99999999999.safetensors must not build 10^11 names.
+    if matches and len(totals) == 1 and len(next(iter(totals))) <= 6 \
+            and int(next(iter(totals))) <= 65535:
         total = totals.pop()
         width = len(matches[0].group(1))
         expected |= {f"model-{i:0{width}d}-of-{total}.safetensors"
@@ -144,11 +149,12 @@ def shard_set(model_dir: str) -> ShardSet:
     index = os.path.join(model_dir, INDEX_JSON)
     if os.path.exists(index):
         try:
-            with open(index, "rb") as f:
-                wm = json.loads(f.read().decode("utf-8"))["weight_map"]
+            wm = loads_strict(read_regular_file(index, INDEX_LIMIT, "shard index"), index)["weight_map"]
             expected |= {v for v in wm.values() if isinstance(v, str)}
             known = True
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (InputFileError, JSONFormatError) as e:
+            s.index_problem = f"{index}: not a usable shard index ({e.problem})"
+        except (KeyError, TypeError, AttributeError) as e:
             s.index_problem = f"{index}: not a usable shard index ({type(e).__name__}: {e})"
     if known:
         s.expected = sorted(expected, key=os.fsencode)
@@ -301,9 +307,8 @@ def check_model(r: Report, st: State, model_dir: str) -> None:
         r.ok(f"config.json: {cfg.n_layers} layers ({cfg.layer_map()}), hidden {cfg.hidden}, "
              f"vocab {cfg.vocab}, {cfg.n_experts} experts top-{cfg.topk}")
         try:
-            with open(path, "rb") as f:
-                st.config_json = json.loads(f.read())
-        except (OSError, ValueError):
+            st.config_json = loads_strict(read_regular_file(path, CONFIG_LIMIT, "config"), path)
+        except (InputFileError, JSONFormatError):
             st.config_json = None       # load_config accepted it; only chat's ids use this
 
     ss = shard_set(model_dir)
