@@ -565,3 +565,14 @@ def test_doctor_reports_leftovers(tiny, packed, tmp_path):
     assert p.returncode == 0
     assert f"{d / 'trunk.bin.partial-999999'}: 8.0 KiB" in p.stdout or \
         f"{d / 'trunk.bin.partial-999999'}:" in p.stdout
+
+
+def test_stale_shard_temp_is_removed_by_the_next_write(tmp_path):
+    from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    tmp_path.joinpath("m").mkdir()
+    stale = tmp_path / "m" / f"model.safetensors.tmp-{dead}"
+    stale.write_bytes(b"\0" * 4096)                      # what a killed generator leaves
+    make_checkpoint(str(tmp_path / "m"), dims_config("tiny"), seed=1)
+    assert not stale.exists()

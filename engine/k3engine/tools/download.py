@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlparse
 
+from ..atomic import write_atomic
 from ..checkpoint import INDEX_JSON, INDEX_LIMIT
 from ..inputfile import InputFileError, MiB, read_regular_file
 from ..strict_json import JSONFormatError, loads_strict
@@ -324,9 +325,7 @@ def save_manifest(dest: Path, exp: Expected, endpoint: str) -> None:
     d.mkdir(parents=True, exist_ok=True)
     doc = {"repo": exp.repo, "commit": exp.commit, "endpoint": endpoint,
            "files": [asdict(f) for f in exp.files.values()]}
-    tmp = d / f"{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, d / MANIFEST)
+    write_atomic(str(d / MANIFEST), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644)
 
 
 def load_manifest(dest: Path, repo: str) -> Expected | None:

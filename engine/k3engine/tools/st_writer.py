@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
+
+from ..atomic import remove_stale
 
 DTYPE_SIZE = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
 
@@ -46,6 +49,9 @@ def write_safetensors(path: str, specs: list[TensorSpec],
     """Write `specs` in order, asking `produce(spec)` for each tensor's array.  Returns
     the file size; `digest` (a hashlib object) is fed every byte written."""
     hdr = header_bytes(specs, metadata)
+    # a killed earlier write of this file left its temp (a shard can be GBs): remove it
+    remove_stale(os.path.dirname(os.path.abspath(path)),
+                 re.compile(re.escape(os.path.basename(path)) + r"\.tmp-(?P<pid>[0-9]+)"))
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
