@@ -42,15 +42,32 @@ class Violation(AssertionError):
     """The property failed: a traceback, a silent change, or a message without the file."""
 
 
-def _refused(e: BaseException, path: str, codes: tuple[int, ...]) -> str:
+def _refused(e: BaseException, path: str, codes: tuple[int, ...] | None) -> str:
+    """Check a refusal: the documented exit code (as errors.describe maps it; None for a
+    usage error the CLI maps itself) and the file (or flag) named in the message."""
     d = describe(e)
-    if d is None:
+    if codes is not None and d is None:
         raise Violation(f"{type(e).__name__} is not an engine failure: {e}") from e
-    if d[0] not in codes:
+    if codes is not None and d[0] not in codes:
         raise Violation(f"{type(e).__name__} maps to exit {d[0]}, expected {codes}: {e}")
     if path not in str(e):
         raise Violation(f"message does not name {path}: {e}")
     return "refused"
+
+
+def attempt(what: str, fn: Callable[[], Any], refusals, where: str,
+            codes: tuple[int, ...] | None):
+    """(fn's result, None) when it accepts, (None, the refusal) when it refuses as
+    documented; any other exception breaks the property (it would be a traceback)."""
+    try:
+        return fn(), None
+    except KeyboardInterrupt:
+        raise
+    except refusals as e:
+        _refused(e, where, codes)
+        return None, e
+    except BaseException as e:
+        raise Violation(f"{what} raised {type(e).__name__}: {e}") from e
 
 
 # --- mutation helpers ---------------------------------------------------------------------
@@ -172,15 +189,10 @@ def check_shard(c: ShardCase) -> str:
     tensors.  Returns 'both-accept', 'both-reject' or 'stricter:<reason>'."""
     path = _write("fuzz.safetensors", shard_bytes(c))
     theirs_ok, theirs = safetensors_verdict(path)
-    try:
-        entries, _ = parse_header(path)
-    except CheckpointError as e:
-        _refused(e, path, (1,))
-        return "both-reject" if not theirs_ok else "stricter:" + stricter_reason(str(e))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"parse_header raised {type(e).__name__}: {e}") from e
+    res, err = attempt("parse_header", lambda: parse_header(path), CheckpointError, path, (1,))
+    if err:
+        return "both-reject" if not theirs_ok else "stricter:" + stricter_reason(str(err))
+    entries, _ = res
     if not theirs_ok:
         raise Violation(f"we accept what safetensors rejects ({theirs})")
     ours = {e.name: (e.dtype, list(e.shape)) for e in entries}
@@ -246,14 +258,9 @@ def check_index(c: IndexCase) -> str:
     path = os.path.join(d, "model.safetensors.index.json")
     with open(path, "wb") as f:
         f.write(raw_edit(json.dumps(c.doc).encode(), c.edit))
-    try:
-        ck = Checkpoint(d)
-    except CheckpointError as e:             # names the index or the shard it lacks
-        return _refused(e, d, (1,))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"Checkpoint raised {type(e).__name__}: {e}") from e
+    ck, refused = attempt("Checkpoint", lambda: Checkpoint(d), CheckpointError, d, (1,))
+    if refused:                              # the message names the index or the shard it lacks
+        return "refused"
     with ck:
         if ck.names() != ["t0"]:            # the index never changes what is read
             raise Violation(f"index changed the tensors read: {ck.names()}")
@@ -295,14 +302,9 @@ def config_cases(draw) -> ConfigCase:
 
 def check_config(c: ConfigCase) -> str:
     path = _write("config.json", raw_edit(json.dumps(c.doc).encode(), c.edit))
-    try:
-        cfg = load_config(path)
-    except ConfigError as e:
-        return _refused(e, path, (2,))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"load_config raised {type(e).__name__}: {e}") from e
+    cfg, refused = attempt("load_config", lambda: load_config(path), ConfigError, path, (2,))
+    if refused:
+        return "refused"
     if not c.changed and cfg != load_config(_write("config_orig.json", json.dumps(_TINY).encode())):
         raise Violation("the unmodified config reads differently")
     # accepted: re-validation (ranges included) must hold; counts stay iterable
@@ -379,7 +381,7 @@ def _apply_trunk_edit(doc: dict, e) -> bool:
 
 
 def check_trunk(c: TrunkCase) -> str:
-    from k3engine.trunk import TrunkError, TrunkManifest, TrunkMismatchError
+    from k3engine.trunk import TrunkError, TrunkManifest
     fx = trunk_fixture()
     doc = json.loads(fx["json"])
     for e in c.edits:
@@ -392,17 +394,13 @@ def check_trunk(c: TrunkCase) -> str:
     jp = os.path.join(d, "trunk.json")
     with open(jp, "wb") as f:
         f.write(raw_edit(json.dumps(doc).encode(), c.raw))
-    try:
+    def load():
         m = TrunkManifest.load(d)
         m.check_against(fx["ck"], len(fx["manifest"].layers))
-    except TrunkMismatchError as e:
-        return _refused(e, jp, (1,))
-    except TrunkError as e:
-        return _refused(e, d, (1,))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"TrunkManifest raised {type(e).__name__}: {e}") from e
+        return m
+    m, refused = attempt("TrunkManifest", load, TrunkError, d, (1,))   # names trunk.json/.bin
+    if refused:
+        return "refused"
     # accepted and matched to the checkpoint: it must read exactly the original bytes
     for a, b in zip(m.layers, fx["manifest"].layers):
         if (a.file_off, a.tensors) != (b.file_off, b.tensors):
@@ -466,17 +464,14 @@ def check_state(c: StateCase) -> str:
     path = _write("fuzz.k3st", raw_edit(bytes(data), c.raw))
     from k3engine.statefile import peek_state
     dst = SequenceState(fx["cfg"], 8, 4)
-    try:
+    def load():
         peek_state(path)
-        ids = load_state(path, dst)
-    except StateFileError as e:
+        return load_state(path, dst)
+    ids, refused = attempt("load_state", load, StateFileError, path, (1,))
+    if refused:
         if any(np.any(a) for a in _arrays(dst)):
             raise Violation("a refused load changed the target state")
-        return _refused(e, path, (1,))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"load_state raised {type(e).__name__}: {e}") from e
+        return "refused"
     if ids != [1, 2, 3, 4, 5, 6] or dst.n_cached != 5 or not all(
             np.array_equal(a.view(np.uint32), b.view(np.uint32))
             for a, b in zip(_arrays(dst), _arrays(fx["src"]))):
@@ -505,14 +500,9 @@ def history_lines(draw) -> bytes:
 
 def check_history(data: bytes) -> str:
     path = _write("h.jsonl", data)
-    try:
-        h = History.load(path)
-    except ChatError as e:
-        return _refused(e, path, (1,))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"History.load raised {type(e).__name__}: {e}") from e
+    h, refused = attempt("History.load", lambda: History.load(path), ChatError, path, (1,))
+    if refused:
+        return "refused"
     again = os.path.join(WORK, "h2.jsonl")
     try:
         h.save(again)
@@ -583,21 +573,14 @@ SAMPLE = "Hello, world! [BOS] ab ba \u4e2d\u6587 <|open|>x<|close|>"
 def check_tok(c: TokCase) -> str:
     d = os.path.join(WORK, "tok")
     os.makedirs(d, exist_ok=True)
-    mp = _write("tok/tiktoken.model", raw_edit(b"\n".join(c.lines) + b"\n", c.edit_model))
-    cp = _write("tok/tokenizer_config.json",
+    _write("tok/tiktoken.model", raw_edit(b"\n".join(c.lines) + b"\n", c.edit_model))
+    _write("tok/tokenizer_config.json",
                 raw_edit(json.dumps({"added_tokens_decoder": c.added}).encode("utf-8", "surrogatepass"),
                          c.edit_config))
-    try:
-        tok = Tokenizer.from_dir(d)
-    except TokenizerError as e:
-        d_ = describe(e)
-        if d_ is None or d_[0] != 1 or (mp not in str(e) and cp not in str(e)):
-            raise Violation(f"tokenizer refusal without the file or code: {e}") from e
+    tok, refused = attempt("Tokenizer.from_dir", lambda: Tokenizer.from_dir(d), TokenizerError,
+                           d, (1,))                     # names tiktoken.model or the config
+    if refused:
         return "refused"
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"Tokenizer.from_dir raised {type(e).__name__}: {e}") from e
     ids = tok.encode(SAMPLE, True)
     if tok.decode(ids).decode("utf-8") != SAMPLE:
         raise Violation("an accepted tokenizer does not round-trip the sample")
@@ -610,16 +593,9 @@ IDS_ALPHABET = "0123456789 ,\t\n-+.e\u0661\u0662\u00b2\u2460\uff11\u00a0x"
 
 
 def check_ids(text: str) -> str:
-    try:
-        ids = parse_ids(text, "--ids")
-    except IdsError as e:
-        if "--ids" not in str(e):
-            raise Violation(f"message does not name --ids: {e}")
+    ids, err = attempt("parse_ids", lambda: parse_ids(text, "--ids"), IdsError, "--ids", None)
+    if err:
         return "refused"
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise Violation(f"parse_ids raised {type(e).__name__}: {e}") from e
     pieces = text.replace(",", " ").split()
     if not text.isascii() or ids != [int(p) for p in pieces] or any(i >= 2**31 for i in ids):
         raise Violation(f"ids {ids} from {text!r}")
