@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from .errors import UsageError
 from .inputfile import MiB, InputFileError, read_regular_file
 
 __all__ = ["IdsError", "parse_ids", "read_ids_file", "MAX_IDS", "IDS_FILE_LIMIT"]
@@ -20,7 +21,7 @@ _SEP = re.compile(r"[ \t\r\n,]+")
 _ASCII_INT = re.compile(r"[0-9]+")
 
 
-class IdsError(ValueError):
+class IdsError(UsageError):
     """A usage error (exit 2); the message names the flag or file and the bad piece."""
 
 
