@@ -23,6 +23,7 @@ from k3engine.config import ConfigError, load_config
 from k3engine.ids import IdsError, parse_ids, read_ids_file
 from k3engine.strict_json import JSONFormatError, loads_strict
 from k3engine.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir
+from k3engine.statefile import StateFileError
 from k3engine.trunk import TRUNK_JSON, TrunkError, TrunkManifest, pack_trunk
 
 DEEP = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -568,3 +569,27 @@ def test_stale_shard_temp_is_removed_by_the_next_write(tmp_path):
     stale.write_bytes(b"\0" * 4096)                      # what a killed generator leaves
     make_checkpoint(str(tmp_path / "m"), dims_config("tiny"), seed=1)
     assert not stale.exists()
+
+
+def test_saves_never_replace_a_device_or_follow_a_link_away(tmp_path):
+    """Run as root, `--save-state /dev/full` replaced the device node with a regular file and
+    exited 0; every atomic save refuses a non-regular target and writes through a link."""
+    from k3engine.atomic import write_atomic
+    from k3engine.statefile import save_state
+    from k3engine.state import SequenceState
+    from k3engine.tools.make_checkpoint import dims_config
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (fifo, tmp_path):                 # a FIFO, a directory
+        with pytest.raises(OSError, match="not a regular file"):
+            write_atomic(str(target), b"x")
+        with pytest.raises(ChatError, match="not a regular file"):
+            History([Message("user", "x")]).save(target)
+        with pytest.raises(StateFileError, match="not a regular file"):
+            save_state(target, SequenceState(dims_config("tiny"), 4, 2), [1])
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    real = tmp_path / "real.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    History([Message("user", "x")]).save(link)
+    assert link.is_symlink() and History.load(real) == History([Message("user", "x")])

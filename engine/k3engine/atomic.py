@@ -9,8 +9,10 @@ the same file, so kill -9 mid-save does not leave litter that grows.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 
 PRIVATE = 0o600
 
@@ -102,8 +104,26 @@ def _umask() -> int:
     return mask
 
 
-def write_atomic(path: str, data: bytes, mode: int = PRIVATE) -> None:
+def publish_target(path: str) -> str:
+    """Where a save of `path` may rename its complete temp file to: a symlink is followed (the
+    link stays a link to the saved file), and an existing non-regular file is refused.
+    Silent-failure trap: rename replaces whatever has the name, so `--save-state /dev/full`
+    run as root replaced the device node with a regular file and exited 0."""
     path = os.fspath(path)
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EEXIST, "exists and is not a regular file; refusing to replace it",
+                      path)
+    return path
+
+
+def write_atomic(path: str, data: bytes, mode: int = PRIVATE) -> None:
+    path = publish_target(path)
     d = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     remove_stale(d, _temp_pattern(base))

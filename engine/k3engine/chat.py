@@ -268,7 +268,8 @@ class HistoryLock:
     def __init__(self, path: str | os.PathLike):
         import fcntl
         self.path = os.fspath(path)
-        d, base = os.path.split(os.path.abspath(self.path))
+        # the real path: a history reached through a link and directly is one history
+        d, base = os.path.split(os.path.realpath(self.path))
         self.lock_path = os.path.join(d, f".{base}.lock")
         try:
             self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),

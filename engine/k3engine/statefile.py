@@ -34,7 +34,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from . import kernels as K
-from .atomic import fsync_dir
+from .atomic import fsync_dir, publish_target
 from .config import ModelConfig
 from .state import KDAState, MLAState, SequenceState
 from .errors import EngineError
@@ -286,6 +286,10 @@ def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[i
     `fingerprint` defaults to (and must equal) model_fingerprint(state.cfg).
     """
     path = os.fspath(path)
+    try:
+        target = publish_target(path)
+    except OSError as e:
+        raise StateFileError(path, f"failed writing {path}: {e.strerror}") from None
     fp = _resolve_fingerprint(state, fingerprint)
     geo = _geometry(state)
     ids_list = [int(t) for t in tokens]
@@ -296,9 +300,9 @@ def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[i
     header = StateHeader(fp, geo.n_bound, geo.n_mla, state.n_cached, len(ids_list),
                          geo.kper, geo.kvpp, geo.ropepp, payload_hash=0)
 
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = os.path.dirname(os.path.abspath(target))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp.", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".tmp.", dir=directory)
     except OSError as e:
         raise StateFileError(path, f"failed writing {path}: cannot create a temp file in "
                                    f"{directory}: {e.strerror or e}") from e
@@ -320,7 +324,7 @@ def save_state(path: str | os.PathLike, state: SequenceState, tokens: Iterable[i
             f.write(replace(header, payload_hash=hasher.value).pack())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as e:
         _unlink_quietly(tmp)
         if isinstance(e, OSError):
