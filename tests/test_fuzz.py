@@ -1,5 +1,7 @@
 """The fuzz families (tests/fuzz) in a fixed-seed, bounded run: a few dozen inputs per
-family, the same inputs every run.  The long run is `python -m tests.fuzz --minutes N`."""
+family, the same inputs every run.  The long run is `python -m tests.fuzz --minutes N`;
+`--family "k3 end to end"` runs damaged models through the real process (about a second an
+input, so not part of the suite)."""
 from __future__ import annotations
 
 import collections
@@ -33,3 +35,4 @@ def test_fuzz_family_fixed_seed(fam):
     assert sum(counts.values()) >= EXAMPLES // 2
     # a family that only ever refuses (or only accepts) is not exercising the parser
     assert len(counts) >= 2, counts
+

@@ -620,3 +620,89 @@ FAMILIES = [
     Family("tokenizer files", tok_cases(), check_tok),
     Family("ids list", st.text(alphabet=IDS_ALPHABET, max_size=24), check_ids),
 ]
+
+
+# --- end to end: the real `k3` process on a damaged model ---------------------------------
+
+@dataclass
+class E2ECase:
+    target: str
+    case: Any
+
+
+@st.composite
+def e2e_cases(draw) -> E2ECase:
+    target = draw(st.sampled_from(["config", "header", "trunk"]))
+    if target == "config":
+        return E2ECase(target, draw(config_cases()))
+    if target == "trunk":
+        return E2ECase(target, draw(trunk_cases()))
+    return E2ECase(target, (draw(RAW_EDITS), draw(st.sampled_from([0, 0, -6, -1, 1, 8]))))
+
+
+_E2E: dict = {}
+
+
+def _k3(model: str, *extra: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "k3engine", model, "--ids", "1,2,3", "--gen",
+                           "2", "--out", os.path.join(WORK, "e2e_out.json"), *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _ids(stdout: str) -> str | None:
+    for line in stdout.splitlines():
+        if line.startswith("generated ids:"):
+            return line
+    return None
+
+
+def check_e2e(c: E2ECase) -> str:
+    """Through the real process: exit 0 with the unmodified model's ids, or a documented
+    refusal (1 damaged file, 2 config) naming the file; never a traceback."""
+    import shutil
+    fx = trunk_fixture()
+    if not _E2E:
+        base = _k3(fx["model"], "--trunk", fx["trunk"])
+        assert base.returncode == 0, base.stderr
+        _E2E["ids"] = _ids(base.stdout)
+    model = os.path.join(WORK, "e2e_model")
+    trunk = os.path.join(WORK, "e2e_trunk")
+    for d in (model, trunk):
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(fx["model"], model)
+    shutil.copytree(fx["trunk"], trunk)
+    named = model
+    if c.target == "config":
+        with open(os.path.join(model, "config.json"), "wb") as f:
+            f.write(raw_edit(json.dumps(c.case.doc).encode(), c.case.edit))
+    elif c.target == "header":
+        p = os.path.join(model, "model.safetensors")
+        with open(p, "rb") as f:
+            raw = f.read()
+        n = int.from_bytes(raw[:8], "little")
+        edit, delta = c.case
+        head = raw_edit(raw[8:8 + n], edit)
+        with open(p, "wb") as f:
+            f.write(struct.pack("<Q", max(0, len(head) + delta)) + head + raw[8 + n:])
+    else:
+        doc = json.loads(fx["json"])
+        for e in c.case.edits:
+            _apply_trunk_edit(doc, e)
+        with open(os.path.join(trunk, "trunk.json"), "wb") as f:
+            f.write(raw_edit(json.dumps(doc).encode(), c.case.raw))
+        named = trunk
+    p = _k3(model, "--trunk", trunk)
+    if "Traceback" in p.stderr:
+        raise Violation(f"k3 printed a traceback (exit {p.returncode}): {p.stderr[-400:]}")
+    if p.returncode == 0:
+        if _ids(p.stdout) != _E2E["ids"]:
+            raise Violation(f"exit 0 with other ids: {_ids(p.stdout)} vs {_E2E['ids']}")
+        return "same ids"
+    if p.returncode not in (1, 2) or named not in p.stderr:
+        raise Violation(f"exit {p.returncode} without naming {named}: {p.stderr[-300:]}")
+    return f"exit {p.returncode}"
+
+
+SLOW_FAMILIES = [Family("k3 end to end", e2e_cases(), check_e2e)]
