@@ -266,33 +266,33 @@ class HistoryLock:
     when the process ends (the kernel drops flock locks of a dead process: no stale lock)."""
 
     def __init__(self, path: str | os.PathLike):
-        import fcntl
+        self._fd = -1
         self.path = os.fspath(path)
         # the real path: a history reached through a link and directly is one history
         d, base = os.path.split(os.path.realpath(self.path))
         self.lock_path = os.path.join(d, f".{base}.lock")
         try:
-            self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-                               0o600)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+                         0o600)
         except OSError as e:
             raise ChatError(f"{self.path}: cannot lock history ({self.lock_path}: "
                             f"{e.strerror or e})") from None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            got = _try_lock(fd)
+        except OSError as e:
+            os.close(fd)
+            raise ChatError(f"{self.path}: cannot lock history: {e.strerror or e}") from None
+        if not got:
+            holder = _read_pid(fd)
+            os.close(fd)
             who = f" (process {holder})" if holder else ""
             raise ChatError(f"{self.path} is in use by another k3 chat{who}; two chats on "
                             "one history would lose messages. Close the other one, or give "
-                            "this one another --history.") from None
-        except OSError as e:
-            os.close(self._fd)
-            self._fd = -1
-            raise ChatError(f"{self.path}: cannot lock history: {e.strerror or e}") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+                            "this one another --history.")
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, f"{os.getpid()}\n".encode())
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -309,9 +309,28 @@ class HistoryLock:
         self.release()
 
 
+def _try_lock(fd: int) -> bool:
+    """Take an exclusive, non-blocking lock on the open file; False if another holder has it."""
+    try:
+        import fcntl
+    except ImportError:                   # Windows: a byte-range lock on the first byte
+        import msvcrt
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 def _read_pid(fd: int) -> int | None:
     try:
-        text = os.pread(fd, 32, 0).decode("ascii").strip()
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 32).decode("ascii").strip()
         return int(text) if text.isascii() and text.isdigit() else None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
