@@ -37,7 +37,7 @@ EFFORTS = ("low", "high", "max")
 
 MAX_PROMPT_IDS = 32_768           # K3_MAX_PROMPT; more is a render refusal (§9.3)
 MAX_LINE_BYTES = 16 * 1024 * 1024  # longest JSONL line the reader accepts (§9.1)
-HISTORY_LIMIT = 4 << 30           # /dev/zero as --history was read until memory ran out
+HISTORY_LIMIT = 1 << 30           # /dev/zero as --history was read until memory ran out
 
 CTL, TXT = "ctl", "txt"
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
