@@ -368,6 +368,8 @@ def _apply_trunk_edit(doc: dict, e) -> bool:
             doc["layers"][e[1]][e[2]] = e[3]
         elif e[0] == "tensor":
             ts = doc["layers"][e[1]]["tensors"]
+            if not ts:
+                return False                     # an earlier edit emptied the layer
             name = sorted(ts)[e[2] % len(ts)]
             v = e[4]
             if e[3] in ("off", "nbytes") and isinstance(v, int) and -64 <= v <= 64:
