@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 import time
 
-from .chat import HELP_LINES, USER_PROMPT, ChatError, History, Message, apply_system
+from .chat import (HELP_LINES, USER_PROMPT, ChatError, History, HistoryLock, Message,
+                   apply_system)
 from .console import Printer
 from .errors import EXIT_DROP, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EngineError
 from .events import TokenOut, TurnEnded
@@ -43,6 +44,21 @@ def _read_line() -> str | None:
 
 def chat_main(req: RunRequest, history_path: str | None, system: str | None,
               events: Events) -> int:
+    try:
+        # held for the whole session: a second chat on this history is refused, not raced
+        lock = HistoryLock(history_path) if history_path else None
+    except ChatError as e:
+        print(f"chat: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return _chat(req, history_path, system, events)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _chat(req: RunRequest, history_path: str | None, system: str | None,
+          events: Events) -> int:
     try:
         history = History.load(history_path) if history_path else History()
         if system is not None and apply_system(history, system) and history_path:

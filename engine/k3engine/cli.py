@@ -194,8 +194,10 @@ class Options:
 
 def strict_int(flag: str, text: str, lo: int, hi: int | None = None) -> int:
     t = text.strip()
-    if not (t.isdigit() or (t[:1] == "-" and t[1:].isdigit())):
-        raise UsageError(f"bad {flag} value '{text}': expected a whole number")
+    digits = t[1:] if t[:1] == "-" else t
+    # ASCII only and bounded: str.isdigit() accepts '²' and '١', int() refuses 4,300+ digits
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
+        raise UsageError(f"bad {flag} value '{text[:40]}': expected a whole number")
     v = int(t)
     if v < lo or (hi is not None and v > hi):
         rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
@@ -391,10 +393,12 @@ def run(o: Options, events: Events) -> int:
     """A batch run: the run API's events printed as the reference's report."""
     req = build_request(o)
 
+    unwritten: list[str] = []           # outputs that could not be written: exit 3
+
     def on_step(ev) -> None:
         if ev.logits is not None and o.dump_logits:
-            write_atomic(o.dump_logits, ev.logits.astype("<f4").tobytes())
-            print(f"wrote {o.dump_logits} ({ev.logits.shape[0]} float32 logits)")
+            if write_output(o.dump_logits, ev.logits.astype("<f4").tobytes(), unwritten):
+                print(f"wrote {o.dump_logits} ({ev.logits.shape[0]} float32 logits)")
         if o.stream_tokens:
             for i in ev.ids:
                 print(f"@K3TOKEN {i}", flush=True)
@@ -410,7 +414,7 @@ def run(o: Options, events: Events) -> int:
                 printer(ev)
                 if isinstance(ev, Finished):
                     res = ev.result
-            return finish(o, r, res, events)
+            return finish(o, r, res, events, unwritten)
         finally:
             r.close()
 
@@ -438,7 +442,19 @@ def tf_check(o: Options, r: Run) -> int:
     return EXIT_OK
 
 
-def finish(o: Options, r: Run, res: RunResult, events: Events) -> int:
+def write_output(path: str, data: bytes, unwritten: list[str]) -> bool:
+    """Write one of the run's output files whole; a failure is reported and remembered
+    (the run still completes and exits 3, SYSTEM §6.5)."""
+    try:
+        write_atomic(path, data)
+        return True
+    except OSError as e:
+        print(f"cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        unwritten.append(path)
+        return False
+
+
+def finish(o: Options, r: Run, res: RunResult, events: Events, unwritten: list[str]) -> int:
     lm = r.lm
     gen = o.gen_n
     n = len(res.generated_ids)
@@ -499,15 +515,18 @@ def finish(o: Options, r: Run, res: RunResult, events: Events) -> int:
     tr = lm.trunk
     code = EXIT_OK
     extra = spec_keys(r, res)
-    try:
-        write_atomic(o.out, out_line(values, extra))
+    if write_output(o.out, out_line(values, extra), unwritten):
         print(f"wrote {o.out}")
-    except OSError as e:
-        print(f"cannot write {o.out}: {e.strerror}", file=sys.stderr)
-        code = EXIT_OUT
     if o.dump_cache_trace:
-        for path in lm.experts.dump_trace(o.dump_cache_trace):
-            print(f"wrote {path}")
+        try:
+            for path in lm.experts.dump_trace(o.dump_cache_trace):
+                print(f"wrote {path}")
+        except OSError as e:
+            print(f"cannot write the cache trace in {o.dump_cache_trace}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            unwritten.append(o.dump_cache_trace)
+    if unwritten:
+        code = EXIT_OUT
     trunk_s, expert_s, table_s = io_seconds(r)
     io_s = trunk_s + expert_s + table_s
     if res.wall_seconds > 0:
@@ -558,12 +577,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         o = parse_args(argv)
         if o.events:
-            sink = JsonLinesSink(o.events)
+            try:
+                sink = JsonLinesSink(o.events)
+            except OSError as e:             # refused before any work is done
+                raise UsageError(f"cannot write --events {o.events}: {e.strerror or e}") \
+                    from None
             events.sinks.append(sink)
         if o.chat:
             from .chat_repl import chat_main
-            return chat_main(build_request(o), o.history, o.system, events)
-        return run(o, events)
+            code = chat_main(build_request(o), o.history, o.system, events)
+        else:
+            code = run(o, events)
+        if sink is not None:
+            sink.close()
+            if sink.error is not None and code in (EXIT_OK, EXIT_INTERRUPTED, EXIT_RUNTIME):
+                print(f"cannot write --events {o.events}: {sink.error.strerror or sink.error}",
+                      file=sys.stderr)
+                code = EXIT_OUT              # 4 > 3 > 1 > 5 > 0
+        return code
     except UsageError as e:
         msg = str(e)
         if msg:

@@ -394,13 +394,13 @@ class RequestTrace:
         n_layers = self.n_layers or max((L + 1 for L, _ in hist), default=0)
         n_experts = self.n_experts or max((e + 1 for _, e in hist), default=0)
         counts = ",".join(f'"{L},{e}":{n}' for (L, e), n in hist.items())
+        from .atomic import write_atomic          # whole files or none (raises OSError)
         hpath = os.path.join(directory, "expert_hist.json")
-        with open(hpath, "w") as f:
-            f.write(f'{{"n_layers":{n_layers},"n_experts":{n_experts},"counts":{{{counts}}}}}\n')
+        write_atomic(hpath, f'{{"n_layers":{n_layers},"n_experts":{n_experts},"counts":'
+                            f'{{{counts}}}}}\n'.encode())
         tpath = os.path.join(directory, "expert_trace.bin")
         data = np.frombuffer(self.pairs, np.int32).astype("<i4", copy=False)
-        with open(tpath, "wb") as f:
-            f.write(data.tobytes())
+        write_atomic(tpath, data.tobytes())
         return [f"wrote {hpath}: {len(hist)} experts",
                 f"wrote {tpath}: {self.requests} requests ({data.nbytes / 1024:.1f} KB)"]
 

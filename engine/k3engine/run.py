@@ -18,6 +18,8 @@ from typing import Iterable, Iterator, Sequence
 
 from . import events as E
 from .errors import PlanRefused, StateUnusable, UsageError
+from .ids import parse_ids, read_ids_file
+from .inputfile import InputFileError, read_regular_file
 from .memory import (AUTO, DEFAULT_DRAFT_TRUNK_GB, Budgets, Plan, PlanRequest, available_memory,
                      plan_for, resolve_budgets)
 from .session import (MAX_GEN, MAX_POSITIONS, MAX_PROMPT, Cancel, RunResult, default_threads,
@@ -28,6 +30,9 @@ from .telemetry import peak_rss_bytes, rss_bytes
 
 __all__ = ["RunRequest", "Prompt", "Sampling", "Draft", "request_from", "open_run", "Run",
            "summary_values", "spec_keys", "io_seconds", "tables_read", "chat_controls", "Cancel", "MAX_GEN", "MAX_POSITIONS", "MAX_PROMPT"]
+
+
+PROMPT_FILE_LIMIT = 1 << 30     # --prompt-file: the file's bytes verbatim, at most 1 GiB
 
 
 @dataclass(frozen=True)
@@ -137,35 +142,18 @@ def _preset_names():
 
 # ---------------------------------------------------------------------------- set-up
 
-def parse_ids(text: str, what: str) -> list[int]:
-    pieces = text.replace(",", " ").split()
-    if not pieces:
-        raise UsageError(f"bad {what}: no ids")
-    for p in pieces:
-        if not p.isdigit():
-            raise UsageError(f"bad {what}: '{p}' is not a non-negative whole number")
-    return [int(p) for p in pieces]
-
-
 def read_prompt(p: Prompt, tok, sink) -> list[int]:
     if p.ids is not None:
         return list(p.ids)
     if p.ids_text is not None:
         return parse_ids(p.ids_text, "--ids")
     if p.ids_file is not None:
-        try:
-            with open(p.ids_file) as f:
-                return parse_ids(f.read(), f"--ids-file {p.ids_file}")
-        except OSError as e:
-            raise UsageError(f"cannot read --ids-file {p.ids_file}: {e.strerror}") from None
+        return read_ids_file(p.ids_file)               # a regular file, bounded (ids.py)
     if p.text_file is not None:
         try:
-            with open(p.text_file, "rb") as f:
-                data = f.read(1 << 30 | 1)
-        except OSError as e:
-            raise UsageError(f"cannot read --prompt-file {p.text_file}: {e.strerror}") from None
-        if len(data) > 1 << 30:
-            raise UsageError(f"--prompt-file {p.text_file} is larger than 1 GiB")
+            data = read_regular_file(p.text_file, PROMPT_FILE_LIMIT, "--prompt-file")
+        except InputFileError as e:
+            raise UsageError(f"cannot read --prompt-file {e}") from None
         text = data.decode("utf-8", errors="surrogateescape")
     else:
         text = p.text

@@ -94,11 +94,20 @@ class JsonLinesSink:
     """--events PATH: one JSON object per line, flushed per event."""
 
     def __init__(self, path: str):
+        self.path = path
+        self.error: OSError | None = None          # a failed write (full disk): reported
         self.f = open_private(path, "w", encoding="utf-8")    # events carry the text
 
     def __call__(self, e: dict) -> None:
-        self.f.write(json.dumps(e, separators=(",", ":")) + "\n")
-        self.f.flush()
+        try:
+            self.f.write(json.dumps(e, separators=(",", ":")) + "\n")
+            self.f.flush()
+        except OSError as err:          # the run goes on; the CLI exits 3 at the end
+            self.error = err
+            raise
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError as err:
+            self.error = self.error or err
