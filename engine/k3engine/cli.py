@@ -37,6 +37,7 @@ SUBCOMMANDS = {
     "train-demo": "k3engine.tools.train_demo",
     "demo": "k3engine.tools.demo",
     "forecast": "k3engine.tools.forecast",
+    "datapoint": "k3engine.tools.datapoint",
 }
 
 USAGE = """\
