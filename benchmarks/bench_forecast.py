@@ -26,8 +26,8 @@ IDS = "1008,10484,318,15383,387"
 
 # name -> k3 flags; {trunk} is the packed trunk.  Resident to nothing pinned.
 PLANS = {
-    "resident": [],
-    "all-pinned": ["--trunk", "{trunk}", "--trunk-gb", "8", "--cache-gb", "8"],
+    "resident": ["--cache-gb", "2"],
+    "all-pinned": ["--trunk", "{trunk}", "--trunk-gb", "2", "--cache-gb", "2"],
     "t1.0+c1.0": ["--trunk", "{trunk}", "--trunk-gb", "1", "--cache-gb", "1"],
     "t0.5+c0.5": ["--trunk", "{trunk}", "--trunk-gb", "0.5", "--cache-gb", "0.5"],
     "nothing-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0", "--cache-gb", "0.3"],
@@ -38,14 +38,57 @@ def flag(args: list[str], name: str, default=None):
     return args[args.index(name) + 1] if name in args else default
 
 
+def child(cpu_path: str, argv: list[str]) -> int:
+    """Run `k3 argv` in this process, recording the main thread's CPU seconds per step.
+    With --threads 1 the kernels run in the main thread, so this is the step's compute,
+    whatever else shares the cores (its wall time is what the user waits)."""
+    import time
+    from k3engine import cli, telemetry
+    cpu: list[float] = []
+
+    class Timed(telemetry.Events):
+        def __init__(self, *sinks):
+            super().__init__(*sinks)
+            self.sinks.append(self._tick)
+            self._last = time.thread_time()
+
+        def _tick(self, e):
+            now = time.thread_time()
+            if e.get("ev") == "step":
+                cpu.append(now - self._last)
+            self._last = now
+
+    cli.Events = Timed
+    code = cli.main(argv)
+    from k3engine.tools.datapoint import own_peak_rss
+    with open(cpu_path, "w") as f:
+        json.dump({"cpu": cpu, "peak": own_peak_rss()}, f)
+    return code
+
+
 def run_once(model: str, args: list[str], gen: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out, ev = os.path.join(tmp, "out.json"), os.path.join(tmp, "events.jsonl")
-        cmd = [sys.executable, "-m", "k3engine", model, "--ids", IDS, "--gen", str(gen),
-               "--incremental", "--out", out, "--events", ev, "--threads", str(threads)] + args
+        cpu_path = os.path.join(tmp, "cpu.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", cpu_path, model, "--ids",
+               IDS, "--gen", str(gen), "--incremental", "--out", out, "--events", ev,
+               "--threads", str(threads)] + args
+        import resource
+        before, kids0 = F._cpu_busy(), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        after, kids1 = F._cpu_busy(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        other = None
+        if before and after and after[1] > before[1]:
+            own = (kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime)
+            other = max(0.0, ((after[0] - before[0]) - own * os.sysconf("SC_CLK_TCK"))
+                        / (after[1] - before[1]))
         with open(out) as f:
             res = json.loads(f.read())
+        with open(cpu_path) as f:
+            got = json.load(f)
+        cpu = got["cpu"]
+        if got["peak"]:      # getrusage's figure carries this process's peak across exec
+            res["peak_rss_bytes"] = got["peak"]
         steps = []
         with open(ev) as f:
             for line in f:
@@ -53,7 +96,10 @@ def run_once(model: str, args: list[str], gen: int, threads: int) -> dict:
                 if e.get("ev") == "step":
                     steps.append(e)
     decode = steps[1:]
-    return {"ttft_s": steps[0]["seconds"],
+    return {"other_load": other, "ttft_s": steps[0]["seconds"], "ttft_cpu_s": cpu[0],
+            "decode_cpu_s": statistics.median(cpu[1:]) if len(cpu) > 1 else 0.0,
+            "decode_io_s": statistics.median(s["trunk_read_s"] + s["expert_read_s"]
+                                             for s in decode) if decode else 0.0,
             "steady_s": statistics.median(s["seconds"] for s in decode) if decode else 0.0,
             "run_s": res["seconds_per_token"], "peak_rss_bytes": res["peak_rss_bytes"],
             "steady_read_bytes": statistics.median(s["trunk_bytes"] + s["expert_bytes"]
@@ -62,6 +108,8 @@ def run_once(model: str, args: list[str], gen: int, threads: int) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("trunk")
@@ -87,16 +135,20 @@ def main() -> int:
                         cache_gb=float(flag(args, "--cache-gb", 64)), streamed=streamed,
                         prompt_len=len(IDS.split(",")), gen=a.gen)
         runs = [run_once(a.model, args, a.gen, a.threads) for _ in range(a.runs)]
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "ids"}
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]
+               if k != "ids" and all(r[k] is not None for r in runs)}
         row = {"plan": name, "args": " ".join(PLANS[name]), "forecast": fc.as_json(),
                "measured_median": med, "runs": runs,
                "ids_identical": all(r["ids"] == runs[0]["ids"] for r in runs)}
         rows.append(row)
-        print(f"{name:16} steady {fc.s_per_token:.3f} vs {med['steady_s']:.3f} | ttft "
+        print(f"{name:16} decode {fc.decode_s_run:.3f} vs {med['steady_s']:.3f} (steady "
+              f"{fc.s_per_token:.3f}) | compute {fc.decode_compute_s:.3f} vs cpu "
+              f"{med['decode_cpu_s']:.3f} | io {fc.decode_io_s:.3f} vs {med['decode_io_s']:.3f} | ttft "
               f"{fc.ttft_s:.3f} vs {med['ttft_s']:.3f} | run {fc.s_per_token_run:.3f} vs "
               f"{med['run_s']:.3f} | read {fc.bytes_read_per_token / 1e9:.3f} vs "
               f"{med['steady_read_bytes'] / 1e9:.3f} GB | RSS {fc.peak_rss_bytes / 1e9:.2f} vs "
-              f"{med['peak_rss_bytes'] / 1e9:.2f} GB", flush=True)
+              f"{med['peak_rss_bytes'] / 1e9:.2f} GB | other load {med.get('other_load', -1):.2f}",
+              flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": machine.to_json(), "rows": rows}, f, indent=1)

@@ -142,6 +142,7 @@ def test_machine_figures_cached_by_identity(tmp_path, monkeypatch):
     monkeypatch.setattr(F, "READ_SCRATCH_BYTES", 16 * 10**6)
     monkeypatch.setattr(F, "READ_SECONDS", 0.2)
     monkeypatch.setattr(F, "KERNEL_SECONDS", 0.05)
+    monkeypatch.setattr(F, "COLD_ROTATION", 1)
     cache = tmp_path / "figures.json"
     m1 = F.machine_figures(str(tmp_path), 1, path=str(cache))
     assert m1.source == "measured" and m1.bf16_bps > 0 and m1.read_rate(16) > 0

@@ -24,6 +24,7 @@ from .conversations import ConversationStore, default_root
 from .conversations_panel import ConversationsPanel
 from .menus import build_menus
 from .memory_panel import MemoryPanel
+from .whatif_panel import WhatIfPanel, attach_whatif
 from .plots_panel import PlotsPanel
 from .runspec import RunSpec, command_line, from_settings
 from .setup_panel import SetupPanel
@@ -115,6 +116,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.setup, "Setup")
         self.tabs.addTab(self.memory, "Memory")
         self.tabs.addTab(self.splitter, "Chat && telemetry")
+        self.whatif = WhatIfPanel()
+        self.tabs.addTab(self.whatif, "What-if")
         self.errors = ErrorBanner()
         central = QWidget()
         lay = QVBoxLayout(central)
@@ -178,6 +181,7 @@ class MainWindow(QMainWindow):
         self.dark = False
         self.set_theme(self.settings.theme)
 
+        attach_whatif(self)
         self._restore_window()
         if not self.settings.model_dir:
             self.tabs.setCurrentIndex(TAB_SETUP)

@@ -38,13 +38,14 @@ from .diskio import align_up
 from .memory import ModelFigures, Plan, plan
 
 __all__ = [
-    "MachineFigures", "machine_identity", "machine_figures", "measure_machine",
-    "cache_file", "ModelShape", "released_k3", "local_model", "RELEASED_K3_CONFIG",
+    "MachineFigures", "machine_identity", "machine_figures", "cached_machine_figures",
+    "measure_machine",
+    "cache_file", "ModelShape", "released_k3", "local_model", "shape_from", "RELEASED_K3_CONFIG",
     "HitModel", "UniformRouting", "TraceRouting", "Forecast", "forecast", "splits",
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 2          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 3          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -186,17 +187,27 @@ def cache_file() -> str:
     return os.path.join(base, "k3studio", CACHE_NAME)
 
 
+def _clock():
+    """The calibration's clock: with one compute thread the kernels run in the calling
+    thread, and its CPU time is what they cost whatever else shares the cores (wall time
+    on a loaded machine measures the other load); with more threads, wall time (a parallel
+    region waits for its slowest thread, which is part of the cost)."""
+    from . import kernels as K
+    return time.thread_time if K.get_num_threads() == 1 else time.perf_counter
+
+
 def _cold_seconds(fn, copies: list, seconds: float) -> float:
     """Median seconds of one call, rotating over `copies` so none is in cache."""
+    clock = _clock()
     fn(copies[0])
     times = []
     t_end = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < t_end or len(times) < 5:
         c = copies[i % len(copies)]
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(c)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         i += 1
     return float(np.median(times))
 
@@ -230,16 +241,17 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
 
     def bf16(rows: int, cols: int) -> tuple[int, float]:
         nbytes = rows * cols * 2
-        ws = [rng.integers(0x3c00, 0x4000, (rows, cols), dtype=np.uint16)
-              for _ in range(max(2, -(-COLD_ROTATION * l3 // nbytes)))]
+        base = rng.integers(0x3c00, 0x4000, (rows, cols), dtype=np.uint16)
+        ws = [base.copy() for _ in range(max(2, -(-COLD_ROTATION * l3 // nbytes)))]
         x = rng.standard_normal((1, cols)).astype(np.float32)
         y = np.empty((1, rows), np.float32)
         return nbytes, _cold_seconds(lambda w: K.matvec(w, x, y), ws, seconds)
 
     def mxfp4(rows: int, cols: int) -> tuple[int, float]:
         nbytes = rows * cols // 2 + rows * cols // 32
-        ps = [(rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
-               rng.integers(120, 130, (rows, cols // 32), dtype=np.uint8))
+        base = (rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
+                rng.integers(120, 130, (rows, cols // 32), dtype=np.uint8))
+        ps = [(base[0].copy(), base[1].copy())
               for _ in range(max(2, -(-COLD_ROTATION * l3 // nbytes)))]
         x = rng.standard_normal((1, cols)).astype(np.float32)
         y = np.empty((1, rows), np.float32)
@@ -319,6 +331,31 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
                           other_load=other, **kern)
 
 
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_machine_figures(device_dir: str, threads: int | None = None,
+                           path: str | None = None) -> MachineFigures | None:
+    """The cached figures for this machine's identity, or None (never measures: the app
+    calls this on every model change and measures only when asked)."""
+    from .session import default_threads
+    path = path or cache_file()
+    key = identity_key(machine_identity(device_dir, threads or default_threads()))
+    entry = _read_cache(path).get(key)
+    if entry is None:
+        return None
+    try:
+        return MachineFigures.from_json(entry, f"cache {path}")
+    except (KeyError, TypeError, ValueError):
+        return None                              # damaged entry: as if absent
+
+
 def machine_figures(device_dir: str, threads: int | None = None, refresh: bool = False,
                     path: str | None = None) -> MachineFigures:
     """The cached figures for this machine (keyed by `machine_identity`), measured and
@@ -328,22 +365,13 @@ def machine_figures(device_dir: str, threads: int | None = None, refresh: bool =
     from .session import default_threads
     nt = threads or default_threads()
     path = path or cache_file()
-    key = identity_key(machine_identity(device_dir, nt))
-    entries: dict = {}
-    try:
-        with open(path) as f:
-            entries = json.load(f)
-        if not isinstance(entries, dict):
-            entries = {}
-    except (OSError, ValueError):
-        entries = {}
-    if not refresh and key in entries:
-        try:
-            return MachineFigures.from_json(entries[key], f"cache {path}")
-        except (KeyError, TypeError, ValueError):
-            pass                                 # damaged entry: measure again
+    if not refresh:
+        got = cached_machine_figures(device_dir, nt, path)
+        if got is not None:
+            return got
     m = measure_machine(device_dir, nt)
-    entries[key] = m.to_json()
+    entries = _read_cache(path)
+    entries[identity_key(m.identity)] = m.to_json()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomic(path, (json.dumps(entries, indent=1, sort_keys=True) + "\n").encode())
@@ -428,6 +456,15 @@ def released_k3() -> ModelShape:
                       "published shapes (ARCHITECTURE §0.2, §3; SYSTEM §1.6, §2)")
 
 
+def shape_from(cfg, figures: ModelFigures, streamed: bool, source: str) -> ModelShape:
+    """A ModelShape from a config and the planner's figures (what the app's Setup
+    inspection already holds), without opening anything."""
+    mb, calls, moe = _layer_compute(cfg)
+    label = f"checkpoint ({cfg.shape} config, hidden {cfg.hidden}, {cfg.n_layers} layers)"
+    return ModelShape(label, _shape_of(cfg), figures, mb, calls, moe,
+                      cfg.vocab * cfg.hidden * 2, streamed, source)
+
+
 def local_model(model_dir: str, trunk_dir: str | None = None, config: str | None = None
                 ) -> ModelShape:
     """A checkpoint on disk, opened as the engine opens it (shard index, partial-download
@@ -439,10 +476,7 @@ def local_model(model_dir: str, trunk_dir: str | None = None, config: str | None
         figures = setup.figures
     finally:
         setup.ck.close()
-    mb, calls, moe = _layer_compute(cfg)
-    label = f"checkpoint ({cfg.shape} config, hidden {cfg.hidden}, {cfg.n_layers} layers)"
-    return ModelShape(label, _shape_of(cfg), figures, mb, calls, moe, cfg.vocab * cfg.hidden * 2,
-                      bool(trunk_dir), "the checkpoint's shard headers"
+    return shape_from(cfg, figures, bool(trunk_dir), "the checkpoint's shard headers"
                       + (" and the packed trunk's manifest" if trunk_dir else ""))
 
 
@@ -544,6 +578,9 @@ class Forecast:
     gen: int
     assumptions: list[str] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
+    decode_s_run: float = 0.0       # median decode step of that run (cold cache included)
+    decode_compute_s: float = 0.0   # the compute part of one decode step
+    decode_io_s: float = 0.0        # the median decode step's reads (before overlap)
 
     def as_json(self) -> dict:
         p = self.plan
@@ -551,6 +588,7 @@ class Forecast:
         return {
             "model": self.model, "s_per_token": round(self.s_per_token, 4),
             "ttft_s": round(self.ttft_s, 4), "s_per_token_run": round(self.s_per_token_run, 4),
+            "decode_s_per_token_run": round(self.decode_s_run, 4),
             "peak_rss_bytes": self.peak_rss_bytes, "plan_bytes": self.plan_bytes,
             "bytes_read_per_token": self.bytes_read_per_token,
             "trunk_bytes_per_token": self.trunk_bytes_per_token,
@@ -567,19 +605,30 @@ class Forecast:
             "machine": self.machine, "assumptions": list(self.assumptions)}
 
 
+TRUNK_CHUNK = 64 << 20           # the trunk reads a layer in parallel 64 MiB chunks (§2.5)
+TRUNK_IO_THREADS = 4             # ... on this many reader threads (trunk.StreamedTrunk)
+
+
 @dataclass
 class _Costs:
-    compute: list        # per layer seconds (matvecs + experts + other calls)
-    expert_io: list      # per layer seconds of expert misses (synchronous)
-    read: list           # per layer seconds of trunk reads (overlappable)
+    compute: list        # per layer seconds (matvecs + experts + small kernels)
+    expert_io: list      # per layer seconds of expert misses (batch read, synchronous)
+    sync_read: list      # per layer seconds of a synchronous read (a pinned layer's first touch)
+    ring_read: list      # per layer seconds of a read through the ring (prefetchable)
+
+
+def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
+    depth = min(TRUNK_IO_THREADS, max(1, -(-nbytes // TRUNK_CHUNK)))
+    return nbytes / machine.read_rate(depth)
 
 
 def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
-                 misses_per_layer: float, read_layers: set, expert_tokens: float) -> _Costs:
+                 misses_per_layer: float, ring_layers: set, expert_tokens: float,
+                 first_touch: set = frozenset()) -> _Costs:
     """Seconds per layer for one engine step over `positions` new positions."""
     f = model.figures
     eb = f.expert_bytes
-    comp, eio, rd = [], [], []
+    comp, eio, sync, ring = [], [], [], []
     for L in range(f.n_layers):
         # a matvec call costs its fixed part once and its bytes once per position
         c = (model.matvec_calls[L] * machine.bf16_call_s
@@ -593,44 +642,59 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
                 e = misses_per_layer * eb / machine.read_rate(misses_per_layer)
         comp.append(c)
         eio.append(e)
-        rd.append(f.layer_sizes[L] / machine.read_rate(16) if L in read_layers else 0.0)
-    return _Costs(comp, eio, rd)
+        read = _trunk_read_s(machine, f.layer_sizes[L])
+        sync.append(read if L in first_touch else 0.0)
+        ring.append(read if L in ring_layers else 0.0)
+    return _Costs(comp, eio, sync, ring)
 
 
-def _step_seconds(c: _Costs, overlap: bool) -> tuple[float, float, float]:
-    """(seconds, compute, io).  With a ring of two or more the reader fetches layer L+1
-    while L computes (SYSTEM §3.6): a layer costs max(its compute + expert reads, the read
-    of the next); with one slot nothing overlaps."""
-    comp, io = sum(c.compute), sum(c.expert_io) + sum(c.read)
-    if not overlap:
-        return comp + io, comp, io
+def _step_seconds(c: _Costs, ring_slots: int) -> tuple[float, float, float]:
+    """(seconds, compute, io) of one step, scheduled as trunk.StreamedTrunk does it: a
+    pinned layer's first touch is read synchronously; binding a ring layer asks the one
+    reader for the next ring_slots - 1 ring layers, which then overlap compute (the first
+    ring layer of a step, and every one with a 1-slot ring, is read while compute waits);
+    a layer's expert misses are read before its experts compute."""
     n = len(c.compute)
-    t = c.read[0] if n else 0.0                 # the first layer's read has nothing to hide behind
+    order = [L for L in range(n) if c.ring_read[L] > 0]
+    ready: dict[int, float] = {}
+    t = reader_free = 0.0
     for L in range(n):
-        nxt = c.read[L + 1] if L + 1 < n else 0.0
-        t += max(c.compute[L] + c.expert_io[L], nxt)
-    return t, comp, io
+        t += c.sync_read[L]
+        if c.ring_read[L] > 0:
+            t = max(t, ready[L]) if L in ready else t + c.ring_read[L]
+            j = order.index(L)
+            for u in order[j + 1:j + ring_slots]:
+                if u not in ready:
+                    start = max(t, reader_free)
+                    reader_free = ready[u] = start + c.ring_read[u]
+        t += c.compute[L] + c.expert_io[L]
+    io = sum(c.expert_io) + sum(c.sync_read) + sum(c.ring_read)
+    return t, sum(c.compute), io
 
 
 def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None = None,
              trunk_gb: float | str | None = None, cache_gb: float | None = None,
              trunk_ring: int = 2, streamed: bool | None = None, prompt_len: int = 16,
              gen: int = 8, hits: HitModel | None = None, available_bytes=0,
-             ultra: bool = False, expert_overlap: bool = False) -> Forecast:
+             ultra: bool = False, expert_overlap: bool = False,
+             baseline_bytes: int | None = None) -> Forecast:
     """The forecast of an incremental run of `gen` tokens after a `prompt_len` prompt.
     `expert_overlap` models an engine that hides expert reads behind compute (the
-    reference's async per-expert pipeline, SYSTEM §4.5); this engine does not."""
+    reference's async per-expert pipeline, SYSTEM §4.5); this engine does not.
+    `baseline_bytes` replaces the measured interpreter baseline (the app's holds Qt)."""
     hits = hits or UniformRouting()
     streamed = model.streamed if streamed is None else streamed
     f = model.figures
     positions = prompt_len + gen + 1
     p = plan(f, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb, trunk_ring=trunk_ring,
              ultra=ultra, streamed=streamed, incremental=True, positions=positions,
-             available_bytes=available_bytes, baseline_bytes=machine.baseline_bytes)
+             available_bytes=available_bytes,
+             baseline_bytes=machine.baseline_bytes if baseline_bytes is None else baseline_bytes)
     tp = p.trunk_plan
     NL = f.n_layers
     unpinned = set(range(NL)) - set(tp.pinned) if tp is not None else set()
     overlap = tp is not None and tp.ring_slots >= 2
+    ring = tp.ring_slots if tp is not None else 0
     slots = p.expert_slots
     k, n_moe = f.topk, f.n_moe_layers
 
@@ -642,25 +706,28 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     if expert_overlap:
         c = _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.compute, c.expert_io)],
                    c.read)
-    step, comp, io = _step_seconds(c, overlap)
+    step, comp, io = _step_seconds(c, ring)
     s_tok = step + head
 
     # prefill: every layer read once (pinned ones on first touch, SYSTEM §3.7), the union
     # of the prompt's experts read once per layer (chunk-union prefill, §4.6), every
     # position computed; logits for the last position only.
     prompt_union = f.n_experts * _seen_fraction(model, prompt_len)
-    cp = _layer_costs(model, machine, prompt_len, 0.0,
-                      set(range(NL)) if tp is not None else set(), prompt_len * k)
+    cp = _layer_costs(model, machine, prompt_len, 0.0, unpinned, prompt_len * k,
+                      set(tp.pinned) if tp is not None else set())
     cp.expert_io = [prompt_union * f.expert_bytes / machine.read_rate(prompt_union)
                     if model.moe[L] else 0.0 for L in range(NL)]
-    ttft = _step_seconds(cp, overlap)[0] + head
+    ttft = _step_seconds(cp, ring)[0] + head
 
     # the steps of a `gen`-token run, each at the hit rate of what it has seen so far
-    wall = ttft
+    wall, decode, decode_io = ttft, [], []
     for t in range(1, gen):
         h = hits.decode_hit(slots, model, prompt_len + t - 1)
         ct = _layer_costs(model, machine, 1, k * (1.0 - h), unpinned, k)
-        wall += _step_seconds(ct, overlap)[0] + head
+        dt, _, dio = _step_seconds(ct, ring)
+        wall += dt + head
+        decode.append(dt + head)
+        decode_io.append(dio)
     run_s = wall / gen if gen else ttft
 
     trunk_read = sum(f.layer_sizes[L] for L in unpinned)
@@ -678,8 +745,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"peak RSS: the planner's terms ({p.total_bytes / 1e9:.2f} GB planned) with the expert "
         f"arena counted as the {touched} of {slots} slots the run touches"
         + (f" and the trunk as its {tp.n_pinned} pinned layers + {tp.ring_slots}-slot ring"
-           if tp is not None else "") + f", plus a measured {m.baseline_bytes / 1e6:.0f} MB "
-        f"interpreter baseline",
+           if tp is not None else "") + f", plus a measured {p.baseline_bytes / 1e6:.0f} MB "
+        f"process baseline",
         f"expert hit rate: {hits.description}",
         f"device read: {m.read_rate(16) / 1e9:.2f} GB/s at 16 in flight, "
         f"{m.read_rate(1) / 1e9:.2f} GB/s at 1 ({'O_DIRECT' if m.direct else 'buffered'}, "
@@ -690,7 +757,9 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"{m.call_seconds * 1e6:.0f} us ({m.source}"
         + (f"; other processes used {100 * m.other_load:.0f}% of the CPUs while it was "
            f"measured" if m.other_load is not None else "") + ")",
-        "trunk reads overlap the previous layer's compute (ring >= 2)" if overlap else
+        f"trunk: a pinned layer read once on first touch (step 0), ring layers prefetched "
+        f"{ring - 1} ahead by one reader in {TRUNK_CHUNK >> 20} MiB chunks, the first ring "
+        f"layer of each step waited for" if overlap else
         ("the trunk is resident: nothing streamed" if tp is None else
          "ring of 1 slot: trunk reads do not overlap compute"),
         "expert reads hidden behind compute (reference pipeline)" if expert_overlap else
@@ -705,7 +774,10 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
                     comp + head, io, prompt_len, gen, assumptions,
                     {"source": m.source, "read_gbs_qd16": round(m.read_rate(16) / 1e9, 3),
                      "bf16_gbs": round(m.bf16_bps / 1e9, 3),
-                     "mxfp4_gbs": round(m.mxfp4_bps / 1e9, 3), "threads": m.threads})
+                     "mxfp4_gbs": round(m.mxfp4_bps / 1e9, 3), "threads": m.threads},
+                    decode_s_run=float(np.median(decode)) if decode else s_tok,
+                    decode_compute_s=comp + head,
+                    decode_io_s=float(np.median(decode_io)) if decode_io else io)
 
 
 def splits(model: ModelShape, machine: MachineFigures, total_gb: float, steps: int = 12,
