@@ -202,3 +202,16 @@ def test_cli_refuses_bad_input(tmp_path, monkeypatch, capsys):
     (tmp_path / "m").mkdir()
     assert tool.main([str(tmp_path / "m")]) in (1, 2)      # no config.json: named refusal
     assert "config" in capsys.readouterr().err.lower()
+
+
+def test_expert_overlap_hides_expert_reads_behind_compute():
+    """The reference's async expert pipeline (--expert-overlap): a layer costs the larger
+    of its compute and its expert reads, never more than this engine's sum."""
+    m = F.released_k3()
+    kw = dict(trunk_gb=16, cache_gb=60, streamed=False, prompt_len=8, gen=4)
+    serial = F.forecast(m, GIVEN, **kw)
+    hidden = F.forecast(m, GIVEN, expert_overlap=True, **kw)
+    assert hidden.s_per_token < serial.s_per_token
+    assert hidden.s_per_token >= max(serial.compute_s, serial.io_s) - 1e-9
+    assert hidden.bytes_read_per_token == serial.bytes_read_per_token
+    assert any("reference pipeline" in a for a in hidden.assumptions)

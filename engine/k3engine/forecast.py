@@ -701,12 +701,17 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     # steady decode
     hit = hits.steady_hit(slots, model)
     misses = k * (1.0 - hit)
+    def hide(c: _Costs) -> _Costs:
+        """With the reference's pipeline only the expert reads compute cannot cover wait."""
+        if not expert_overlap:
+            return c
+        return _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.compute, c.expert_io)],
+                      c.sync_read, c.ring_read)
+
     c = _layer_costs(model, machine, 1, misses, unpinned, k)
     head = model.lm_head_bytes / machine.bf16_bps + machine.bf16_call_s
-    if expert_overlap:
-        c = _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.compute, c.expert_io)],
-                   c.read)
-    step, comp, io = _step_seconds(c, ring)
+    step, comp, _ = _step_seconds(hide(c), ring)
+    io = _step_seconds(c, ring)[2]
     s_tok = step + head
 
     # prefill: every layer read once (pinned ones on first touch, SYSTEM §3.7), the union
@@ -717,14 +722,14 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
                       set(tp.pinned) if tp is not None else set())
     cp.expert_io = [prompt_union * f.expert_bytes / machine.read_rate(prompt_union)
                     if model.moe[L] else 0.0 for L in range(NL)]
-    ttft = _step_seconds(cp, ring)[0] + head
+    ttft = _step_seconds(hide(cp), ring)[0] + head
 
     # the steps of a `gen`-token run, each at the hit rate of what it has seen so far
     wall, decode, decode_io = ttft, [], []
     for t in range(1, gen):
         h = hits.decode_hit(slots, model, prompt_len + t - 1)
         ct = _layer_costs(model, machine, 1, k * (1.0 - h), unpinned, k)
-        dt, _, dio = _step_seconds(ct, ring)
+        dt, dio = _step_seconds(hide(ct), ring)[0], _step_seconds(ct, ring)[2]
         wall += dt + head
         decode.append(dt + head)
         decode_io.append(dio)
