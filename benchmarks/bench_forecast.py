@@ -23,6 +23,7 @@ import tempfile
 from k3engine import forecast as F
 
 IDS = "1008,10484,318,15383,387"
+DEMO_IDS = "1008,1484,318,3383,387"        # within the demo's 4,256-id vocabulary
 
 # name -> k3 flags; {trunk} is the packed trunk.  Resident to nothing pinned.
 PLANS = {
@@ -31,6 +32,16 @@ PLANS = {
     "t1.0+c1.0": ["--trunk", "{trunk}", "--trunk-gb", "1", "--cache-gb", "1"],
     "t0.5+c0.5": ["--trunk", "{trunk}", "--trunk-gb", "0.5", "--cache-gb", "0.5"],
     "nothing-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0", "--cache-gb", "0.3"],
+}
+
+
+# the same ladder for the ~26 MB demo model (a 12 MB trunk of ~1 MB layers, 36 KB slots)
+DEMO_PLANS = {
+    "resident": ["--cache-gb", "0.05"],
+    "all-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0.05", "--cache-gb", "0.05"],
+    "t0.008+c0.004": ["--trunk", "{trunk}", "--trunk-gb", "0.008", "--cache-gb", "0.004"],
+    "t0.004+c0.002": ["--trunk", "{trunk}", "--trunk-gb", "0.004", "--cache-gb", "0.002"],
+    "nothing-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0", "--cache-gb", "0.0005"],
 }
 
 
@@ -66,12 +77,12 @@ def child(cpu_path: str, argv: list[str]) -> int:
     return code
 
 
-def run_once(model: str, args: list[str], gen: int, threads: int) -> dict:
+def run_once(model: str, args: list[str], gen: int, threads: int, ids: str = IDS) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out, ev = os.path.join(tmp, "out.json"), os.path.join(tmp, "events.jsonl")
         cpu_path = os.path.join(tmp, "cpu.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", cpu_path, model, "--ids",
-               IDS, "--gen", str(gen), "--incremental", "--out", out, "--events", ev,
+               ids, "--gen", str(gen), "--incremental", "--out", out, "--events", ev,
                "--threads", str(threads), "--dump-cache-trace", tmp] + args
         import resource
         before, kids0 = F._cpu_busy(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -117,7 +128,8 @@ def main() -> int:
     ap.add_argument("trunk")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gen", type=int, default=8)
-    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--plans", default=None, help="names from the plan set (default: all)")
+    ap.add_argument("--plan-set", choices=("mid", "demo"), default="mid")
     ap.add_argument("--threads", type=int, default=1,
                     help="engine threads for the runs and the calibration (default 1: on a "
                          "shared 2-core machine a 2-thread kernel waits for the busier core)")
@@ -130,16 +142,18 @@ def main() -> int:
           f"load {machine.other_load}", flush=True)
     shapes = {True: F.local_model(a.model, a.trunk), False: F.local_model(a.model)}
     rows = []
-    for name in a.plans.split(","):
-        args = [x.format(trunk=a.trunk) for x in PLANS[name]]
+    plans = PLANS if a.plan_set == "mid" else DEMO_PLANS
+    ids = IDS if a.plan_set == "mid" else DEMO_IDS
+    for name in (a.plans.split(",") if a.plans else plans):
+        args = [x.format(trunk=a.trunk) for x in plans[name]]
         streamed = "--trunk" in args
         fc = F.forecast(shapes[streamed], machine, trunk_gb=float(flag(args, "--trunk-gb", 16)),
                         cache_gb=float(flag(args, "--cache-gb", 64)), streamed=streamed,
-                        prompt_len=len(IDS.split(",")), gen=a.gen)
+                        prompt_len=len(ids.split(",")), gen=a.gen)
         runs, failed = [], 0
         while len(runs) < a.runs and failed < a.runs:
             try:
-                runs.append(run_once(a.model, args, a.gen, a.threads))
+                runs.append(run_once(a.model, args, a.gen, a.threads, ids))
             except subprocess.CalledProcessError:    # e.g. refused: others hold the memory
                 failed += 1
         if not runs:
@@ -150,11 +164,11 @@ def main() -> int:
         # the same forecast with the first run's recorded trace instead of uniform routing
         ft = F.forecast(shapes[streamed], machine, trunk_gb=float(flag(args, "--trunk-gb", 16)),
                         cache_gb=float(flag(args, "--cache-gb", 64)), streamed=streamed,
-                        prompt_len=len(IDS.split(",")), gen=a.gen,
+                        prompt_len=len(ids.split(",")), gen=a.gen,
                         hits=F.TraceRouting(runs[0]["keys"], "run 1's trace"))
         for r in runs:
             r.pop("keys")
-        row = {"plan": name, "args": " ".join(PLANS[name]), "forecast": fc.as_json(),
+        row = {"plan": name, "args": " ".join(plans[name]), "forecast": fc.as_json(),
                "forecast_with_trace": ft.as_json(),
                "measured_median": med, "runs": runs,
                "ids_identical": all(r["ids"] == runs[0]["ids"] for r in runs)}

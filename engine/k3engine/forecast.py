@@ -45,16 +45,25 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 3          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 5          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
 READ_SECONDS = 1.5               # per queue depth
+SMALL_BLOCK = 256 << 10          # the latency probe's read size
+# What a run holds beyond the import baseline and the planner's terms: the shard index,
+# reader threads' stacks, per-step temporaries.  Fitted, not derived: peak RSS minus the
+# plan on the demo model's streamed runs here (docs/forecast.md), ~11 MB of 40-60 MB.
+RUN_OVERHEAD_BYTES = 11 * 10**6
 KERNEL_SECONDS = 0.6             # per kernel
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
-# Kernel calls per layer besides the matvecs (norms, gates, convs, recurrence, AttnRes,
-# router): counted from model.py's layer walk, an approximation stated in `assumptions`.
-OTHER_CALLS_PER_LAYER = 24
+# The engine's Python-side cost per layer and step besides the matvecs (norms, gates,
+# convs, recurrence, AttnRes, router, temporaries), and per streamed layer bind (the
+# binder's views of a freshly read run), in units of one tiny kernel call as measured on
+# the machine.  Fitted, not derived: main-thread CPU seconds per step of the demo model's
+# runs here (docs/forecast.md), where this overhead dominates; stated in `assumptions`.
+OTHER_CALLS_PER_LAYER = 100
+BIND_CALLS = 360
 
 
 # ---- the machine -----------------------------------------------------------------------
@@ -73,6 +82,7 @@ class MachineFigures:
     threads: int
     measured_at: str
     other_load: float | None = None  # CPU share other processes used while calibrating
+    read_latency_s: float = 0.0      # fixed seconds per read (one batch of parallel reads)
     source: str = "measured"       # "measured", "cache <path>", or "given"
 
     def read_rate(self, queue_depth: float) -> float:
@@ -92,8 +102,9 @@ class MachineFigures:
         published result); the source says so."""
         m = self
         given = []
-        if read_gbs is not None:
-            m = replace(m, read_bps={str(q): read_gbs * 1e9 for q in READ_DEPTHS})
+        if read_gbs is not None:           # (its latency unknown: taken as 0)
+            m = replace(m, read_bps={str(q): read_gbs * 1e9 for q in READ_DEPTHS},
+                        read_latency_s=0.0)
             given.append(f"read {read_gbs:g} GB/s")
         if bf16_gbs is not None:
             m = replace(m, bf16_bps=bf16_gbs * 1e9)
@@ -257,9 +268,10 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
         y = np.empty((1, rows), np.float32)
         return nbytes, _cold_seconds(lambda p: K.mxfp4_matvec(p[0], p[1], x, y), ps, seconds)
 
-    # Sizes: just above the parallel threshold, and a released-K3 matrix (§0.2, §1.6).
-    b_rate, b_call = _fit(bf16(1024, 1024), bf16(7168, 7168))
-    m_rate, m_call = _fit(mxfp4(1024, 1536), mxfp4(3072, 3584))
+    # Sizes: a small matrix (its time is mostly the fixed cost; one just above the
+    # parallel threshold measured too noisily under load) and a released-K3 matrix.
+    b_rate, b_call = _fit(bf16(256, 1024), bf16(7168, 7168))
+    m_rate, m_call = _fit(mxfp4(256, 1024), mxfp4(3072, 3584))
     wt = rng.integers(0x3c00, 0x4000, (16, 64), dtype=np.uint16)
     xt, yt = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 16), np.float32)
     small = _cold_seconds(lambda w: K.matvec(w, xt, yt), [wt], seconds / 3)
@@ -283,13 +295,30 @@ def _own_cpu() -> float:
     return t.user + t.system
 
 
-def measure_read(device_dir: str, seconds: float = READ_SECONDS) -> tuple[dict, bool]:
-    """Device read rate per queue depth, with `k3 devbw`'s own measuring code (a short
-    scratch-file run in `device_dir`)."""
+def measure_read(device_dir: str, seconds: float = READ_SECONDS
+                 ) -> tuple[dict, bool, float]:
+    """(bytes/s per queue depth, O_DIRECT, seconds of latency per read) with `k3 devbw`'s
+    own measuring code on one scratch file in `device_dir`: READ_BLOCK reads at each depth,
+    then SMALL_BLOCK reads at depth 1, so a read costs latency + bytes / rate (small reads
+    -- a small model's layers and experts -- are latency-bound)."""
     from .tools import devbw
-    r = devbw.measure_dir(device_dir, READ_SCRATCH_BYTES, block=READ_BLOCK,
-                          depths=READ_DEPTHS, reads=40, seconds=seconds)
-    return {str(q.qd): q.nbytes / q.seconds for q in r.results if q.seconds > 0}, r.direct
+    free = devbw.free_bytes(device_dir)
+    if free is not None and free < 2 * READ_SCRATCH_BYTES:
+        raise devbw.DevbwError(f"{device_dir}: too little free space for the read test")
+    path = devbw.write_scratch(device_dir, READ_SCRATCH_BYTES)
+    try:
+        big = devbw.measure_file(path, block=READ_BLOCK, depths=READ_DEPTHS, reads=40,
+                                 seconds=seconds)
+        small = devbw.measure_file(path, block=SMALL_BLOCK, depths=(1,), reads=200,
+                                   seconds=seconds / 2)
+    finally:
+        os.unlink(path)
+    rates = {str(q.qd): q.nbytes / q.seconds for q in big.results if q.seconds > 0}
+    q1, s1 = big.results[0], small.results[0]
+    t_big = q1.seconds / max(q1.reads, 1)
+    t_small = s1.seconds / max(s1.reads, 1)
+    rate, lat = _fit((SMALL_BLOCK, t_small), (big.block, t_big))
+    return rates, big.direct, lat
 
 
 def measure_baseline() -> int:
@@ -324,8 +353,8 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
         hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         busy = (after[0] - before[0]) - (own1 - own0) * hz
         other = max(0.0, busy / (after[1] - before[1]))
-    read, direct = measure_read(device_dir)
-    return MachineFigures(machine_identity(device_dir, nt), read, direct,
+    read, direct, lat = measure_read(device_dir)
+    return MachineFigures(machine_identity(device_dir, nt), read, direct, read_latency_s=lat,
                           baseline_bytes=measure_baseline(), threads=nt,
                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                           other_load=other, **kern)
@@ -619,7 +648,7 @@ class _Costs:
 
 def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
     depth = min(TRUNK_IO_THREADS, max(1, -(-nbytes // TRUNK_CHUNK)))
-    return nbytes / machine.read_rate(depth)
+    return machine.read_latency_s + nbytes / machine.read_rate(depth)
 
 
 def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
@@ -639,12 +668,15 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
             calls = min(expert_tokens, f.n_experts) * 3
             c += calls * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
             if misses_per_layer > 0:
-                e = misses_per_layer * eb / machine.read_rate(misses_per_layer)
+                e = machine.read_latency_s + misses_per_layer * eb / machine.read_rate(
+                    misses_per_layer)
         comp.append(c)
         eio.append(e)
         read = _trunk_read_s(machine, f.layer_sizes[L])
         sync.append(read if L in first_touch else 0.0)
         ring.append(read if L in ring_layers else 0.0)
+        if L in ring_layers or L in first_touch:
+            comp[-1] += BIND_CALLS * machine.call_seconds
     return _Costs(comp, eio, sync, ring)
 
 
@@ -720,7 +752,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     prompt_union = f.n_experts * _seen_fraction(model, prompt_len)
     cp = _layer_costs(model, machine, prompt_len, 0.0, unpinned, prompt_len * k,
                       set(tp.pinned) if tp is not None else set())
-    cp.expert_io = [prompt_union * f.expert_bytes / machine.read_rate(prompt_union)
+    cp.expert_io = [machine.read_latency_s
+                    + prompt_union * f.expert_bytes / machine.read_rate(prompt_union)
                     if model.moe[L] else 0.0 for L in range(NL)]
     ttft = _step_seconds(hide(cp), ring)[0] + head
 
@@ -743,7 +776,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     touched = min(slots, hits.distinct(model, prompt_len + gen - 1))
     arena = min(p.expert_cache_bytes, touched * f.expert_slot_bytes)
     trunk_rss = tp.total_bytes if tp is not None else p.trunk_bytes
-    rss = (p.total_bytes - p.expert_cache_bytes + arena - p.trunk_bytes + trunk_rss)
+    rss = (p.total_bytes - p.expert_cache_bytes + arena - p.trunk_bytes + trunk_rss
+           + RUN_OVERHEAD_BYTES)
 
     m = machine
     assumptions = [
@@ -751,15 +785,18 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"arena counted as the {touched} of {slots} slots the run touches"
         + (f" and the trunk as its {tp.n_pinned} pinned layers + {tp.ring_slots}-slot ring"
            if tp is not None else "") + f", plus a measured {p.baseline_bytes / 1e6:.0f} MB "
-        f"process baseline",
+        f"process baseline and {RUN_OVERHEAD_BYTES / 1e6:.0f} MB of run overhead (index, "
+        f"threads; fitted on the demo model)",
         f"expert hit rate: {hits.description}",
         f"device read: {m.read_rate(16) / 1e9:.2f} GB/s at 16 in flight, "
-        f"{m.read_rate(1) / 1e9:.2f} GB/s at 1 ({'O_DIRECT' if m.direct else 'buffered'}, "
-        f"{READ_BLOCK >> 20} MiB random reads; {m.source})",
+        f"{m.read_rate(1) / 1e9:.2f} GB/s at 1, {m.read_latency_s * 1e3:.2f} ms per read "
+        f"({'O_DIRECT' if m.direct else 'buffered'}, {READ_BLOCK >> 20} MiB and "
+        f"{SMALL_BLOCK >> 10} KiB random reads; {m.source})",
         f"compute: BF16 matvec {m.bf16_bps / 1e9:.2f} GB/s + {m.bf16_call_s * 1e6:.0f} us/call, "
         f"MXFP4 {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us/call at "
-        f"{m.threads} thread(s); {OTHER_CALLS_PER_LAYER} small kernels per layer at "
-        f"{m.call_seconds * 1e6:.0f} us ({m.source}"
+        f"{m.threads} thread(s); per layer the cost of {OTHER_CALLS_PER_LAYER} tiny kernel "
+        f"calls ({m.call_seconds * 1e6:.1f} us each) and {BIND_CALLS} per streamed bind "
+        f"(fitted on the demo model) ({m.source}"
         + (f"; other processes used {100 * m.other_load:.0f}% of the CPUs while it was "
            f"measured" if m.other_load is not None else "") + ")",
         f"trunk: a pinned layer read once on first touch (step 0), ring layers prefetched "
