@@ -120,9 +120,44 @@ def run_once(model: str, args: list[str], gen: int, threads: int, ids: str = IDS
             "ids": res["generated_ids"]}
 
 
+def pct(pred: float, meas: float) -> str:
+    return f"{100 * (pred / meas - 1):+.0f}%" if meas else "n/a"
+
+
+def markdown(path: str) -> str:
+    """The tables of docs/forecast.md from a --json result."""
+    with open(path) as f:
+        r = json.load(f)
+    out = ["| plan | decode s/token: forecast / measured (miss) | compute s: forecast / "
+           "measured CPU (miss) | reads s: forecast / measured | ttft s: forecast / measured"
+           " | GB read per step: forecast (trace) / measured | peak RSS GB: forecast (trace) / "
+           "measured (miss) | other load |",
+           "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        f, t, m = row["forecast"], row["forecast_with_trace"], row["measured_median"]
+        out.append(
+            f"| {row['plan']} | {f['decode_s_per_token_run']:.3f} / {m['steady_s']:.3f} "
+            f"({pct(f['decode_s_per_token_run'], m['steady_s'])}) | "
+            f"{f['compute_s_per_token']:.3f} / {m['decode_cpu_s']:.3f} "
+            f"({pct(f['compute_s_per_token'], m['decode_cpu_s'])}) | "
+            f"{f.get('decode_io_s_per_token_run', f['io_s_per_token']):.3f} / "
+            f"{m['decode_io_s']:.3f} | "
+            f"{f['ttft_s']:.2f} / {m['ttft_s']:.2f} | "
+            f"{f['bytes_read_per_token'] / 1e9:.3f} ({t['bytes_read_per_token'] / 1e9:.3f}) / "
+            f"{m['steady_read_bytes'] / 1e9:.3f} | "
+            f"{f['peak_rss_bytes'] / 1e9:.3f} ({t['peak_rss_bytes'] / 1e9:.3f}) / "
+            f"{m['peak_rss_bytes'] / 1e9:.3f} "
+            f"({pct(f['peak_rss_bytes'], m['peak_rss_bytes'])}) | "
+            f"{m.get('other_load', 0):.2f} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3:])
+    if len(sys.argv) > 2 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2]))
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("trunk")

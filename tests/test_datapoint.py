@@ -78,6 +78,12 @@ def test_a_leak_is_refused_and_nothing_written(model, given_machine, tmp_path, m
         D.check_impersonal(f"model at {m}", [m])
 
 
+def test_unwritable_out_is_refused_before_the_run(model, tmp_path, capsys):
+    m, _ = model
+    assert D.main([m, "--out", str(tmp_path / "absent" / "dp")]) == 3
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_from_events_needs_a_complete_run(model, tmp_path, capsys):
     m, _ = model
     ev = tmp_path / "ev.jsonl"

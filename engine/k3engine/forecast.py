@@ -557,14 +557,17 @@ class UniformRouting(HitModel):
 
 class TraceRouting(HitModel):
     """A recorded trace (`--dump-cache-trace`'s expert_trace.bin) replayed through the
-    engine's own LRU at the slot count (the `k3 sim-cache` code)."""
+    engine's own LRU (experts.LRUPolicy, as `k3 sim-cache` does) at the slot count.  The
+    steady hit rate counts the second half of the trace only, replayed after the first
+    (a warm cache): a trace starts with the prompt's compulsory misses, which a long decode
+    does not see again."""
 
     def __init__(self, keys: list[int], label: str = "trace"):
         self.keys = keys
         self.uniq = len(set(keys))
         self._memo: dict[int, float] = {}
         self.description = (f"LRU replay of {label} ({len(keys)} requests, {self.uniq} "
-                            f"distinct experts)")
+                            f"distinct experts; hits counted over its second half)")
 
     @classmethod
     def from_file(cls, path: str) -> "TraceRouting":
@@ -573,9 +576,16 @@ class TraceRouting(HitModel):
 
     def steady_hit(self, slots, model):
         if slots not in self._memo:
-            from .tools.sim_cache import lru_hits
-            n = len(self.keys)
-            self._memo[slots] = lru_hits(self.keys, slots) / n if n and slots > 0 else 0.0
+            from .experts import LRUPolicy
+            n, half = len(self.keys), len(self.keys) // 2
+            hits = 0
+            if n and slots > 0:
+                access = LRUPolicy(slots).access
+                for i, k in enumerate(self.keys):
+                    h = access(k)
+                    if i >= half:
+                        hits += h
+            self._memo[slots] = hits / (n - half) if n - half > 0 else 0.0
         return self._memo[slots]
 
     def decode_hit(self, slots, model, positions_seen):
@@ -618,6 +628,7 @@ class Forecast:
             "model": self.model, "s_per_token": round(self.s_per_token, 4),
             "ttft_s": round(self.ttft_s, 4), "s_per_token_run": round(self.s_per_token_run, 4),
             "decode_s_per_token_run": round(self.decode_s_run, 4),
+            "decode_io_s_per_token_run": round(self.decode_io_s, 4),
             "peak_rss_bytes": self.peak_rss_bytes, "plan_bytes": self.plan_bytes,
             "bytes_read_per_token": self.bytes_read_per_token,
             "trunk_bytes_per_token": self.trunk_bytes_per_token,

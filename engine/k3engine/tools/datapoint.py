@@ -26,7 +26,7 @@ import tempfile
 
 from .. import REFERENCE_VERSION, __version__
 from ..atomic import write_atomic
-from ..errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from ..errors import EXIT_OK, EXIT_OUT, EXIT_RUNTIME, EXIT_USAGE
 from ..memory import human
 
 SCHEMA = "k3studio.datapoint/1"
@@ -295,6 +295,12 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.gen < 1 or a.prompt_len < 1:
         ap.error("--gen and --prompt-len must be >= 1")
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        # checked before the run, which can take minutes
+        print(f"k3 datapoint: --out {a.out}: the directory does not exist or is not writable",
+              file=sys.stderr)
+        return EXIT_OUT
     from ..config import ConfigError
     from ..session import read_config
     try:
