@@ -248,11 +248,13 @@ class WhatIfPanel(QWidget):
 
 
 def session_trace_keys(host) -> list[int] | None:
-    """The loaded model's request trace (experts.trace), read after a turn, while the
-    worker is idle.  Reaches through the worker because the run API does not expose the
-    trace yet; any change there makes this return None (the panel then says no trace)."""
+    """The loaded model's request trace (experts.trace; the app's RunRequest keeps it),
+    read after a turn, while the worker is idle.  Reaches through the worker's Run because
+    the run API does not expose the trace; any change there makes this return None (the
+    panel then shows no session trace, and the app test says so)."""
     import numpy as np
-    lm = getattr(getattr(host, "worker", None), "lm", None)
+    worker = getattr(host, "worker", None)
+    lm = getattr(getattr(worker, "run", None), "lm", None) or getattr(worker, "lm", None)
     pairs = getattr(getattr(getattr(lm, "experts", None), "trace", None), "pairs", None)
     if pairs is None or not len(pairs):
         return None
