@@ -177,6 +177,7 @@ class DownloadPanel(QWidget):
         self._pause = threading.Event()
         self.result: dict | None = None
         self.state = "idle"               # idle, running, paused, done, failed
+        self._expected = None             # download.Expected, once the run has saved it
         self._t0 = 0.0
         self._bytes0 = 0
 
@@ -296,6 +297,7 @@ class DownloadPanel(QWidget):
         self._pause.clear()
         self.out = PanelOut(token, self._pause)
         self.result = None
+        self._expected = None
         self.state = "running"
         self._t0, self._bytes0 = time.monotonic(), None
         self.start_btn.setEnabled(False)
@@ -367,14 +369,36 @@ class DownloadPanel(QWidget):
         self.pause_btn.setEnabled(False)
 
     # -- progress ------------------------------------------------------------------------
+    def _all_files(self, seen: dict) -> dict:
+        """Every file of the download (the manifest the downloader saves before fetching):
+        those in flight from the hook, the others from the disk (done, partial or not yet
+        started), so the overall bar covers the whole checkpoint, not the files seen."""
+        dest = Path(self.dest.text().strip())
+        if self._expected is None:
+            self._expected = dl.load_manifest(dest, self.repo.text().strip())
+        if self._expected is None:
+            return dict(seen)
+        out = {}
+        for name, fig in self._expected.files.items():
+            if name in seen:
+                out[name] = seen[name]
+            elif dl._complete(dest / name, fig):
+                out[name] = [fig.size, fig.size]
+            else:
+                part = dl.part_path(dest, fig)
+                out[name] = [part.stat().st_size if part.exists() else 0, fig.size]
+        return out
+
     def _drain(self) -> None:
         if self.out is None:
             return
         box = self.out.take()
         for line in box.lines:
             self.log.appendPlainText(line)
-        if not box.files:
+        files = self._all_files(box.files)
+        if not files:
             return
+        box.files = files
         names = sorted(box.files, key=lambda n: (bool(dl.SHARD_RE.match(n)), n))
         if self.files.rowCount() != len(names):
             self.files.setRowCount(len(names))
@@ -397,8 +421,8 @@ class DownloadPanel(QWidget):
         self.overall.setValue(int(1000 * have / size) if size else 0)
         eta = (size - have) / rate if rate > 0 else float("inf")
         if self.state == "running":
-            self.status.setText(f"{box.current}: {human(have)} of {human(size)} seen so far, "
-                                f"{human(rate)}/s" + (f", about {eta:.0f} s left for these files"
+            self.status.setText(f"{box.current}: {human(have)} of {human(size)} overall, "
+                                f"{human(rate)}/s" + (f", about {eta:.0f} s left"
                                                       if eta != float("inf") else ""))
 
 

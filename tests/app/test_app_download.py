@@ -93,6 +93,13 @@ def test_pause_then_a_restarted_panel_resumes(qtbot, hub, source, tmp_path, no_k
     with qtbot.waitSignal(p.paused, timeout=TIMEOUT):
         p.start_btn.click()
     assert p.state == "paused" and p.start_btn.text() == "Resume"
+    total = sum(len(d) for d in source.values())           # the bar covers every file
+    names = [p.files.item(r, 0).text() for r in range(p.files.rowCount())]
+    assert sorted(names) == sorted(source) and 0 < p.overall.value() < 1000
+    assert abs(p.overall.value() - 1000 * (sum(len(source[n]) for n in shard_names(source)[:3])
+                                           + sum(len(d) for n, d in source.items()
+                                                 if n not in shard_names(source))
+                                           + fired[0]) / total) <= 1
     assert not (dest / shard).exists()
     parts = list((dest / ".k3-download").glob(f"{shard}.*.incomplete"))
     assert len(parts) == 1 and parts[0].stat().st_size == fired[0] > 0
