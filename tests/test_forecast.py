@@ -217,3 +217,12 @@ def test_expert_overlap_hides_expert_reads_behind_compute():
     assert hidden.s_per_token >= max(serial.compute_s, serial.io_s) - 1e-9
     assert hidden.bytes_read_per_token == serial.bytes_read_per_token
     assert any("reference pipeline" in a for a in hidden.assumptions)
+
+
+def test_ultra_streams_the_lm_head_every_token():
+    m = F.released_k3()
+    plain = F.forecast(m, GIVEN, trunk_gb=2.5, cache_gb=0.31)
+    ultra = F.forecast(m, GIVEN, preset="ultra")
+    assert ultra.plan.ultra and not plain.plan.ultra
+    assert ultra.trunk_bytes_per_token == plain.trunk_bytes_per_token + m.lm_head_bytes
+    assert ultra.peak_rss_bytes < plain.peak_rss_bytes          # the tables are not held

@@ -26,7 +26,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
@@ -426,10 +425,6 @@ class ModelShape:
     streamed: bool                   # a packed trunk is available (or assumed, for K3)
     source: str                      # where the sizes came from
 
-    @property
-    def expert_matrices(self) -> int:
-        return 3
-
 
 # The released checkpoint's config, from ARCHITECTURE §0.2 / §1.3 (flat shape).
 RELEASED_K3_CONFIG = dict(
@@ -753,6 +748,9 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
 
     c = _layer_costs(model, machine, 1, misses, unpinned, k)
     head = model.lm_head_bytes / machine.bf16_bps + machine.bf16_call_s
+    table_read = model.lm_head_bytes if p.ultra else 0
+    if p.ultra:       # lm_head streamed in sequential 4 MiB reads for every position (§5.6)
+        head += table_read / machine.read_rate(1) + (table_read >> 22) * machine.read_latency_s
     step, comp, _ = _step_seconds(hide(c), ring)
     io = _step_seconds(c, ring)[2]
     s_tok = step + head
@@ -779,7 +777,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         decode_io.append(dio)
     run_s = wall / gen if gen else ttft
 
-    trunk_read = sum(f.layer_sizes[L] for L in unpinned)
+    trunk_read = sum(f.layer_sizes[L] for L in unpinned) + table_read
     expert_read = n_moe * misses * f.expert_bytes
     first = (f.trunk_bytes() if tp is not None else 0) + int(n_moe * prompt_union * f.expert_bytes)
 
@@ -821,7 +819,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"{prompt_union:.1f} distinct experts per layer read once; attention's quadratic "
         f"term ignored",
         "the machine is assumed otherwise idle; other load slows compute and I/O",
-    ]
+    ] + (["ultra: lm_head streamed (read once per token, counted with the trunk's reads)"]
+         if p.ultra else [])
     return Forecast(model.name, p, s_tok, ttft, run_s, int(rss), p.total_bytes,
                     int(trunk_read + expert_read), trunk_read, expert_read, first, hit,
                     comp + head, io, prompt_len, gen, assumptions,
