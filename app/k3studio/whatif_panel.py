@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
                                QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
@@ -23,6 +23,7 @@ from k3engine.tools import sim_cache
 from .tasks import Task
 
 CURVE_POINTS = 14
+REFILL_MS = 250          # splits are recomputed once the sliders rest (a trace replay each)
 SPLIT_ROWS = 10
 SPLIT_COLUMNS = ["trunk GB", "cache GB", "pinned", "slots", "LRU hit", "read/token",
                  "s/token (forecast)"]
@@ -54,7 +55,12 @@ class WhatIfPanel(QWidget):
         self.budget = (0.0, 0.0, 2)          # trunk GB, cache GB, ring
         self.curve: dict | None = None
         self.rows: list = []
+        self.hits: F.TraceRouting | None = None    # one per trace: its replays are memoised
         self._task: Task | None = None
+        self._refill = QTimer(self)
+        self._refill.setSingleShot(True)
+        self._refill.setInterval(REFILL_MS)
+        self._refill.timeout.connect(self._fill_splits)
 
         top = QHBoxLayout()
         self.open_btn = QPushButton("Open trace…")
@@ -133,11 +139,12 @@ class WhatIfPanel(QWidget):
     def set_budget(self, trunk_gb: float, cache_gb: float, ring: int = 2) -> None:
         self.budget = (float(trunk_gb), float(cache_gb), int(ring))
         self._mark_current()
-        self._fill_splits()
+        self._refill.start()
 
     def set_trace(self, keys: list[int] | None, label: str = "") -> None:
         self.keys = list(keys) if keys else None
         self.trace_label = label
+        self.hits = F.TraceRouting(self.keys, label) if self.keys else None
         self.curve = None
         self.recompute()
 
@@ -211,8 +218,7 @@ class WhatIfPanel(QWidget):
         if total <= 0:
             self.total_label.setText("Set a budget in the Memory tab.")
             return
-        hits = F.TraceRouting(self.keys, self.trace_label) if self.keys else None
-        self.rows = F.splits(self.shape, self.machine, total, steps=SPLIT_ROWS, hits=hits,
+        self.rows = F.splits(self.shape, self.machine, total, steps=SPLIT_ROWS, hits=self.hits,
                              trunk_ring=ring, streamed=self.shape.streamed)
         best = min(range(len(self.rows)), key=lambda i: self.rows[i][2].s_per_token)
         self.table.setRowCount(len(self.rows))

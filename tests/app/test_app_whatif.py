@@ -66,6 +66,8 @@ def test_splits_and_use_this_split(qtbot, window, demo_model, recorded_trace):
     qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
     p = window.memory.plan
     total = p.trunk_gb + p.cache_gb
+    qtbot.waitUntil(lambda: w.rows and sum(w.rows[0][:2]) == pytest.approx(total, abs=2e-3),
+                    timeout=TIMEOUT)
     assert w.table.rowCount() == len(w.rows) > 2
     for t, c, fc in w.rows:
         assert t + c == pytest.approx(total, abs=2e-3)
