@@ -5,7 +5,7 @@ each figure with what it was computed from (k3engine.forecast).
 
 MODEL_DIR `k3` (or `kimi-k3`) forecasts the released Kimi K3 from its published shapes,
 without the checkpoint; a packed trunk is assumed (every preset streams it).  The first run
-measures the machine (a ~5 s device read test in --device and a short kernel calibration)
+measures the machine (a device read test in --device and a kernel calibration, ~15 s)
 and caches the figures under the user cache dir, keyed by the machine's identity.
 """
 from __future__ import annotations
