@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGridLayo
 
 from k3engine.memory import AUTO, PRESETS, human
 
+from .forecast_box import ForecastBox
 from .runspec import CUSTOM, RunSpec, make_plan
 
 SLIDER_STEPS = 1000
@@ -230,9 +231,13 @@ class MemoryPanel(QWidget):
         self.measured.setWordWrap(True)
         play.addWidget(self.measured)
 
+        self.forecast_box = ForecastBox()         # the forecast column (forecast_box.py)
+        self.forecast_box.machineMeasured.connect(lambda _m: self.refresh())
+
         grid = QGridLayout(self)
         grid.addWidget(controls, 0, 0)
         grid.addWidget(machine, 1, 0)
+        grid.addWidget(self.forecast_box, 2, 0)
         grid.addWidget(plan_box, 0, 1, 3, 1)
         grid.setColumnStretch(0, 2)
         grid.setColumnStretch(1, 3)
@@ -284,7 +289,19 @@ class MemoryPanel(QWidget):
 
     def set_baseline(self, nbytes: int) -> None:
         self.baseline_bytes = int(nbytes)
+        self.forecast_box.baseline_bytes = int(nbytes)
         self.refresh()
+
+    def set_budgets(self, trunk_gb: float, cache_gb: float) -> None:
+        """Set both budgets as the user would (custom preset; `changed` is emitted)."""
+        self._quiet = True
+        try:
+            self.preset.setCurrentIndex(self.preset.findData(CUSTOM))
+            self.trunk.set_value(trunk_gb)
+            self.cache.set_value(cache_gb)
+        finally:
+            self._quiet = False
+        self._emit()
 
     @property
     def available(self):
@@ -350,6 +367,7 @@ class MemoryPanel(QWidget):
             self.trunk.set_value(p.trunk_gb)
             self.cache.set_value(p.cache_gb)
         self._show(p, spec)
+        self.forecast_box.update_for(p, int(spec.trunk_ring))
         self.planUpdated.emit(p)
 
     def _show(self, p, spec: RunSpec) -> None:

@@ -67,7 +67,8 @@ class RunSpec:
             trunk_ring=int(self.trunk_ring), threads=int(self.threads), chat=True,
             gen=int(self.gen), sampling=sampling, thinking=self.thinking, effort=self.effort,
             baseline_bytes=int(baseline_bytes), baseline_label=BASELINE_LABEL,
-            available_override=available_override, total_memory=int(total_memory))
+            available_override=available_override, total_memory=int(total_memory),
+            keep_trace=True)     # the What-if tab replays this session's expert requests
 
 
 def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,

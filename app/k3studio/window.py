@@ -22,12 +22,14 @@ from .chat_panel import ChatPanel
 from .conversation_library import ConversationLibrary
 from .conversations import ConversationStore, default_root
 from .conversations_panel import ConversationsPanel
-from .menus import build_menus
+from .download_panel import attach_download
 from .memory_panel import MemoryPanel
+from .menus import build_menus
 from .plots_panel import PlotsPanel
 from .runspec import RunSpec, command_line, from_settings
 from .setup_panel import SetupPanel
 from .tasks import Task
+from .whatif_panel import WhatIfPanel, attach_whatif
 from .worker import EngineHost
 
 TAB_SETUP, TAB_MEMORY, TAB_CHAT = 0, 1, 2
@@ -115,6 +117,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.setup, "Setup")
         self.tabs.addTab(self.memory, "Memory")
         self.tabs.addTab(self.splitter, "Chat && telemetry")
+        self.whatif = WhatIfPanel()
+        self.tabs.addTab(self.whatif, "What-if")
         self.errors = ErrorBanner()
         central = QWidget()
         lay = QVBoxLayout(central)
@@ -178,6 +182,8 @@ class MainWindow(QMainWindow):
         self.dark = False
         self.set_theme(self.settings.theme)
 
+        attach_whatif(self)
+        attach_download(self)
         self._restore_window()
         if not self.settings.model_dir:
             self.tabs.setCurrentIndex(TAB_SETUP)

@@ -36,6 +36,8 @@ SUBCOMMANDS = {
     "download": "k3engine.tools.download",
     "train-demo": "k3engine.tools.train_demo",
     "demo": "k3engine.tools.demo",
+    "forecast": "k3engine.tools.forecast",
+    "datapoint": "k3engine.tools.datapoint",
 }
 
 USAGE = """\

@@ -621,9 +621,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--probe-mb", type=int, default=PROBE_MB, metavar="N",
                     help="size of the read-test file in MB; 0 skips the test "
                          "(default %(default)s)")
+    ap.add_argument("--datapoint", nargs="?", const="k3-datapoint", metavar="PATH",
+                    help="run --model once and write a shareable PATH.json + PATH.md record")
     a = ap.parse_args(argv)
     if a.probe_mb < 0:
         ap.error("--probe-mb must be 0 or more")
+    if a.datapoint is not None:
+        from .datapoint import doctor_hook
+        return doctor_hook(a.datapoint, a.model, a.trunk)
 
     r, st = Report(), State()
     r.plain(f"k3 doctor ({platform.system()} {platform.release()})")

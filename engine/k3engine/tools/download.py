@@ -150,6 +150,10 @@ class Out:
     def err(self, msg: str) -> None:
         print(self.mask(msg), file=sys.stderr, flush=True)
 
+    def progress(self, name: str, have: int, size: int) -> None:
+        """After every chunk written (the app's progress bars); an exception raised here
+        stops the download with the partial file kept, so the next run resumes it."""
+
 
 def _rate(nbytes: int, secs: float) -> str:
     return f"{nbytes / 1e6 / max(secs, 1e-9):,.1f} MB/s"
@@ -529,6 +533,7 @@ def _fetch_range(hub: Hub, fig: FileFigure, part: Path, have: int, out: Out) -> 
                                         f"{fig.size:,} bytes")
                 f.write(chunk)
                 have += len(chunk)
+                out.progress(fig.name, have, fig.size)
                 now = time.monotonic()
                 if now - last >= PROGRESS_EVERY:
                     last = now

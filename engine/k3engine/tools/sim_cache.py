@@ -182,19 +182,38 @@ def _gb_label(gb: float) -> str:
     return f"{gb:g} GB"
 
 
+@dataclass(frozen=True)
+class CurvePoint:
+    slots: int
+    lru: float            # % of requests hit, replayed through the engine's LRU
+    belady: float         # % with Belady's optimal (offline) eviction: the ceiling
+
+
+def compulsory_ceiling(keys: list[int]) -> float:
+    """% hit rate no policy beats at any size: every distinct expert misses once."""
+    n = len(keys)
+    return 100.0 * (n - len(set(keys))) / n if n else 0.0
+
+
+def hit_curve(keys: list[int], slot_counts) -> list[CurvePoint]:
+    """The hit-rate curve over cache sizes (in slots): the computation behind both this
+    command's table and K3 Studio's what-if view."""
+    n = len(keys)
+    return [CurvePoint(cap, 100.0 * lru_hits(keys, cap) / n, 100.0 * belady_hits(keys, cap) / n)
+            for cap in slot_counts] if n else []
+
+
 def capacity_rows(keys: list[int], capacities_gb=CAPACITIES_GB, expert_bytes: int = EXPERT_BYTES,
                   disk_mbs: float = DISK_MBS, s3fifo: bool = False) -> list[Row]:
     n = len(keys)
     ntok = max(n // TOKENS_DIVISOR, 1)
     ranked = hottest(keys)
+    caps = [(gb, int(gb * 1e9 // expert_bytes)) for gb in capacities_gb]
+    caps = [(gb, cap) for gb, cap in caps if cap >= MIN_SLOTS]
     rows = []
-    for gb in capacities_gb:
-        cap = int(gb * 1e9 // expert_bytes)
-        if cap < MIN_SLOTS:
-            continue
-        h = lru_hits(keys, cap)
-        gb_tok = (n - h) * expert_bytes / 1e9 / ntok
-        rows.append(Row(gb, cap, 100.0 * h / n, 100.0 * belady_hits(keys, cap) / n,
+    for (gb, cap), pt in zip(caps, hit_curve(keys, [cap for _, cap in caps])):
+        gb_tok = (n - pt.lru * n / 100.0) * expert_bytes / 1e9 / ntok
+        rows.append(Row(gb, cap, pt.lru, pt.belady,
                         100.0 * pin_lru_hits(keys, cap, cap // 2, ranked) / n,
                         gb_tok, gb_tok * 1000.0 / disk_mbs,
                         100.0 * s3fifo_hits(keys, cap) / n if s3fifo else None))
@@ -234,7 +253,7 @@ def report(keys: list[int], capacities_gb=CAPACITIES_GB, expert_bytes: int = EXP
             "BELADY and PIN+LRU both use future knowledge, so they are ceilings rather",
             "than achievable policies. LRU is what the engine actually does.",
             f"compulsory misses: {uniq} (every expert must be read at least once), a ceiling of",
-            f"{100.0 * (n - uniq) / n:.2f}% hit rate for ANY policy at ANY size on this trace.",
+            f"{compulsory_ceiling(keys):.2f}% hit rate for ANY policy at ANY size on this trace.",
             "",
             f"holding every expert this trace touched needs {uniq * expert_bytes / 1e9:.2f} GB.",
             f"holding the whole pool needs {POOL * expert_bytes / 1e9:.2f} GB."]

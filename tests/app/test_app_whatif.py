@@ -1,0 +1,109 @@
+"""What-if tab and the Memory tab's forecast column: the curve of a trace recorded by a real
+run (the same replay as `k3 sim-cache`), the current budget marked, splits of the same
+total with their forecast, and "use this split" setting the Memory sliders."""
+from __future__ import annotations
+
+import pytest
+
+from k3engine import forecast as F
+from k3engine.cli import main as k3_main
+from k3engine.tools import sim_cache
+
+from .app_helpers import TIMEOUT, load, send
+
+GIVEN = F.MachineFigures(
+    identity={"cpu": "test"}, read_bps={"1": 1e9, "4": 2e9, "16": 3e9}, direct=True,
+    bf16_bps=10e9, bf16_call_s=50e-6, mxfp4_bps=3e9, mxfp4_call_s=30e-6, call_seconds=5e-6,
+    baseline_bytes=40_000_000, threads=1, measured_at="2026-12-01T00:00:00Z", source="given")
+
+
+@pytest.fixture
+def recorded_trace(demo_model, tmp_path):
+    """expert_trace.bin from a real CLI run of the demo model (a streamed, evicting plan)."""
+    model, trunk = demo_model
+    out = tmp_path / "trace"
+    out.mkdir()
+    assert k3_main([model, "--ids", "5,17,99,123,400,7", "--gen", "6", "--incremental",
+                    "--trunk", trunk, "--trunk-gb", "0.005", "--cache-gb", "0.005",
+                    "--threads", "1", "--out", str(tmp_path / "o.json"),
+                    "--dump-cache-trace", str(out)]) == 0
+    return str(out / "expert_trace.bin")
+
+
+def ready(qtbot, window, demo_model):
+    window.memory.forecast_box.set_machine(GIVEN)
+    window.whatif.set_machine(GIVEN)
+    window.setup.set_paths(*demo_model)
+    qtbot.waitUntil(lambda: window.memory.plan is not None
+                    and window.whatif.shape is not None, timeout=TIMEOUT)
+    return window.whatif
+
+
+def test_curve_from_a_trace_file_is_sim_cache(qtbot, window, demo_model, recorded_trace):
+    w = ready(qtbot, window, demo_model)
+    assert w.open_trace(recorded_trace)
+    qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
+    keys = sim_cache.trace_keys(sim_cache.read_trace(recorded_trace))
+    want = sim_cache.hit_curve(keys, w.curve["slots"])
+    assert w.curve["lru"] == [p.lru for p in want]              # the very same replay
+    assert w.curve["belady"] == [p.belady for p in want]
+    assert w.curve["ceiling"] == sim_cache.compulsory_ceiling(keys)
+    for lru, bel in zip(w.curve["lru"], w.curve["belady"]):
+        assert lru <= bel + 1e-9 <= w.curve["ceiling"] + 1e-9
+    assert w.curve["lru"] == sorted(w.curve["lru"])             # more slots, more hits
+    xs, ys = w.lru_curve.getData()
+    assert len(xs) == len(w.curve["slots"]) and list(ys) == w.curve["lru"]
+    assert w.ceiling.isVisible()
+    # the current budget is marked at the Memory tab's cache budget
+    assert w.current.value() == pytest.approx(window.memory.plan.cache_gb)
+    print(f"[cli] what-if curve: {len(keys)} requests, LRU {w.curve['lru'][0]:.1f}..."
+          f"{w.curve['lru'][-1]:.1f}%, ceiling {w.curve['ceiling']:.1f}%")
+
+
+def test_splits_and_use_this_split(qtbot, window, demo_model, recorded_trace):
+    w = ready(qtbot, window, demo_model)
+    w.open_trace(recorded_trace)
+    qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
+    p = window.memory.plan
+    total = p.trunk_gb + p.cache_gb
+    qtbot.waitUntil(lambda: w.rows and sum(w.rows[0][:2]) == pytest.approx(total, abs=2e-3),
+                    timeout=TIMEOUT)
+    assert w.table.rowCount() == len(w.rows) > 2
+    for t, c, fc in w.rows:
+        assert t + c == pytest.approx(total, abs=2e-3)
+        assert fc.s_per_token > 0
+        assert "LRU replay" in " ".join(fc.assumptions)          # the trace's hit rate
+    assert not w.use_btn.isEnabled()
+    row = len(w.rows) - 1
+    w.table.selectRow(row)
+    assert w.use_btn.isEnabled()
+    with qtbot.waitSignal(window.memory.changed, timeout=TIMEOUT):
+        w.use_btn.click()
+    t, c, _ = w.rows[row]
+    assert window.memory.trunk.value() == pytest.approx(t, abs=1e-3)
+    assert window.memory.cache.value() == pytest.approx(c, abs=1e-3)
+    assert window.memory.preset.currentData() == "custom"
+    assert window.memory.plan.trunk_gb == pytest.approx(t, abs=1e-3)
+    assert window.settings.trunk_gb == pytest.approx(t, abs=1e-3)        # persisted
+
+
+def test_forecast_column_moves_with_the_sliders(qtbot, window, demo_model):
+    ready(qtbot, window, demo_model)
+    box = window.memory.forecast_box
+    first = box.forecast
+    assert first is not None and "s/token" in box.figures.text()
+    assert "Computed from" in box.assumptions.text()
+    window.memory.cache.slider.setValue(window.memory.cache.slider.maximum())
+    more = box.forecast
+    assert more.plan.cache_gb > first.plan.cache_gb
+    assert more.bytes_read_per_token <= first.bytes_read_per_token
+
+
+def test_trace_of_a_real_turn_reaches_the_panel(qtbot, window, demo_model):
+    w = ready(qtbot, window, demo_model)
+    load(qtbot, window, demo_model[0], demo_model[1], demo_model[0])
+    res = send(qtbot, window, "hello")
+    assert not res.get("failed")
+    qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
+    assert w.trace_label == "this session's runs" and len(w.keys) > 0
+    assert isinstance(window.memory.forecast_box.hits, F.TraceRouting)

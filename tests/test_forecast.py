@@ -1,0 +1,228 @@
+"""The pre-flight forecast (k3engine.forecast, `k3 forecast`): structure, what each figure
+is computed from, monotonicity, the machine-figure cache, and the CLI's JSON.  No timing
+is asserted: the machine figures here are given, not measured (except the one test that
+checks the measuring code runs and is cached)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from k3engine import forecast as F
+from k3engine.cli import main as k3_main
+from k3engine.memory import PRESETS
+from k3engine.tools import forecast as tool
+from k3engine.tools.sim_cache import trace_keys
+from k3engine.trunk import pack_trunk
+
+from engine_helpers import make_tiny
+
+GIVEN = F.MachineFigures(
+    identity={"cpu": "test"}, read_bps={"1": 1e9, "4": 2e9, "16": 3e9}, direct=True,
+    bf16_bps=10e9, bf16_call_s=50e-6, mxfp4_bps=3e9, mxfp4_call_s=30e-6, call_seconds=5e-6,
+    baseline_bytes=40_000_000, threads=2, measured_at="2026-12-01T00:00:00Z", source="given")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("forecast")
+    model = make_tiny(root / "tiny")
+    pack_trunk(model, str(root / "trunk"))
+    return model, str(root / "trunk")
+
+
+def test_released_k3_shapes_match_the_published_sizes():
+    """The released model from its shapes alone: 108.81 GB of packed trunk (SYSTEM §2.8,
+    within the small vectors' open dtype), the largest run 2.341 GB (layer 0), one expert
+    17,547,264 B and its slot 17,555,456 B (§1.6, §4.1), the 4.70 GB model tables."""
+    m = F.released_k3()
+    f = m.figures
+    print(f"[oracle] released K3: trunk {sum(f.layer_sizes):,} B, largest "
+          f"{max(f.layer_sizes):,} B, expert {f.expert_bytes:,} B")
+    assert abs(sum(f.layer_sizes) / 1e9 - 108.81) < 0.02
+    assert abs(max(f.layer_sizes) / 1e9 - 2.341) < 0.001 and f.layer_sizes[0] == max(f.layer_sizes)
+    assert f.expert_bytes == 17_547_264 and f.expert_slot_bytes == 17_555_456
+    assert f.expert_pool == 92 * 896
+    assert round(f.table_bytes / 1e9, 2) == 4.70
+    assert m.streamed and "path" not in json.dumps(m.shape)
+
+
+def test_released_k3_reads_per_token_at_nothing_pinned():
+    """Nothing pinned and a cache far below the pool: the whole trunk plus ~all of the
+    25.83 GB of experts per token (SYSTEM §5.2's 135 GB)."""
+    fc = F.forecast(F.released_k3(), GIVEN, trunk_gb=3.0, cache_gb=1.0, prompt_len=16, gen=8)
+    assert fc.plan.trunk_plan.n_pinned == 0
+    assert fc.trunk_bytes_per_token == sum(F.released_k3().figures.layer_sizes)
+    assert 25.5e9 < fc.expert_bytes_per_token <= 25.83e9
+    assert fc.bytes_read_per_token == fc.trunk_bytes_per_token + int(fc.expert_bytes_per_token)
+
+
+def test_every_figure_says_what_it_came_from():
+    fc = F.forecast(F.released_k3(), GIVEN, preset="desktop", prompt_len=32, gen=8)
+    text = " ".join(fc.assumptions)
+    for needle in ("peak RSS", "hit rate", "device read", "BF16", "MXFP4", "prefill", "given"):
+        assert needle in text, needle
+    d = fc.as_json()
+    for key in ("s_per_token", "ttft_s", "peak_rss_bytes", "bytes_read_per_token",
+                "assumptions", "plan", "machine"):
+        assert key in d, key
+    json.dumps(d)                                    # serialisable
+
+
+def test_more_cache_never_predicts_more_bytes_read():
+    m = F.released_k3()
+    last = None
+    for cache in (0.5, 1, 8, 64, 256, 1024, 1500):
+        fc = F.forecast(m, GIVEN, trunk_gb=110.0, cache_gb=cache, prompt_len=8, gen=8)
+        if last is not None:
+            assert fc.bytes_read_per_token <= last.bytes_read_per_token, cache
+            assert fc.s_per_token <= last.s_per_token + 1e-12, cache
+            assert fc.hit_rate >= last.hit_rate
+        last = fc
+    assert last.hit_rate == pytest.approx(1.0)        # the whole pool fits
+
+
+def test_more_trunk_never_predicts_more_trunk_reads():
+    m = F.released_k3()
+    reads = [F.forecast(m, GIVEN, trunk_gb=t, cache_gb=1.0).trunk_bytes_per_token
+             for t in (3, 16, 60, 110, 120)]
+    assert reads == sorted(reads, reverse=True) and reads[-1] == 0
+
+
+def test_trace_hit_rate_is_the_lru_replay():
+    """With a trace, the hit rate is sim-cache's LRU replay at the plan's slot count."""
+    rng = np.random.default_rng(0)
+    pairs = np.stack([rng.integers(1, 4, 5000), rng.integers(0, 32, 5000)], axis=1)
+    keys = trace_keys(pairs.astype(np.int32))
+    hits = F.TraceRouting(keys, "a test trace")
+    from k3engine.experts import LRUPolicy
+    policy = LRUPolicy(40)
+    tail = [policy.access(k) for k in keys][len(keys) // 2:]     # warm: the second half
+    assert hits.steady_hit(40, None) == sum(tail) / len(tail)
+    assert hits.steady_hit(200, None) >= hits.steady_hit(40, None)
+    assert hits.distinct(None, 0) == len(set(keys))
+
+
+def test_uniform_hit_rate_cold_start_and_steady_state():
+    m = F.released_k3()
+    u = F.UniformRouting()
+    pool = m.figures.expert_pool
+    assert u.steady_hit(pool // 4, m) == pytest.approx(0.25)
+    early, later = u.decode_hit(pool, m, 1), u.decode_hit(pool, m, 50)
+    assert 0 < early < later <= 1.0                 # the cache fills as experts are seen
+
+
+def test_local_checkpoint_streamed_and_resident(tiny):
+    model, trunk = tiny
+    streamed = F.local_model(model, trunk)
+    resident = F.local_model(model)
+    assert streamed.streamed and not resident.streamed
+    assert "tiny" not in streamed.name and "/" not in streamed.name     # no path in the name
+    fs = F.forecast(streamed, GIVEN, trunk_gb=0.0, cache_gb=0.01, prompt_len=4, gen=4)
+    fr = F.forecast(resident, GIVEN, cache_gb=1.0, prompt_len=4, gen=4)
+    assert fs.trunk_bytes_per_token == sum(streamed.figures.layer_sizes) > 0
+    assert fr.trunk_bytes_per_token == 0 and fr.plan.trunk_plan is None
+    assert fs.peak_rss_bytes > GIVEN.baseline_bytes
+
+
+def test_splits_keep_the_total(tiny):
+    model, trunk = tiny
+    shape = F.local_model(model, trunk)
+    rows = F.splits(shape, GIVEN, 0.05, steps=5)
+    assert len(rows) == 5
+    for t, c, fc in rows:
+        assert t + c == pytest.approx(0.05, abs=2e-3)
+        assert fc.plan.trunk_gb == pytest.approx(t)
+    trunks = [t for t, _, _ in rows]
+    assert trunks == sorted(trunks)
+
+
+def test_machine_figures_cached_by_identity(tmp_path, monkeypatch):
+    """The measuring code runs (a short device test and calibration), the result is cached
+    under the identity, reused, and a damaged cache file is remeasured, not trusted."""
+    monkeypatch.setattr(F, "READ_SCRATCH_BYTES", 16 * 10**6)
+    monkeypatch.setattr(F, "READ_SECONDS", 0.2)
+    monkeypatch.setattr(F, "KERNEL_SECONDS", 0.05)
+    monkeypatch.setattr(F, "COLD_ROTATION", 1)
+    cache = tmp_path / "figures.json"
+    m1 = F.machine_figures(str(tmp_path), 1, path=str(cache))
+    assert m1.source == "measured" and m1.bf16_bps > 0 and m1.read_rate(16) > 0
+    stored = json.loads(cache.read_text())
+    assert list(stored) == [F.identity_key(F.machine_identity(str(tmp_path), 1))]
+    assert not any(str(tmp_path) in json.dumps(v) for v in stored.values())  # no paths
+    m2 = F.machine_figures(str(tmp_path), 1, path=str(cache))
+    assert m2.source.startswith("cache") and m2.bf16_bps == m1.bf16_bps
+    cache.write_text("{not json")
+    m3 = F.machine_figures(str(tmp_path), 1, path=str(cache))
+    assert m3.source == "measured"
+    json.loads(cache.read_text())
+
+
+def test_overrides_recompute_another_machine():
+    m = GIVEN.with_overrides(read_gbs=4.6)
+    assert m.read_rate(1) == m.read_rate(16) == 4.6e9
+    assert "given" in m.source and "4.6" in m.source
+
+
+def _given_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(F, "machine_figures", lambda *a, **k: GIVEN)
+
+
+def test_cli_json_for_the_released_model(tmp_path, monkeypatch, capsys):
+    _given_cache(tmp_path, monkeypatch)
+    assert k3_main(["forecast", "k3", "--preset", "laptop", "--prompt-len", "32",
+                    "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("s_per_token", "ttft_s", "peak_rss_bytes", "bytes_read_per_token"):
+        assert isinstance(d[key], (int, float)) and d[key] > 0, key
+    assert d["plan"]["trunk_gb"] == PRESETS["laptop"].trunk_gb
+    assert d["prompt_len"] == 32
+
+
+def test_cli_flags_apply_in_argv_order(tmp_path, monkeypatch, capsys):
+    _given_cache(tmp_path, monkeypatch)
+    assert k3_main(["forecast", "k3", "--preset", "server", "--cache-gb", "40", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["plan"]["trunk_gb"], d["plan"]["cache_gb"]) == (110.0, 40.0)
+
+
+def test_cli_text_and_local_checkpoint(tiny, monkeypatch, capsys):
+    model, trunk = tiny
+    monkeypatch.setattr(F, "machine_figures", lambda *a, **k: GIVEN)
+    assert k3_main(["forecast", model, "--trunk", trunk, "--trunk-gb", "0",
+                    "--cache-gb", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "peak RSS" in out and "computed from:" in out and "s/token" in out
+
+
+def test_cli_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    _given_cache(tmp_path, monkeypatch)
+    assert tool.main([str(tmp_path / "absent")]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert tool.main(["k3", "--preset", "nonesuch"]) == 2
+    (tmp_path / "m").mkdir()
+    assert tool.main([str(tmp_path / "m")]) in (1, 2)      # no config.json: named refusal
+    assert "config" in capsys.readouterr().err.lower()
+
+
+def test_expert_overlap_hides_expert_reads_behind_compute():
+    """The reference's async expert pipeline (--expert-overlap): a layer costs the larger
+    of its compute and its expert reads, never more than this engine's sum."""
+    m = F.released_k3()
+    kw = dict(trunk_gb=16, cache_gb=60, streamed=False, prompt_len=8, gen=4)
+    serial = F.forecast(m, GIVEN, **kw)
+    hidden = F.forecast(m, GIVEN, expert_overlap=True, **kw)
+    assert hidden.s_per_token < serial.s_per_token
+    assert hidden.s_per_token >= max(serial.compute_s, serial.io_s) - 1e-9
+    assert hidden.bytes_read_per_token == serial.bytes_read_per_token
+    assert any("reference pipeline" in a for a in hidden.assumptions)
+
+
+def test_ultra_streams_the_lm_head_every_token():
+    m = F.released_k3()
+    plain = F.forecast(m, GIVEN, trunk_gb=2.5, cache_gb=0.31)
+    ultra = F.forecast(m, GIVEN, preset="ultra")
+    assert ultra.plan.ultra and not plain.plan.ultra
+    assert ultra.trunk_bytes_per_token == plain.trunk_bytes_per_token + m.lm_head_bytes
+    assert ultra.peak_rss_bytes < plain.peak_rss_bytes          # the tables are not held
