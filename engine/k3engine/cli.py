@@ -36,6 +36,7 @@ SUBCOMMANDS = {
     "download": "k3engine.tools.download",
     "train-demo": "k3engine.tools.train_demo",
     "demo": "k3engine.tools.demo",
+    "serve": "k3engine.server.main",
 }
 
 USAGE = """\
