@@ -1,0 +1,280 @@
+"""`k3 serve` through the official `openai` client, against a real server process on
+loopback serving a generated demo model (random weights: replies rarely close, so most
+finishes are `length`; the stop-string case cuts a greedy reply we first read back).
+
+Exactness through the server: greedy ids equal `k3 --chat` on the same transcript, and a
+conversation continued request after request reuses the kept state and still gives the ids
+of a fresh full prefill."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+
+from k3engine.tools.make_checkpoint import dims_config, make_checkpoint  # noqa: E402
+from serve_helpers import serve  # noqa: E402
+
+KEY = "test-key-5f1c"
+GEN_CEILING = 256
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("serve") / "demo")
+    make_checkpoint(d, dims_config("demo"), seed=9)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    with serve(demo, "--api-key", KEY, "--queue", "1", "--gen", str(GEN_CEILING),
+               "--max-body-bytes", "200000", "--max-messages", "64") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    server.wait_idle()
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=600)
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def k3_chat_ids(model_dir, messages, gen, tmp_path, *flags):
+    """The ids `k3 --chat` generates for the reply to `messages` (a history file ending
+    with the user's message: the REPL answers it, then reads end of input)."""
+    hist = tmp_path / "h.jsonl"
+    hist.write_text("".join(json.dumps(m) + "\n" for m in messages))
+    events = tmp_path / "ev.jsonl"
+    subprocess.run([sys.executable, "-m", "k3engine", model_dir, "--chat", "--tok", model_dir,
+                    "--history", str(hist), "--gen", str(gen), "--events", str(events),
+                    *flags], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                   timeout=600)
+    recs = [json.loads(line) for line in events.read_text().splitlines()]
+    return [r["id"] for r in recs if r["ev"] == "token" and r["id"] >= 0]
+
+
+# ---------------------------------------------------------------- basics
+
+def test_models_lists_the_served_model(client, demo):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["demo"]
+
+
+@pytest.mark.parametrize("effort,flags", [(None, ()), ("low", ("--thinking-effort", "low")),
+                                          ("none", ("--no-think",))])
+def test_greedy_chat_equals_k3_chat_on_the_same_transcript(client, demo, tmp_path, effort,
+                                                           flags):
+    messages = [SYSTEM, user("Hello"),
+                {"role": "assistant", "content": "Hi.", "reasoning_content": "Greet back."},
+                user("What is a mixture of experts?")]
+    extra = {} if effort is None else {"reasoning_effort": effort}
+    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=6, **extra)
+    got = r.model_extra["k3"]["ids"]
+    want = k3_chat_ids(demo, messages, 6, tmp_path, *flags)
+    print(f"[gate] serve vs k3 --chat (effort {effort}): server {got} cli {want}")
+    assert got == want and len(got) == 6
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+
+
+def test_stream_equals_non_stream_with_reasoning_split_and_usage(client):
+    messages = [user("Tell me about disks.")]
+    whole = client.chat.completions.create(model="demo", messages=messages, max_tokens=8)
+    msg = whole.choices[0].message
+    reasoning = msg.model_extra["reasoning_content"]
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=8, stream=True,
+        stream_options={"include_usage": True}))
+    r_parts = [c.choices[0].delta.model_extra.get("reasoning_content") or ""
+               for c in chunks if c.choices]
+    c_parts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert "".join(r_parts) == reasoning and "".join(c_parts) == msg.content
+    assert finishes[-1] == whole.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == whole.usage.completion_tokens == 8
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
+    # thinking on: every token so far is reasoning (the model never reached the boundary)
+    assert usage.completion_tokens_details.reasoning_tokens == 8 and reasoning
+    assert chunks[-1].model_extra["k3"]["ids"] == whole.model_extra["k3"]["ids"]
+    k3 = whole.model_extra["k3"]
+    assert k3["ttft_s"] > 0 and k3["s_per_token"] > 0 and k3["peak_rss_bytes"] > 0
+    assert k3["bytes_read"] >= 0
+
+
+def test_thinking_off_puts_everything_in_content(client):
+    r = client.chat.completions.create(model="demo", messages=[user("Hi")], max_tokens=5,
+                                       reasoning_effort="none")
+    msg = r.choices[0].message
+    assert msg.content and msg.model_extra.get("reasoning_content") is None
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_stop_string_ends_and_trims(client):
+    base = dict(model="demo", messages=[user("Count for me.")], reasoning_effort="none")
+    full = client.chat.completions.create(max_tokens=12, **base)
+    text = full.choices[0].message.content
+    # a stop string that first occurs part-way through the greedy reply
+    k = next(i for i in range(1, len(text) - 2) if text.find(text[i:i + 3]) == i)
+    stop = text[k:k + 3]
+    cut = client.chat.completions.create(max_tokens=12, stop=[stop, "\x01never"], **base)
+    print(f"[gate] stop {stop!r}: {text!r} -> {cut.choices[0].message.content!r}")
+    assert cut.choices[0].message.content == text[:k]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = list(client.chat.completions.create(max_tokens=12, stop=stop, stream=True,
+                                                   **base))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[:k]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_completions_with_ids_and_text(client):
+    r = client.completions.create(model="demo", prompt=[5, 6, 7], max_tokens=4)
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens == 3
+    assert len(r.model_extra["k3"]["ids"]) == 4
+    t = client.completions.create(model="demo", prompt="The disk", max_tokens=3)
+    assert t.usage.completion_tokens == 3 and t.usage.prompt_tokens > 0
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_bad_key_is_401(server):
+    bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401
+    assert e.value.body["code"] == "invalid_api_key"
+    assert KEY not in "".join(server.lines)          # the key is never logged
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": "hot"}, "temperature"),               # wrong type
+    ({"max_tokens": True}, "max_tokens"),                  # a bool is not a count
+    ({"max_tokens": GEN_CEILING + 1}, "max_tokens"),       # over the server's limit
+    ({"reasoning_effort": "medium"}, "reasoning_effort"),  # the encoder refuses it
+    ({"stop": [1, 2]}, "stop"),
+])
+def test_bad_fields_are_400_in_the_openai_shape(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=[user("x")],
+                                       extra_body=body)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param and err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_bad_transcripts_are_400(client):
+    for messages, why in (([{"role": "assistant", "content": "hi"}], "role"),
+                          ([user("a"), user("b")], "expected 'assistant'"),
+                          ([user("a"), {"role": "assistant", "content": "b"}], "last message"),
+                          ([{"role": "user", "content": 5}], "expected a string"),
+                          ([{"role": "tool", "content": "x"}], "role")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="demo", messages=messages)
+        assert why in e.value.body["message"], e.value.body
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.chat.completions.create(model="demo", messages=[user("x")], max_tokens=2,
+                                       extra_body={"frobnicate": {"a": 1}, "x_other": 2})
+    assert r.usage.completion_tokens == 2
+
+
+def test_limits_413_and_400(client):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="demo", messages=[user("x" * 300_000)])
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+    many = [user("a"), {"role": "assistant", "content": "b"}] * 32 + [user("c")]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=many)
+    assert "65 messages exceed" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[user("x")])
+
+
+# ---------------------------------------------------------------- one at a time
+
+def test_queue_full_is_429_and_a_cancelled_stream_frees_the_engine(client, server):
+    running = client.chat.completions.create(model="demo", messages=[user("Go on")],
+                                             max_tokens=GEN_CEILING, stream=True)
+    it = iter(running)
+    next(it), next(it)                               # it runs: role chunk + one token
+    waited = {}
+
+    def second():
+        waited["r"] = client.chat.completions.create(model="demo", messages=[user("Next")],
+                                                     max_tokens=3)
+    t = threading.Thread(target=second)
+    t.start()
+    while server.health()["queued"] < 1:             # the second one waits in the queue
+        pass
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="demo", messages=[user("Third")], max_tokens=3)
+    assert e.value.status_code == 429
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    running.close()                                  # the client goes away mid-stream
+    t.join(600)
+    assert waited["r"].usage.completion_tokens == 3  # the queued request was served
+    h = server.wait_idle()
+    print(f"[gate] cancelled stream: {h}")
+    assert h["refused_busy"] >= 1 and h["cancelled"] >= 1
+    after = client.chat.completions.create(model="demo", messages=[user("Go on")],
+                                           max_tokens=2)
+    assert after.choices[0].finish_reason == "length"
+
+
+def test_cancelled_stream_stops_before_its_limit(client, server):
+    s = client.chat.completions.create(model="demo", messages=[user("Long")],
+                                       max_tokens=GEN_CEILING, stream=True)
+    it = iter(s)
+    next(it), next(it)
+    s.close()
+    h = server.wait_idle()
+    assert h["last"]["finish_reason"] == "cancelled"
+    assert h["last"]["completion_tokens"] < GEN_CEILING
+
+
+# ---------------------------------------------------------------- state across requests
+
+def test_continued_prompts_reuse_state_and_equal_fresh_prefills(client):
+    """Three completions, each prompt extending the last prompt + its output: the later
+    ones reuse the kept state (all of it but the last, unfed, token) and give the same
+    ids as the same prompt after the state was replaced (a fresh full prefill)."""
+    p = [11, 12, 13, 14]
+    seen = []
+    for turn in range(3):
+        r = client.completions.create(model="demo", prompt=p, max_tokens=4)
+        k3 = r.model_extra["k3"]
+        seen.append((list(p), k3["ids"], k3["reused_positions"]))
+        p = p + k3["ids"] + [20 + turn, 30 + turn]
+    for n, (prompt, ids, reused) in enumerate(seen):
+        prev = seen[n - 1] if n else None
+        want = len(prev[0]) + len(prev[1]) - 1 if prev else 0
+        assert reused == want, (n, reused, want)
+    client.completions.create(model="demo", prompt=[99], max_tokens=1)   # replace the state
+    for prompt, ids, reused in seen[1:]:
+        fresh = client.completions.create(model="demo", prompt=prompt, max_tokens=4)
+        print(f"[gate] reused {reused} positions: {ids}; fresh prefill: "
+              f"{fresh.model_extra['k3']['ids']}")
+        assert fresh.model_extra["k3"]["reused_positions"] == 0
+        assert fresh.model_extra["k3"]["ids"] == ids
+        client.completions.create(model="demo", prompt=[99], max_tokens=1)
+
+
+# ---------------------------------------------------------------- the bind rules
+
+def test_non_loopback_host_needs_a_key(demo):
+    r = subprocess.run([sys.executable, "-m", "k3engine", "serve", demo, "--host", "0.0.0.0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--api-key" in r.stderr and "--insecure-no-key" in r.stderr
