@@ -278,3 +278,48 @@ def test_non_loopback_host_needs_a_key(demo):
     r = subprocess.run([sys.executable, "-m", "k3engine", "serve", demo, "--host", "0.0.0.0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--api-key" in r.stderr and "--insecure-no-key" in r.stderr
+
+
+# ---------------------------------------------------------------- a conversation (trained model)
+
+def trained_demo() -> str:
+    """The trained demo model (`k3 demo --path`), whose replies close with an end token."""
+    import os
+    r = subprocess.run([sys.executable, "-m", "k3engine", "demo", "--path"],
+                       capture_output=True, text=True, timeout=120)
+    path = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+    if not path or not os.path.isdir(path):
+        pytest.skip("needs the trained demo model (`k3 demo --path`): random weights never "
+                    "close a turn, so a chat conversation cannot continue on them")
+    return path
+
+
+def test_chat_conversation_reuses_state_and_equals_fresh_prefills():
+    model = trained_demo()
+    with serve(model, "--gen", "512") as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=600)
+        mid = c.models.list().data[0].id
+        messages = [SYSTEM, user("Hello")]
+        turns = []
+        for n, follow in enumerate(("Tell me more.", "Thanks!", None)):
+            r = c.chat.completions.create(model=mid, messages=messages, max_tokens=512)
+            if r.choices[0].finish_reason != "stop":
+                pytest.skip(f"turn {n + 1} did not close within 512 tokens")
+            k3 = r.model_extra["k3"]
+            turns.append((list(messages), k3))
+            msg = r.choices[0].message
+            messages = messages + [{"role": "assistant", "content": msg.content,
+                                    "reasoning_content": msg.model_extra["reasoning_content"]}]
+            if follow:
+                messages.append(user(follow))
+        for n in (1, 2):
+            prev = turns[n - 1][1]
+            want = prev["prompt_positions"] + len(prev["ids"]) - 1
+            print(f"[gate] chat turn {n + 1}: {turns[n][1]['reused_positions']} positions "
+                  f"reused (previous prompt + reply = {want})")
+            assert turns[n][1]["reused_positions"] == want
+        for msgs, k3 in turns[1:]:
+            c.completions.create(model=mid, prompt=[1], max_tokens=1)      # replace the state
+            fresh = c.chat.completions.create(model=mid, messages=msgs, max_tokens=512)
+            assert fresh.model_extra["k3"]["reused_positions"] == 0
+            assert fresh.model_extra["k3"]["ids"] == k3["ids"]

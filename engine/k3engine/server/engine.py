@@ -232,11 +232,14 @@ class Backend:
         acc = Figures()
         stops = StopMatcher(req.stops)
         result = None
+        ids: list[int] = []
         try:
             for ev in self.run.turn(chat, req.gen, job.cancel):
                 if isinstance(ev, StepDone):
                     acc.step(ev)
                 elif isinstance(ev, TokenOut):
+                    if ev.id >= 0:
+                        ids.append(ev.id)
                     if ev.phase == "thinking":
                         acc.reasoning += ev.id >= 0
                         if ev.text:
@@ -249,6 +252,14 @@ class Backend:
                             job.cancel.set()      # generation ends at the next safe point
                 elif isinstance(ev, TurnEnded):
                     result = ev.result
+        except ChatError as e:
+            # The model closed its turn with an end id, but the reply does not parse
+            # strictly (chat.parse_reply: `k3 --chat` exits 1 here).  The text already
+            # streamed stands; the request ends as `stop` and says why.
+            from ..session import TurnResult
+            result = TurnResult(ids, len(prompt), None, acc.seconds, acc.first or 0.0,
+                                ids[-1] if ids else None)
+            acc.note = f"the reply closed but is not a well-formed turn: {e}"
         finally:
             if not (chat.state is not None and chat.state.poisoned):
                 self.state, self.record = chat.state, chat.record
@@ -352,8 +363,12 @@ class Figures:
         self.bytes_read = 0
         self.peak_rss = 0
         self.reasoning = 0
+        self.first: float | None = None      # seconds to the first step's end
+        self.note: str | None = None
 
     def step(self, ev) -> None:
+        if self.first is None:
+            self.first = self.seconds + ev.seconds
         self.add(ev.seconds, ev.telemetry)
 
     def add(self, seconds: float, t) -> None:
@@ -367,4 +382,4 @@ class Figures:
                 "s_per_token": round(decode / (n - 1), 6) if n > 1 else None,
                 "bytes_read": self.bytes_read, "peak_rss_bytes": self.peak_rss,
                 "reused_positions": reused, "prompt_positions": prompt,
-                "ids": list(int(i) for i in ids)}
+                "ids": list(int(i) for i in ids), **({"note": self.note} if self.note else {})}
