@@ -200,6 +200,8 @@ class MessageInput(QPlainTextEdit):
 def stats_text(info: dict) -> str:
     """Per-reply figures.  The first token carries the whole prefill, so the decode rate
     (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none."""
+    if info.get("stats"):                 # a remote reply: only what the server can tell
+        return info["stats"]
     n = info["n"]
     parts = [f"{n} token{'s' if n != 1 else ''}"
              + (f" (continued after {info['continued']})" if info.get("continued") else "")]

@@ -1,0 +1,143 @@
+"""Setup's backend choice: this machine's engine, or a remote OpenAI-compatible endpoint
+(base URL, model id from its /v1/models, API key).  The key goes to secrets_store (the
+OS keyring or a 0600 file: the panel says which), never to the settings file.  Connecting
+runs on a thread: an unreachable URL is shown here as an error and nothing else changes."""
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
+                               QLineEdit, QPushButton, QRadioButton, QVBoxLayout)
+
+from .secrets_store import KeyStore
+
+
+class BackendPanel(QGroupBox):
+    remoteReady = Signal(str, str, str)     # base URL, key, model id
+    useLocal = Signal()
+    changed = Signal()
+    _listed = Signal(object, object)        # (models | None, error | None) from the thread
+
+    def __init__(self, data_dir: str, parent=None):
+        super().__init__("Backend", parent)
+        self.keys = KeyStore(data_dir)
+        self.local = QRadioButton("This machine's engine (the model loaded above)")
+        self.remote = QRadioButton("Remote OpenAI-compatible endpoint (vLLM, SGLang, "
+                                   "k3 serve, …)")
+        self.local.setChecked(True)
+        self.url = QLineEdit()
+        self.url.setPlaceholderText("http://127.0.0.1:8000/v1")
+        self.key = QLineEdit()
+        self.key.setEchoMode(QLineEdit.Password)
+        self.key.setPlaceholderText("API key (empty if the server needs none)")
+        self.key.setToolTip(f"Kept in {self.keys.where()}, never in the settings file")
+        self.connect_btn = QPushButton("Connect")
+        self.model = QComboBox()
+        self.model.setToolTip("The model ids the endpoint lists at /v1/models")
+        self.state = QLabel("Using this machine's engine.")
+        self.state.setWordWrap(True)
+        self.where = QLabel(f"API key storage: {self.keys.where()}")
+        self.where.setObjectName("hint")
+        self.where.setWordWrap(True)
+        urlrow = QHBoxLayout()
+        urlrow.addWidget(self.url, 1)
+        urlrow.addWidget(self.connect_btn)
+        form = QFormLayout()
+        form.addRow("Base URL", urlrow)
+        form.addRow("API key", self.key)
+        form.addRow("Model", self.model)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.local)
+        lay.addWidget(self.remote)
+        lay.addLayout(form)
+        lay.addWidget(self.state)
+        lay.addWidget(self.where)
+        self.connect_btn.clicked.connect(self.connect_remote)
+        self.local.toggled.connect(self._choice)
+        self.model.currentTextChanged.connect(self._model_chosen)
+        self._listed.connect(self._on_listed)
+        self._models_for = ""
+        self._saved_model = ""
+        self._fields_enabled()
+
+    # -- settings -------------------------------------------------------------------
+    def load_from(self, s) -> None:
+        self.url.setText(s.remote_url)
+        self._saved_model = s.remote_model
+        if s.remote_url:
+            self.key.setText(self.keys.get(s.remote_url))
+        (self.remote if s.backend == "remote" else self.local).setChecked(True)
+        self._fields_enabled()
+
+    def values(self) -> dict:
+        return dict(backend="remote" if self.remote.isChecked() else "local",
+                    remote_url=self.url.text().strip(),
+                    remote_model=self.model.currentText() or self._saved_model)
+
+    # -- actions --------------------------------------------------------------------
+    def _fields_enabled(self) -> None:
+        on = self.remote.isChecked()
+        for w in (self.url, self.key, self.connect_btn, self.model):
+            w.setEnabled(on)
+
+    def _choice(self, local: bool) -> None:
+        self._fields_enabled()
+        self.changed.emit()
+        if local:
+            self.state.setText("Using this machine's engine.")
+            self.useLocal.emit()
+
+    def connect_remote(self) -> None:
+        """List the endpoint's models on a thread; the first (or the saved one) is used."""
+        from .remote_client import Endpoint, RemoteError
+        url, key = self.url.text().strip(), self.key.text()
+        try:
+            ep = Endpoint(url, key)
+        except RemoteError as e:
+            self._show_error(str(e))
+            return
+        self.connect_btn.setEnabled(False)
+        self.state.setText(f"Connecting to {url} …")
+        self._models_for = url
+
+        def job():
+            try:
+                self._listed.emit(ep.models(), None)
+            except RemoteError as e:
+                self._listed.emit(None, str(e))
+            except Exception as e:            # noqa: BLE001 - shown, never lost
+                self._listed.emit(None, f"{type(e).__name__}: {e}")
+        threading.Thread(target=job, name="k3studio-models", daemon=True).start()
+
+    def _on_listed(self, models, error) -> None:
+        self.connect_btn.setEnabled(self.remote.isChecked())
+        if error is not None:
+            self._show_error(error)
+            return
+        if not models:
+            self._show_error(f"{self._models_for} lists no models at /v1/models")
+            return
+        url, key = self._models_for, self.key.text()
+        self.keys.set(url, key)
+        self.model.blockSignals(True)
+        self.model.clear()
+        self.model.addItems(models)
+        if self._saved_model in models:
+            self.model.setCurrentText(self._saved_model)
+        self.model.blockSignals(False)
+        self.state.setStyleSheet("")
+        self.state.setText(f"Connected to {url}: chat uses <b>{self.model.currentText()}</b> "
+                           f"there. Memory and I/O plots are local-only.")
+        self.changed.emit()
+        self.remoteReady.emit(url, key, self.model.currentText())
+
+    def _model_chosen(self, model: str) -> None:
+        if model and self._models_for:
+            self._saved_model = model
+            self.changed.emit()
+            self.remoteReady.emit(self._models_for, self.key.text(), model)
+
+    def _show_error(self, message: str) -> None:
+        self.state.setStyleSheet("color: #b3261e;")
+        self.state.setText(f"Not connected: {message}")
