@@ -30,7 +30,7 @@ MAX_TOKENS = 6
 
 def main() -> int:
     import openai
-    from serve_helpers import serve
+    from serve_helpers import make_demo, serve
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=20)
@@ -40,9 +40,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if model is None:
-            from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
-            model = os.path.join(tmp, "demo")
-            make_checkpoint(model, dims_config("demo"), seed=9)
+            model = make_demo(os.path.join(tmp, "demo"))
         with serve(model, "--queue", str(a.queue), "--gen", "64") as srv:
             return run_load(srv, a, openai)
 

@@ -14,6 +14,14 @@ from contextlib import contextmanager
 LISTENING = re.compile(r"k3 serve: listening on (http://\S+)")
 
 
+def make_demo(path: str) -> str:
+    """A fresh random-weight demo model (seed 9) at `path`: the model every serve test and
+    the load test serve."""
+    from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
+    make_checkpoint(path, dims_config("demo"), seed=9)
+    return path
+
+
 class Server:
     def __init__(self, proc: subprocess.Popen, url: str, lines: list[str]):
         self.proc, self.url, self.lines = proc, url, lines

@@ -16,8 +16,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
 
-from k3engine.tools.make_checkpoint import dims_config, make_checkpoint  # noqa: E402
-from serve_helpers import serve  # noqa: E402
+from serve_helpers import make_demo, serve  # noqa: E402
 
 KEY = "test-key-5f1c"
 GEN_CEILING = 256
@@ -25,9 +24,7 @@ GEN_CEILING = 256
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("serve") / "demo")
-    make_checkpoint(d, dims_config("demo"), seed=9)
-    return d
+    return make_demo(str(tmp_path_factory.mktemp("serve") / "demo"))
 
 
 @pytest.fixture(scope="module")
@@ -323,3 +320,16 @@ def test_chat_conversation_reuses_state_and_equals_fresh_prefills():
             fresh = c.chat.completions.create(model=mid, messages=msgs, max_tokens=512)
             assert fresh.model_extra["k3"]["reused_positions"] == 0
             assert fresh.model_extra["k3"]["ids"] == k3["ids"]
+
+
+def test_sigterm_stops_cleanly(demo):
+    """SIGTERM (what the app's toggle and service managers send) closes the server and the
+    engine and exits 0; uvicorn's default would re-raise the signal and skip the close."""
+    import time
+    with serve(demo) as s:
+        s.proc.terminate()
+        assert s.proc.wait(120) == 0
+        end = time.monotonic() + 30
+        while not any("k3 serve: stopped" in line for line in s.lines):
+            assert time.monotonic() < end, s.lines[-5:]
+            time.sleep(0.05)

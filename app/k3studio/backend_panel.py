@@ -7,8 +7,9 @@ from __future__ import annotations
 import threading
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
-                               QLineEdit, QPushButton, QRadioButton, QVBoxLayout)
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHBoxLayout,
+                               QLabel, QLineEdit, QPushButton, QRadioButton, QVBoxLayout)
 
 from .secrets_store import KeyStore
 
@@ -17,6 +18,7 @@ class BackendPanel(QGroupBox):
     remoteReady = Signal(str, str, str)     # base URL, key, model id
     useLocal = Signal()
     changed = Signal()
+    serveToggled = Signal(bool)             # the local server (local_server.py) on/off
     _listed = Signal(object, object)        # (models | None, error | None) from the thread
 
     def __init__(self, data_dir: str, parent=None):
@@ -40,6 +42,16 @@ class BackendPanel(QGroupBox):
         self.where = QLabel(f"API key storage: {self.keys.where()}")
         self.where.setObjectName("hint")
         self.where.setWordWrap(True)
+        self.serve = QCheckBox("Serve this machine's model to other apps (k3 serve on "
+                               "127.0.0.1; its own process, with its own copy of the model)")
+        self.serve_url = QLineEdit()
+        self.serve_url.setReadOnly(True)
+        self.serve_url.setPlaceholderText("not serving")
+        copy = QPushButton("Copy URL")
+        copy.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.serve_url.text()))
+        serverow = QHBoxLayout()
+        serverow.addWidget(self.serve_url, 1)
+        serverow.addWidget(copy)
         urlrow = QHBoxLayout()
         urlrow.addWidget(self.url, 1)
         urlrow.addWidget(self.connect_btn)
@@ -53,6 +65,9 @@ class BackendPanel(QGroupBox):
         lay.addLayout(form)
         lay.addWidget(self.state)
         lay.addWidget(self.where)
+        lay.addWidget(self.serve)
+        lay.addLayout(serverow)
+        self.serve.toggled.connect(self.serveToggled)
         self.connect_btn.clicked.connect(self.connect_remote)
         self.local.toggled.connect(self._choice)
         self.model.currentTextChanged.connect(self._model_chosen)

@@ -85,6 +85,31 @@ def attach(window) -> None:
         if backend.is_remote:
             remote_ready(remote.base_url, remote.api_key, remote.model)
 
+    from .local_server import LocalServer
+    server = window.local_server = LocalServer(window)
+
+    def serve(on: bool) -> None:
+        if not on:
+            server.stop()
+            return
+        spec = window.spec()
+        if not spec.model_dir:
+            panel.serve.setChecked(False)
+            panel.serve_url.setText("choose a model above first")
+            return
+        panel.serve_url.setText("starting k3 serve …")
+        server.start(spec)
+
+    def served_stopped(code: int, tail: str) -> None:
+        panel.serve.blockSignals(True)
+        panel.serve.setChecked(False)
+        panel.serve.blockSignals(False)
+        panel.serve_url.setText("" if code == 0 else f"k3 serve ended ({code}): "
+                                f"{tail.splitlines()[-1] if tail else ''}")
+
+    panel.serveToggled.connect(serve)
+    server.started.connect(panel.serve_url.setText)
+    server.stopped.connect(served_stopped)
     panel.remoteReady.connect(remote_ready)
     window.host.loaded.connect(local_loaded)
     panel.useLocal.connect(use_local)

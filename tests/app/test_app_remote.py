@@ -11,7 +11,7 @@ import pytest
 
 from .app_helpers import TIMEOUT
 
-from serve_helpers import serve  # noqa: E402 (tests/ is on the path)
+from serve_helpers import make_demo, serve  # noqa: E402 (tests/ is on the path)
 
 KEY = "remote-test-key-93"
 GEN = 256
@@ -19,10 +19,7 @@ GEN = 256
 
 @pytest.fixture(scope="module")
 def remote_model(tmp_path_factory):
-    from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
-    d = str(tmp_path_factory.mktemp("remote") / "served")
-    make_checkpoint(d, dims_config("demo"), seed=9)
-    return d
+    return make_demo(str(tmp_path_factory.mktemp("remote") / "served"))
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +131,23 @@ def test_switching_back_to_this_machine(qtbot, window, server):
     assert not window.backend.is_remote and window.backend.active is window.host
     assert not window.chat.loaded                      # no local model was loaded
     assert window.settings.backend == "local" and window.settings.remote_url
+
+
+def test_the_app_starts_and_stops_its_local_server(qtbot, window, demo_model):
+    """The Setup toggle runs `k3 serve` on the current model; the URL it shows answers."""
+    import json
+    import urllib.request
+    window.setup.set_paths(*demo_model)
+    qtbot.waitUntil(lambda: window.spec().model_dir == demo_model[0], timeout=TIMEOUT)
+    p = window.backend_panel
+    p.serve.setChecked(True)
+    qtbot.waitUntil(lambda: p.serve_url.text().startswith("http://127.0.0.1:"),
+                    timeout=TIMEOUT)
+    url = p.serve_url.text()
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
+        h = json.loads(r.read())
+    assert h["status"] == "ok" and h["model"] == os.path.basename(demo_model[0])
+    with qtbot.waitSignal(window.local_server.stopped, timeout=TIMEOUT) as blocker:
+        p.serve.setChecked(False)
+    assert blocker.args[0] == 0 and not window.local_server.running
+    assert not p.serve.isChecked()

@@ -8,10 +8,13 @@ API key (--api-key, or K3_API_KEY so it stays out of `ps`) or an explicit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
+import signal
 import socket
 import sys
+import threading
 
 from ..errors import EXIT_OK, EXIT_USAGE, describe
 from ..session import MAX_GEN, MAX_PROMPT
@@ -148,11 +151,29 @@ def main(argv: list[str]) -> int:
 
 def serve_until_stopped(app, sock: socket.socket, a) -> int:
     import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT/SIGTERM ask the server to stop (a second SIGINT forces it).  uvicorn's
+            own version re-raises the signal once the server is down, which would end the
+            process before the engine is closed at a safe point."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT,
+                                                                   signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level="warning", access_log=a.access_log,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = Server(config)
     key = "key required" if a.api_key else "no key"
     print(f"k3 serve: listening on http://{shown}:{port} (model id "
           f"{a.model_id or os.path.basename(os.path.normpath(a.model_dir))}, {key}, "
