@@ -242,6 +242,20 @@ def test_cancelled_stream_stops_before_its_limit(client, server):
     assert h["last"]["completion_tokens"] < GEN_CEILING
 
 
+def test_a_non_streamed_client_that_leaves_cancels_its_generation(server):
+    """A non-streamed request whose client gives up (here: a 1 s client timeout on a
+    256-token reply) is cancelled at the next safe point, not generated to the end."""
+    impatient = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0,
+                              timeout=1.0)
+    server.wait_idle()
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="demo", messages=[user("Long")],
+                                          max_tokens=GEN_CEILING)
+    h = server.wait_idle()
+    assert h["last"]["finish_reason"] == "cancelled"
+    assert h["last"]["completion_tokens"] < GEN_CEILING
+
+
 # ---------------------------------------------------------------- state across requests
 
 def test_continued_prompts_reuse_state_and_equal_fresh_prefills(client):
@@ -333,3 +347,22 @@ def test_sigterm_stops_cleanly(demo):
         while not any("k3 serve: stopped" in line for line in s.lines):
             assert time.monotonic() < end, s.lines[-5:]
             time.sleep(0.05)
+
+
+def test_a_request_whose_kv_cache_cannot_fit_is_refused(demo):
+    """Each request's KV cache is checked against the memory available at load, as each
+    chat turn's is (SYSTEM 5.5.1); here the server is told only 1 MB was available."""
+    from k3engine import run
+    from k3engine.server.engine import Backend
+    from k3engine.server.protocol import ApiError, Limits
+    r = run.open_run(run.request_from(demo, chat=True, gen=8, tok_dir=demo))
+    try:
+        roomy = Backend(r, "demo", Limits(), available=None)
+        roomy._check_length(100, 8)                       # unknown availability: no refusal
+        tight = Backend(r, "demo", Limits(), available=1 << 20)
+        with pytest.raises(ApiError) as e:
+            tight._check_length(4000, 8)
+        assert e.value.status == 400 and e.value.code == "kv_cache_refused"
+        print(f"[gate] kv refusal: {e.value.message.splitlines()[0]}")
+    finally:
+        r.close()

@@ -177,9 +177,10 @@ class Backend:
     """A loaded `Run` and the one kept sequence state.  `run(job)` posts Started, Deltas and
     Done (or raises ApiError before Started) and returns the job's outcome."""
 
-    def __init__(self, run, model_id: str, limits: Limits):
+    def __init__(self, run, model_id: str, limits: Limits, available=None):
         from ..run import chat_controls
         self.run, self.model_id, self.limits = run, model_id, limits
+        self.available = available         # memory.available_memory() before the load
         self.tok = run.tok
         self.ctl = chat_controls(run.tok) if run.tok is not None else None
         self.state = None                  # the last request's sequence state ...
@@ -208,6 +209,12 @@ class Backend:
             raise ApiError(400, f"prompt {n_prompt} + max_tokens {gen} + 1 exceeds the "
                                 f"{MAX_POSITIONS}-position ceiling", param="max_tokens",
                            code="context_length_exceeded")
+        # the KV cache of this request must fit, as every chat turn's (SYSTEM 5.5.1)
+        from ..memory import kv_check
+        kv = kv_check(self.run.setup.figures, n_prompt + gen + 1, self.available)
+        if kv.refusal is not None:
+            raise ApiError(400, kv.refusal.message, param="max_tokens",
+                           code="kv_cache_refused")
 
     # -- chat ------------------------------------------------------------------------
     def _chat(self, job: Job) -> str:

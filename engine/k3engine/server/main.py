@@ -126,6 +126,8 @@ def main(argv: list[str]) -> int:
     from .app import create_app
     from .engine import Backend, EngineThread
     from .protocol import Limits
+    from ..memory import available_memory
+    _, available = available_memory()      # before the load, as the chat's KV check uses it
     try:
         req = run.request_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
                                config_path=a.config, trunk_ring=a.trunk_ring,
@@ -141,7 +143,7 @@ def main(argv: list[str]) -> int:
     model_id = a.model_id or os.path.basename(os.path.normpath(a.model_dir))
     limits = Limits(max_body_bytes=a.max_body_bytes, max_messages=a.max_messages,
                     max_prompt_ids=a.max_prompt, max_tokens=a.gen)
-    backend = Backend(r, model_id, limits)
+    backend = Backend(r, model_id, limits, available)
     engine = EngineThread(backend, a.queue)
     code = serve_until_stopped(create_app(engine, model_id, a.api_key, limits), sock, a)
     engine.close()                         # cancels a running generation at a safe point
