@@ -78,7 +78,8 @@ class EngineThread:
         self._running: Job | None = None
         self._closing = False
         self._recent: deque[float] = deque(maxlen=8)   # job seconds, for Retry-After
-        self.counts = {"answered": 0, "cancelled": 0, "refused_busy": 0, "failed": 0}
+        self.counts = {"answered": 0, "cancelled": 0, "refused_busy": 0,
+                       "refused_invalid": 0, "failed": 0}
         self.last: dict = {}
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
@@ -148,7 +149,8 @@ class EngineThread:
             outcome = "failed"
             try:
                 outcome = self.backend.execute(job)
-            except ApiError as e:
+            except ApiError as e:                 # refused before it started (400)
+                outcome = "refused_invalid"
                 job.post(Fail(e))
             except BaseException as e:             # an engine failure, or a bug
                 job.post(Fail(engine_error(e)))
@@ -156,8 +158,7 @@ class EngineThread:
                 with self._cv:
                     self._running = None
                     self._recent.append(time.monotonic() - t0)
-                    self.counts["cancelled" if outcome == "cancelled" else
-                                "failed" if outcome == "failed" else "answered"] += 1
+                    self.counts[outcome] += 1
 
 
 def engine_error(e: BaseException) -> ApiError:
@@ -174,8 +175,8 @@ def engine_error(e: BaseException) -> ApiError:
 # ---------------------------------------------------------------- the run API adapter
 
 class Backend:
-    """A loaded `Run` and the one kept sequence state.  `run(job)` posts Started, Deltas and
-    Done (or raises ApiError before Started) and returns the job's outcome."""
+    """A loaded `Run` and the one kept sequence state.  `execute(job)` posts Started, Deltas
+    and Done (or raises ApiError before Started) and returns the job's outcome."""
 
     def __init__(self, run, model_id: str, limits: Limits, available=None):
         from ..run import chat_controls

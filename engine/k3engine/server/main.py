@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 
 from ..errors import EXIT_OK, EXIT_USAGE, describe
 from ..session import MAX_GEN, MAX_PROMPT
@@ -157,29 +156,27 @@ def serve_until_stopped(app, sock: socket.socket, a) -> int:
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            """SIGINT/SIGTERM ask the server to stop (a second SIGINT forces it).  uvicorn's
-            own version re-raises the signal once the server is down, which would end the
-            process before the engine is closed at a safe point."""
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT,
-                                                                   signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
+            """Ours are installed before the `listening` line (below).  uvicorn's own
+            version installs them only once it runs, so a SIGTERM right after that line
+            killed the process, and it re-raises the signal once the server is down, which
+            ends the process before the engine is closed at a safe point."""
+            yield
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level="warning", access_log=a.access_log,
                             timeout_graceful_shutdown=5)
     server = Server(config)
+    # SIGINT/SIGTERM ask the server to stop; a second SIGINT forces it (uvicorn's handler)
+    old = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
     key = "key required" if a.api_key else "no key"
-    print(f"k3 serve: listening on http://{shown}:{port} (model id "
-          f"{a.model_id or os.path.basename(os.path.normpath(a.model_dir))}, {key}, "
-          f"queue {a.queue})", flush=True)
-    server.run(sockets=[sock])
+    try:
+        print(f"k3 serve: listening on http://{shown}:{port} (model id "
+              f"{a.model_id or os.path.basename(os.path.normpath(a.model_dir))}, {key}, "
+              f"queue {a.queue})", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     print("k3 serve: stopped", flush=True)
     return EXIT_OK
