@@ -151,3 +151,29 @@ def test_the_app_starts_and_stops_its_local_server(qtbot, window, demo_model):
         p.serve.setChecked(False)
     assert blocker.args[0] == 0 and not window.local_server.running
     assert not p.serve.isChecked()
+
+
+def test_remote_regenerate_and_conversation_files(qtbot, window, server, tmp_path):
+    """Regenerate answers the same message again (greedy: the same reply), and the
+    conversation saves and opens as the engine's JSONL history."""
+    from k3engine.chat import History
+    connect(qtbot, window, server.base_url, KEY)
+    qtbot.waitUntil(lambda: window.backend.is_remote and window.chat.loaded, timeout=TIMEOUT)
+    window.chat.limit.setValue(5)
+    first = remote_send(qtbot, window, "Name a colour")
+    reply = window.chat.draft["reasoning"]
+    qtbot.waitUntil(lambda: window.chat.regen_btn.isEnabled(), timeout=TIMEOUT)
+    with qtbot.waitSignal(window.backend.turnFinished, timeout=TIMEOUT) as blocker:
+        window.chat.regen_btn.click()
+    again = blocker.args[0]
+    assert not first["failed"] and not again["failed"] and again["n"] == first["n"] == 5
+    assert window.chat.draft["reasoning"] == reply           # greedy on the server
+    path = tmp_path / "remote.jsonl"
+    window.chat.host.save_conversation(str(path))
+    saved = History.load(path)
+    assert [m.role for m in saved] == ["user"] and saved[-1].content == "Name a colour"
+    window.chat.new_conversation()
+    qtbot.waitUntil(lambda: not window.remote.messages, timeout=TIMEOUT)
+    window.chat.open_conversation(str(path))
+    qtbot.waitUntil(lambda: window.remote.messages and
+                    window.remote.messages[-1]["content"] == "Name a colour", timeout=TIMEOUT)
