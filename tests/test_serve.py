@@ -283,6 +283,57 @@ def test_continued_prompts_reuse_state_and_equal_fresh_prefills(client):
         client.completions.create(model="demo", prompt=[99], max_tokens=1)
 
 
+def test_three_request_chat_reuses_state_and_equals_fresh_prefills(client, demo):
+    """Three chat requests, each sending the previous (unclosed) reply back and a new user
+    message.  What is reused, computed here from the tokenizer: all that the previous
+    request fed (its prompt and all but the last generated id) when the new transcript
+    starts with it (the reply sent back re-encodes to the generated ids), else the
+    snapshot the server kept where the previous user message started
+    (ChatSession.forks).  The later requests' ids equal fresh full prefills'."""
+    from k3engine.chat import ChatOptions, History, Message, encode_prompt, render_segments
+    from k3engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(demo)
+
+    def ids_of(msgs, generation_prompt=True):
+        h = History(Message(m["role"], m["content"], m.get("reasoning_content"))
+                    for m in msgs)
+        return encode_prompt(tok, render_segments(h, ChatOptions(), generation_prompt))
+
+    def expected_reuse(prev_msgs, prev_ids, msgs):
+        fed = ids_of(prev_msgs) + prev_ids[:-1]
+        new = ids_of(msgs)
+        if new[:len(fed)] == fed and len(new) > len(fed):
+            return len(fed), "all it fed"
+        return len(ids_of(prev_msgs[:-1], False)), "up to its last user message"
+    client.completions.create(model="demo", prompt=[99], max_tokens=1)   # no kept chat
+    messages = [SYSTEM, user("Hello")]
+    seen = []
+    for follow in ("Tell me more.", "Thanks!", None):
+        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=4)
+        seen.append((list(messages), r.model_extra["k3"]))
+        msg = r.choices[0].message
+        messages = messages + [{"role": "assistant", "content": msg.content,
+                                "reasoning_content": msg.model_extra["reasoning_content"]}]
+        if follow:
+            messages.append(user(follow))
+    assert seen[0][1]["reused_positions"] == 0
+    for n in (1, 2):
+        want, how = expected_reuse(seen[n - 1][0], seen[n - 1][1]["ids"], seen[n][0])
+        print(f"[gate] chat request {n + 1}: {seen[n][1]['reused_positions']} of "
+              f"{seen[n][1]['prompt_positions']} positions reused (expected {want}: {how} "
+              f"of request {n})")
+        assert seen[n][1]["prompt_positions"] == len(ids_of(seen[n][0]))
+        assert seen[n][1]["reused_positions"] == want > 0
+    for n in (1, 2):
+        client.completions.create(model="demo", prompt=[99], max_tokens=1)   # drop state
+        fresh = client.chat.completions.create(model="demo", messages=seen[n][0],
+                                               max_tokens=4)
+        print(f"[gate] chat request {n + 1} with reuse: {seen[n][1]['ids']}; on a fresh "
+              f"prefill: {fresh.model_extra['k3']['ids']}")
+        assert fresh.model_extra["k3"]["reused_positions"] == 0
+        assert fresh.model_extra["k3"]["ids"] == seen[n][1]["ids"]
+
+
 # ---------------------------------------------------------------- the bind rules
 
 def test_non_loopback_host_needs_a_key(demo):

@@ -184,12 +184,20 @@ class Backend:
         self.available = available         # memory.available_memory() before the load
         self.tok = run.tok
         self.ctl = chat_controls(run.tok) if run.tok is not None else None
-        self.state = None                  # the last request's sequence state ...
-        self.record: list[int] = []        # ... and the exact ids it was fed
+        # the last request's sequence state, the exact ids it was fed, and the chat's
+        # snapshots where its last user message started (ChatSession.forks: a request
+        # that changes what followed, e.g. a reply sent back without its reasoning,
+        # still reuses everything before that message)
+        self.state = None
+        self.record: list[int] = []
+        self.forks: list = []
 
     def close(self) -> None:
-        self.state, self.record = None, []
+        self._keep(None, [], [])
         self.run.close()
+
+    def _keep(self, state, record, forks) -> None:
+        self.state, self.record, self.forks = state, record, forks
 
     def execute(self, job: Job) -> str:
         if job.cancel:
@@ -234,8 +242,8 @@ class Backend:
             code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
             raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
         self._check_length(len(prompt), req.gen)
-        chat.state, chat.record = self.state, list(self.record)   # prefix reuse
-        self.state, self.record = None, []
+        chat.state, chat.record, chat.forks = self.state, list(self.record), self.forks
+        self._keep(None, [], [])
         job.post(Started(len(prompt)))
         acc = Figures()
         stops = StopMatcher(req.stops)
@@ -270,7 +278,7 @@ class Backend:
             acc.note = f"the reply closed but is not a well-formed turn: {e}"
         finally:
             if not (chat.state is not None and chat.state.poisoned):
-                self.state, self.record = chat.state, chat.record
+                self._keep(chat.state, chat.record, chat.forks)
         tail = stops.flush()
         if tail:
             job.post(Delta("content", tail))
@@ -305,11 +313,8 @@ class Backend:
         reuse = 0
         if state is not None and not state.poisoned:
             reuse = reuse_positions(self.record, ids, cached=state.n_cached)
-        if reuse:
-            state = grown(state, len(ids) + req.gen + 1)
-        else:
-            state = None
-        self.state, self.record = None, []
+        state = grown(state, len(ids) + req.gen + 1) if reuse else None
+        self._keep(None, [], [])                  # the batch loop keeps no chat forks
         job.post(Started(len(ids)))
         sampler = req.sampling.run_sampling().sampler()
         sampler.new_turn(1)                                 # as `k3` batch mode
@@ -340,8 +345,7 @@ class Backend:
             if stops.hit is not None:
                 job.cancel.set()
         if res.state is not None and not res.state.poisoned:
-            self.state = res.state
-            self.record = res.full_ids[:res.state.n_cached]
+            self._keep(res.state, res.full_ids[:res.state.n_cached], [])
         tail = stops.flush() + (stream.flush() if stream is not None and stops.hit is None
                                 else "")
         if tail:
