@@ -9,9 +9,10 @@ from PySide6.QtCore import QObject, Signal
 from .remote_host import LOCAL_ONLY
 
 RELAYED = ("busyChanged", "conversation", "turnStarted", "records", "prefillProgress",
-           "turnFinished")
-FORWARDED = ("send", "regenerate", "stop", "take_back", "new_conversation",
-             "open_conversation", "save_conversation", "set_system", "refresh_conversation")
+           "turnFinished", "pendingChanged")
+FORWARDED = ("send", "edit", "continue_reply", "regenerate", "stop", "take_back",
+             "new_conversation", "open_conversation", "save_conversation", "set_system",
+             "refresh_conversation")
 
 
 class ChatBackend(QObject):
@@ -21,6 +22,7 @@ class ChatBackend(QObject):
     records = Signal(object)
     prefillProgress = Signal(object)
     turnFinished = Signal(object)
+    pendingChanged = Signal(object)
 
     def __init__(self, local, remote, parent=None):
         super().__init__(parent)
@@ -48,6 +50,8 @@ class ChatBackend(QObject):
             self.active.stop()
         self.active = host
         host.refresh_conversation()
+        self.pendingChanged.emit(dict(host.pending) if getattr(host, "pending", None)
+                                 else None)
         self.busyChanged.emit(host.busy)
 
 
@@ -107,6 +111,12 @@ def attach(window) -> None:
         panel.serve_url.setText("" if code == 0 else f"k3 serve ended ({code}): "
                                 f"{tail.splitlines()[-1] if tail else ''}")
 
+    def new_remote_conversation() -> None:    # the sidebar's library follows this machine
+        if backend.is_remote and not remote.busy:
+            remote.new_conversation(window.chat.system.text())
+            window.chat.reset_view()
+
+    window.sidebar.newRequested.connect(new_remote_conversation)
     panel.serveToggled.connect(serve)
     server.started.connect(panel.serve_url.setText)
     server.stopped.connect(served_stopped)

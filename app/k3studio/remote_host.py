@@ -53,6 +53,7 @@ class RemoteHost(QObject):
     records = Signal(object)
     prefillProgress = Signal(object)     # never emitted: a remote prefill reports nothing
     turnFinished = Signal(object)
+    pendingChanged = Signal(object)      # the incomplete last reply (dict) or None
     errored = Signal(object)
     _post = Signal(object)               # request thread -> GUI thread (queued)
 
@@ -63,6 +64,8 @@ class RemoteHost(QObject):
         self.messages: list[dict] = []
         self.base_url, self.api_key, self.model = "", "", ""
         self.busy = False
+        self.pending: dict | None = None    # a reply that ended without `stop`
+        self.incomplete: set[int] = set()   # replies answered as they were (indices)
         self._endpoint: Endpoint | None = None     # the request in flight
         self._turn: dict | None = None
         self._post.connect(self._on_post)
@@ -77,9 +80,17 @@ class RemoteHost(QObject):
 
     # -- conversation commands (as EngineHost) -------------------------------------------
     def _emit_conversation(self) -> None:
-        self.messages = [{"role": m.role, "content": m.content, "reasoning": m.reasoning_content}
-                         for m in self.history]
+        from .worker import messages_of
+        self.messages = messages_of(self.history, self.incomplete)
         self.conversation.emit(self.messages)
+
+    def _set_pending(self, pending: dict | None) -> None:
+        self.pending = pending
+        self.pendingChanged.emit(dict(pending) if pending else None)
+
+    def _set_history(self, history) -> None:
+        self.history, self.incomplete = history, set()
+        self._set_pending(None)
 
     def _fail(self, message: str, during: str, kind: str = "RemoteError") -> None:
         self.errored.emit(dict(code=1, kind=kind, message=message, during=during,
@@ -97,15 +108,15 @@ class RemoteHost(QObject):
         from k3engine.chat import History, Message
 
         def do():
-            self.history = History([Message("system", system_prompt)] if system_prompt
-                                   else [])
+            self._set_history(History([Message("system", system_prompt)] if system_prompt
+                                      else []))
         self._guard("new conversation", do)
 
     def open_conversation(self, path: str) -> None:
         from k3engine.chat import History
 
         def do():
-            self.history = History.load(path)
+            self._set_history(History.load(path))
         self._guard("open conversation", do)
 
     def save_conversation(self, path: str) -> None:
@@ -116,11 +127,12 @@ class RemoteHost(QObject):
 
         def do():
             rest = [m for m in self.history if m.role != "system"]
-            self.history = History(([Message("system", text)] if text else []) + rest)
+            self._set_history(History(([Message("system", text)] if text else []) + rest))
         self._guard("system prompt", do)
 
     def take_back(self) -> None:
         def do():
+            self._set_pending(None)
             if len(self.history) and self.history[-1].role == "assistant":
                 self.history.remove_last()
             if len(self.history) and self.history[-1].role == "user":
@@ -134,8 +146,14 @@ class RemoteHost(QObject):
     def send(self, text: str, spec) -> None:
         from k3engine.chat import ChatError, Message
         try:
-            if self.history.ends_with_user:
-                self.history.remove_last()     # an unanswered message is replaced
+            if self.pending is not None and self.history.ends_with_user:
+                # the incomplete reply is answered as it is: it joins the transcript
+                p = self.pending
+                self.history.add(Message("assistant", p["content"], p.get("reasoning")))
+                self.incomplete.add(len(self.history) - 1)
+            elif self.history.ends_with_user:
+                self.history.remove_last()     # a failed turn's message is replaced
+            self._set_pending(None)
             self.history.add(Message("user", text))
         except ChatError as e:
             self._fail(str(e), "send", "ChatError")
@@ -145,7 +163,31 @@ class RemoteHost(QObject):
         self._emit_conversation()
         self._start(spec)
 
+    def edit(self, index: int, text: str, spec) -> None:
+        """Replace the user message at `index` and answer it (what followed is dropped)."""
+        from k3engine.chat import ChatError, History, Message
+        msgs = list(self.history)
+        try:
+            if not (0 <= index < len(msgs)) or msgs[index].role != "user":
+                raise ChatError(f"message {index + 1} is not a user message")
+            kept = {i for i in self.incomplete if i < index}
+            self._set_history(History(msgs[:index] + [Message("user", text)]))
+            self.incomplete = kept
+        except ChatError as e:
+            self._fail(str(e), "edit", "ChatError")
+            self._emit_conversation()
+            self.turnFinished.emit({"failed": True, "n": 0})
+            return
+        self._emit_conversation()
+        self._start(spec)
+
+    def continue_reply(self, spec) -> None:
+        self._fail("a remote reply cannot be continued (the server kept no state for it): "
+                   "Regenerate answers again, or reply to it as it is", "continue")
+        self.turnFinished.emit({"failed": True, "n": 0})
+
     def regenerate(self, spec) -> None:
+        self._set_pending(None)
         if len(self.history) and self.history[-1].role == "assistant":
             self.history.remove_last()
             self._emit_conversation()
@@ -236,6 +278,13 @@ class RemoteHost(QObject):
             interrupted=done.finish == "cancelled", reasoning=reasoning, content=content,
             tail="", gen=spec.gen, thinking=spec.thinking, finish=done.finish, remote=True)
         info["stats"] = remote_stats(info, usage, self.base_url)
+        if not closed and turn["n"]:
+            ids = done.extra.get("ids") or [-1] * n        # k3 serve says which ids
+            self._set_pending(dict(content=content, reasoning=reasoning, ids=list(ids),
+                                   why="stopped" if info["interrupted"] else "limit",
+                                   continuable=False))
+        else:
+            self._set_pending(None)
         self._set_busy(False)
         self.turnFinished.emit(info)
         if closed:

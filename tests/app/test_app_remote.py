@@ -71,11 +71,12 @@ def test_remote_turn_streams_thinking_apart_and_stop_cancels(qtbot, window, serv
     assert t["finish"] == "length" and t["first_token_seconds"] > 0
     phases = {r["phase"] for r in records}
     assert phases == {"thinking"}                     # random weights: still thinking
-    draft = window.chat.draft
-    assert draft is not None and draft["reasoning"] and "not part of the conversation" in \
-        draft["note"]
-    assert "".join(r["text_delta"] for r in records) == draft["reasoning"]
-    assert "tokens/s" in draft["stats"] and "local-only" in draft["stats"]
+    pending = window.chat.pending                     # shown as an incomplete reply
+    assert pending is not None and pending["why"] == "limit" and not pending["continuable"]
+    assert pending["reasoning"] and len(pending["ids"]) == window.settings.gen
+    assert "".join(r["text_delta"] for r in records) == pending["reasoning"]
+    stats = window.chat.pending_stats
+    assert "tokens/s" in stats and "local-only" in stats
     assert server.health()["last"]["completion_tokens"] == window.settings.gen
 
     # Stop mid-stream: the client closes the connection, the server cancels at a safe point
@@ -91,7 +92,7 @@ def test_remote_turn_streams_thinking_apart_and_stop_cancels(qtbot, window, serv
     h = server.wait_idle()
     assert h["last"]["finish_reason"] == "cancelled"
     assert h["last"]["completion_tokens"] < GEN
-    assert "Stopped" in window.chat.draft["note"]
+    assert window.chat.pending["why"] == "stopped"
     # the app is usable afterwards: the next turn runs
     window.chat.limit.setValue(4)
     t3 = remote_send(qtbot, window, "Short one")
@@ -161,19 +162,34 @@ def test_remote_regenerate_and_conversation_files(qtbot, window, server, tmp_pat
     qtbot.waitUntil(lambda: window.backend.is_remote and window.chat.loaded, timeout=TIMEOUT)
     window.chat.limit.setValue(5)
     first = remote_send(qtbot, window, "Name a colour")
-    reply = window.chat.draft["reasoning"]
+    reply = window.chat.pending["reasoning"]
     qtbot.waitUntil(lambda: window.chat.regen_btn.isEnabled(), timeout=TIMEOUT)
     with qtbot.waitSignal(window.backend.turnFinished, timeout=TIMEOUT) as blocker:
         window.chat.regen_btn.click()
     again = blocker.args[0]
     assert not first["failed"] and not again["failed"] and again["n"] == first["n"] == 5
-    assert window.chat.draft["reasoning"] == reply           # greedy on the server
+    assert window.chat.pending["reasoning"] == reply         # greedy on the server
     path = tmp_path / "remote.jsonl"
     window.chat.host.save_conversation(str(path))
     saved = History.load(path)
     assert [m.role for m in saved] == ["user"] and saved[-1].content == "Name a colour"
-    window.chat.new_conversation()
+    window.chat.host.new_conversation("")
     qtbot.waitUntil(lambda: not window.remote.messages, timeout=TIMEOUT)
     window.chat.open_conversation(str(path))
     qtbot.waitUntil(lambda: window.remote.messages and
                     window.remote.messages[-1]["content"] == "Name a colour", timeout=TIMEOUT)
+
+
+def test_an_incomplete_remote_reply_is_answered_as_it_is(qtbot, window, server):
+    connect(qtbot, window, server.base_url, KEY)
+    qtbot.waitUntil(lambda: window.backend.is_remote and window.chat.loaded, timeout=TIMEOUT)
+    window.chat.limit.setValue(3)
+    remote_send(qtbot, window, "First")
+    cut = window.chat.pending
+    t = remote_send(qtbot, window, "Second")
+    assert not t["failed"]
+    roles = [(m["role"], m["incomplete"]) for m in window.remote.messages]
+    assert roles == [("user", False), ("assistant", True), ("user", False)]
+    assert window.remote.messages[1]["reasoning"] == cut["reasoning"]
+    # the server saw it: the second prompt extends the first (reply sent back as generated)
+    assert server.health()["last"]["reused_positions"] > 0
