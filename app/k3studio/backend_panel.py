@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import threading
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHBoxLayout,
-                               QLabel, QLineEdit, QPushButton, QRadioButton, QVBoxLayout)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QGroupBox, QHBoxLayout, QLabel,
+                               QLineEdit, QPushButton, QRadioButton, QSizePolicy,
+                               QVBoxLayout)
 
 from .secrets_store import KeyStore
 
@@ -24,9 +25,9 @@ class BackendPanel(QGroupBox):
     def __init__(self, data_dir: str, parent=None):
         super().__init__("Backend", parent)
         self.keys = KeyStore(data_dir)
-        self.local = QRadioButton("This machine's engine (the model loaded above)")
+        self.local = QRadioButton("This machine's engine (loaded above)")
         self.remote = QRadioButton("Remote OpenAI-compatible endpoint (vLLM, SGLang, "
-                                   "k3 serve, …)")
+                                   "k3 serve…)")
         self.local.setChecked(True)
         self.url = QLineEdit()
         self.url.setPlaceholderText("http://127.0.0.1:8000/v1")
@@ -38,35 +39,41 @@ class BackendPanel(QGroupBox):
         self.model = QComboBox()
         self.model.setToolTip("The model ids the endpoint lists at /v1/models")
         self.state = QLabel("Using this machine's engine.")
-        self.state.setWordWrap(True)
-        self.where = QLabel(f"API key storage: {self.keys.where()}")
-        self.where.setObjectName("hint")
-        self.where.setWordWrap(True)
-        self.serve = QCheckBox("Serve this machine's model to other apps (k3 serve on "
-                               "127.0.0.1; its own process, with its own copy of the model)")
+        self.state.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        # a long URL or error must not widen the window: the label is clipped, and the
+        # whole text is its tooltip
+        self.state.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        where = f"API key storage: {self.keys.where()}"
+        self.where = QLabel(where)          # shown as the key field's and panel's tooltip
+        self.setToolTip(where)
+        self.serve = QCheckBox("Serve this model to other apps")
+        self.serve.setToolTip("Runs k3 serve on 127.0.0.1 with the model, trunk and memory "
+                              "settings above: its own process, with its own copy of the "
+                              "model (unload it here first on a small machine)")
         self.serve_url = QLineEdit()
         self.serve_url.setReadOnly(True)
         self.serve_url.setPlaceholderText("not serving")
         copy = QPushButton("Copy URL")
         copy.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.serve_url.text()))
-        serverow = QHBoxLayout()
-        serverow.addWidget(self.serve_url, 1)
-        serverow.addWidget(copy)
-        urlrow = QHBoxLayout()
-        urlrow.addWidget(self.url, 1)
-        urlrow.addWidget(self.connect_btn)
-        form = QFormLayout()
-        form.addRow("Base URL", urlrow)
-        form.addRow("API key", self.key)
-        form.addRow("Model", self.model)
+        # four compact rows: the window must stay usable at 1024x700 (test_app_look)
+        rows = [QHBoxLayout() for _ in range(4)]
+        rows[0].addWidget(self.local)
+        rows[0].addWidget(self.remote, 1)
+        rows[1].addWidget(QLabel("Base URL"))
+        rows[1].addWidget(self.url, 2)
+        rows[1].addWidget(QLabel("API key"))
+        rows[1].addWidget(self.key, 1)
+        rows[1].addWidget(self.connect_btn)
+        rows[2].addWidget(QLabel("Model"))
+        rows[2].addWidget(self.model, 1)
+        rows[2].addWidget(self.state, 3)
+        rows[3].addWidget(self.serve)
+        rows[3].addWidget(self.serve_url, 1)
+        rows[3].addWidget(copy)
         lay = QVBoxLayout(self)
-        lay.addWidget(self.local)
-        lay.addWidget(self.remote)
-        lay.addLayout(form)
-        lay.addWidget(self.state)
-        lay.addWidget(self.where)
-        lay.addWidget(self.serve)
-        lay.addLayout(serverow)
+        lay.setSpacing(4)
+        for r in rows:
+            lay.addLayout(r)
         self.serve.toggled.connect(self.serveToggled)
         self.connect_btn.clicked.connect(self.connect_remote)
         self.local.toggled.connect(self._choice)
@@ -100,7 +107,7 @@ class BackendPanel(QGroupBox):
         self._fields_enabled()
         self.changed.emit()
         if local:
-            self.state.setText("Using this machine's engine.")
+            self._say("Using this machine's engine.")
             self.useLocal.emit()
 
     def connect_remote(self) -> None:
@@ -113,7 +120,7 @@ class BackendPanel(QGroupBox):
             self._show_error(str(e))
             return
         self.connect_btn.setEnabled(False)
-        self.state.setText(f"Connecting to {url} …")
+        self._say(f"Connecting to {url} …")
         self._models_for = url
 
         def job():
@@ -142,8 +149,8 @@ class BackendPanel(QGroupBox):
             self.model.setCurrentText(self._saved_model)
         self.model.blockSignals(False)
         self.state.setStyleSheet("")
-        self.state.setText(f"Connected to {url}: chat uses <b>{self.model.currentText()}</b> "
-                           f"there. Memory and I/O plots are local-only.")
+        self._say(f"Connected to {url}: chat uses {self.model.currentText()} there. "
+                  f"Memory and I/O plots are local-only.")
         self.changed.emit()
         self.remoteReady.emit(url, key, self.model.currentText())
 
@@ -155,4 +162,8 @@ class BackendPanel(QGroupBox):
 
     def _show_error(self, message: str) -> None:
         self.state.setStyleSheet("color: #b3261e;")
-        self.state.setText(f"Not connected: {message}")
+        self._say(f"Not connected: {message}")
+
+    def _say(self, text: str) -> None:
+        self.state.setText(text)
+        self.state.setToolTip(text)

@@ -643,7 +643,8 @@ class ChatPanel(QWidget):
         n = len(p.get("ids") or ())
         why = (f"Stopped after {n} tokens" if p.get("why") == "stopped" else
                f"Reached the generation limit ({n} tokens) before the reply ended")
-        how = ("Continue resumes it exactly where it stopped; Regenerate answers again; or "
+        how = p.get("how") or (  # a remote reply says why it cannot be continued
+               "Continue resumes it exactly where it stopped; Regenerate answers again; or "
                "reply to it as it is." if p.get("continuable") else
                "It was kept from an earlier session, so it cannot be continued: Regenerate "
                "answers again, or reply to it as it is.")

@@ -282,7 +282,10 @@ class RemoteHost(QObject):
             ids = done.extra.get("ids") or [-1] * n        # k3 serve says which ids
             self._set_pending(dict(content=content, reasoning=reasoning, ids=list(ids),
                                    why="stopped" if info["interrupted"] else "limit",
-                                   continuable=False))
+                                   continuable=False,
+                                   how="A remote reply cannot be continued (the server keeps "
+                                       "no state for it): Regenerate answers again, or "
+                                       "reply to it as it is."))
         else:
             self._set_pending(None)
         self._set_busy(False)
