@@ -74,6 +74,7 @@ class BackendPanel(QGroupBox):
         lay.setSpacing(4)
         for r in rows:
             lay.addLayout(r)
+        lay.addStretch(1)                   # the rows stay together when the tab is tall
         self.serve.toggled.connect(self.serveToggled)
         self.connect_btn.clicked.connect(self.connect_remote)
         self.local.toggled.connect(self._choice)
