@@ -200,6 +200,8 @@ class MessageInput(QPlainTextEdit):
 def stats_text(info: dict) -> str:
     """Per-reply figures.  The first token carries the whole prefill, so the decode rate
     (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none."""
+    if info.get("stats"):                 # a remote reply: only what the server can tell
+        return info["stats"]
     n = info["n"]
     parts = [f"{n} token{'s' if n != 1 else ''}"
              + (f" (continued after {info['continued']})" if info.get("continued") else "")]
@@ -641,7 +643,8 @@ class ChatPanel(QWidget):
         n = len(p.get("ids") or ())
         why = (f"Stopped after {n} tokens" if p.get("why") == "stopped" else
                f"Reached the generation limit ({n} tokens) before the reply ended")
-        how = ("Continue resumes it exactly where it stopped; Regenerate answers again; or "
+        how = p.get("how") or (  # a remote reply says why it cannot be continued
+               "Continue resumes it exactly where it stopped; Regenerate answers again; or "
                "reply to it as it is." if p.get("continuable") else
                "It was kept from an earlier session, so it cannot be continued: Regenerate "
                "answers again, or reply to it as it is.")

@@ -83,9 +83,10 @@ def _fmt_gb(x: float) -> str:
     return f"{x:.3f}".rstrip("0").rstrip(".") if x != int(x) else str(int(x))
 
 
-def command_line(spec: RunSpec) -> str:
-    """The `k3` invocation equivalent to this run (chat mode)."""
-    argv = ["k3", spec.model_dir, "--chat", "--tok", spec.tokenizer_dir]
+def model_flags(spec: RunSpec) -> list[str]:
+    """The tokenizer, trunk and memory flags of this run: the same for `k3 --chat` and for
+    `k3 serve` (the app's local server)."""
+    argv = ["--tok", spec.tokenizer_dir]
     if spec.trunk_dir:
         argv += ["--trunk", spec.trunk_dir]
     if spec.preset in PRESETS or spec.preset == AUTO:
@@ -96,6 +97,12 @@ def command_line(spec: RunSpec) -> str:
         argv += ["--trunk-ring", str(spec.trunk_ring)]
     if spec.threads:
         argv += ["--threads", str(spec.threads)]
+    return argv
+
+
+def command_line(spec: RunSpec) -> str:
+    """The `k3` invocation equivalent to this run (chat mode)."""
+    argv = ["k3", spec.model_dir, "--chat", *model_flags(spec)]
     argv += ["--gen", str(spec.gen)]
     if not spec.thinking:
         argv.append("--no-think")

@@ -44,6 +44,10 @@ class StudioSettings:
     conversation_path: str = ""       # the open conversation's file (reopened on start)
     # look: "system" follows the platform's colour scheme, or "light" / "dark"
     theme: str = "system"
+    # backend: "local" (this machine's engine) or "remote"; the key is in secrets_store
+    backend: str = "local"
+    remote_url: str = ""
+    remote_model: str = ""
     # window
     geometry: bytes = b""
     splitter: bytes = b""

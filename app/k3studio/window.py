@@ -18,6 +18,8 @@ from k3engine.telemetry import rss_bytes
 
 from . import APP_NAME, appres, demo
 from . import settings as settings_mod
+from . import chat_backend
+from .chat_backend import ChatBackend
 from .chat_panel import ChatPanel
 from .conversation_library import ConversationLibrary
 from .conversations import ConversationStore, default_root
@@ -29,6 +31,7 @@ from .plots_panel import PlotsPanel
 from .runspec import RunSpec, command_line, from_settings
 from .setup_panel import SetupPanel
 from .tasks import Task
+from .remote_host import RemoteHost
 from .whatif_panel import WhatIfPanel, attach_whatif
 from .worker import EngineHost
 
@@ -97,9 +100,12 @@ class MainWindow(QMainWindow):
         self._default_size()
 
         self.host = EngineHost(self)
+        # the chat talks to this machine's engine or a remote endpoint (chat_backend.py)
+        self.remote = RemoteHost(self)
+        self.backend = ChatBackend(self.host, self.remote, self)
         self.setup = SetupPanel(self.data_dir)
         self.memory = MemoryPanel(self.spec)
-        self.chat = ChatPanel(self.host, self.effective_spec)
+        self.chat = ChatPanel(self.backend, self.effective_spec)
         self.plots = PlotsPanel()
         store = ConversationStore(default_root(self.data_dir))
         store.purge_trash()                  # deletions of an earlier session are final
@@ -181,6 +187,7 @@ class MainWindow(QMainWindow):
         self.actions_by_name = build_menus(self)
         self.dark = False
         self.set_theme(self.settings.theme)
+        chat_backend.attach(self)
 
         attach_whatif(self)
         attach_download(self)

@@ -38,14 +38,15 @@ SUBCOMMANDS = {
     "demo": "k3engine.tools.demo",
     "forecast": "k3engine.tools.forecast",
     "datapoint": "k3engine.tools.datapoint",
+    "serve": "k3engine.server.main",
 }
 
 USAGE = """\
 usage: k3 <model_dir> (--ids LIST | --ids-file PATH | --prompt TEXT | --prompt-file PATH)
           [--tok DIR] [--gen N] [--incremental] [--stop-id N]... [memory] [diagnostics]
        k3 <model_dir> --chat --tok DIR [--system TEXT] [--history PATH] [sampling]
-       k3 make-checkpoint | pack-trunk | download | doctor | devbw | budget | sim-cache ...
-                                         (each has --help)
+       k3 serve | demo | forecast | datapoint | download | doctor | devbw | budget
+       k3 make-checkpoint | pack-trunk | train-demo | sim-cache ...   (each has --help)
        k3 --help | --version | --list-presets
 """
 

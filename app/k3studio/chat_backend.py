@@ -1,0 +1,128 @@
+"""Which engine the chat panel talks to: this machine's (worker.EngineHost) or a remote
+endpoint (remote_host.RemoteHost).  `ChatBackend` has the interface the chat panel uses and
+relays the active host's observations only, so switching never mixes two conversations.
+`attach(window)` puts the backend choice into Setup and wires it."""
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Signal
+
+from .remote_host import LOCAL_ONLY
+
+RELAYED = ("busyChanged", "conversation", "turnStarted", "records", "prefillProgress",
+           "turnFinished", "pendingChanged")
+FORWARDED = ("send", "edit", "continue_reply", "regenerate", "stop", "take_back",
+             "new_conversation", "open_conversation", "save_conversation", "set_system",
+             "refresh_conversation")
+
+
+class ChatBackend(QObject):
+    busyChanged = Signal(bool)
+    conversation = Signal(object)
+    turnStarted = Signal(object)
+    records = Signal(object)
+    prefillProgress = Signal(object)
+    turnFinished = Signal(object)
+    pendingChanged = Signal(object)
+
+    def __init__(self, local, remote, parent=None):
+        super().__init__(parent)
+        self.local, self.remote = local, remote
+        self.active = local
+        for src in (local, remote):
+            for name in RELAYED:
+                getattr(src, name).connect(
+                    lambda *a, s=src, n=name: s is self.active and getattr(self, n).emit(*a))
+        for name in FORWARDED:
+            setattr(self, name, lambda *a, n=name: getattr(self.active, n)(*a))
+
+    @property
+    def busy(self) -> bool:
+        return self.active.busy
+
+    @property
+    def is_remote(self) -> bool:
+        return self.active is self.remote
+
+    def use(self, host) -> None:
+        if host is self.active:
+            return
+        if self.active.busy:
+            self.active.stop()
+        self.active = host
+        host.refresh_conversation()
+        self.pendingChanged.emit(dict(host.pending) if getattr(host, "pending", None)
+                                 else None)
+        self.busyChanged.emit(host.busy)
+
+
+def attach(window) -> None:
+    """The backend panel in Setup, and its effects on the chat and the plots."""
+    from .backend_panel import BackendPanel
+    panel = window.backend_panel = BackendPanel(window.data_dir)
+    window.setup.layout().addWidget(panel, 2, 0, 1, 2)
+    panel.load_from(window.settings)
+    backend, remote = window.backend, window.remote
+
+    def remote_ready(url: str, key: str, model: str) -> None:
+        fresh = not remote.connected
+        remote.configure(url, key, model)
+        if fresh:
+            remote.new_conversation(window.settings.system_prompt)
+        backend.use(remote)
+        window.chat.set_model(f"<b>{model}</b> · remote endpoint {url} · {LOCAL_ONLY}", True)
+        window.plots.set_model(None)
+        window.plots.summary.setText(f"Remote endpoint: {LOCAL_ONLY}. Each reply's stats "
+                                     f"show time to first token, tokens/s and token counts.")
+
+    def use_local() -> None:
+        backend.use(window.host)
+        if window.host.loaded_info is not None:
+            window._loaded(window.host.loaded_info)
+        else:
+            window._unloaded()
+
+    def changed() -> None:
+        for k, v in panel.values().items():
+            setattr(window.settings, k, v)
+
+    def local_loaded(_info) -> None:      # after the window's own handler: keep the label
+        if backend.is_remote:
+            remote_ready(remote.base_url, remote.api_key, remote.model)
+
+    from .local_server import LocalServer
+    server = window.local_server = LocalServer(window)
+
+    def serve(on: bool) -> None:
+        if not on:
+            server.stop()
+            return
+        spec = window.spec()
+        if not spec.model_dir:
+            panel.serve.setChecked(False)
+            panel.serve_url.setText("choose a model above first")
+            return
+        panel.serve_url.setText("starting k3 serve …")
+        server.start(spec)
+
+    def served_stopped(code: int, tail: str) -> None:
+        panel.serve.blockSignals(True)
+        panel.serve.setChecked(False)
+        panel.serve.blockSignals(False)
+        panel.serve_url.setText("" if code == 0 else f"k3 serve ended ({code}): "
+                                f"{tail.splitlines()[-1] if tail else ''}")
+
+    def new_remote_conversation() -> None:    # the sidebar's library follows this machine
+        if backend.is_remote and not remote.busy:
+            remote.new_conversation(window.chat.system.text())
+            window.chat.reset_view()
+
+    window.sidebar.newRequested.connect(new_remote_conversation)
+    panel.serveToggled.connect(serve)
+    server.started.connect(panel.serve_url.setText)
+    server.stopped.connect(served_stopped)
+    panel.remoteReady.connect(remote_ready)
+    window.host.loaded.connect(local_loaded)
+    panel.useLocal.connect(use_local)
+    panel.changed.connect(changed)
+    remote.errored.connect(window._errored)
+    remote.status.connect(lambda s: window.statusBar().showMessage(s, 10000))

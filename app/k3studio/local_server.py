@@ -1,0 +1,71 @@
+"""`k3 serve` started from the app: this machine's model offered to other apps on loopback.
+
+It runs as its own process with the run's model, trunk, tokenizer and memory flags
+(runspec.model_flags), on 127.0.0.1 and a free port, so it is exactly the CLI's server.
+Being a separate process it loads its own copy of the model: on a small machine, unload the
+model in the app first (the Setup panel says so).  The URL comes from the server's own
+`listening on` line.  Stop sends SIGTERM (uvicorn shuts down, the engine stops at a safe
+point); a process that does not end in 10 s is killed.  The QProcess is parented to the
+window, and Qt kills a still-running child when it is destroyed.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+from PySide6.QtCore import QObject, QProcess, Signal
+
+LISTENING = re.compile(r"k3 serve: listening on (http://\S+)")
+
+
+def serve_argv(spec) -> list[str]:
+    from .runspec import model_flags
+    return ["-m", "k3engine", "serve", spec.model_dir, *model_flags(spec),
+            "--host", "127.0.0.1", "--port", "0"]
+
+
+class LocalServer(QObject):
+    started = Signal(str)             # the base URL (…/v1)
+    stopped = Signal(int, str)        # exit code, the last lines it printed
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.proc: QProcess | None = None
+        self.url = ""
+        self._out: list[str] = []
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+    def start(self, spec) -> None:
+        if self.proc is not None:
+            return
+        self._out, self.url = [], ""
+        p = self.proc = QProcess(self)
+        p.setProcessChannelMode(QProcess.MergedChannels)
+        p.readyReadStandardOutput.connect(self._read)
+        p.finished.connect(self._finished)
+        p.start(sys.executable, serve_argv(spec))
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is None:
+            return
+        p.terminate()
+        if not p.waitForFinished(10000):
+            p.kill()
+            p.waitForFinished(5000)
+
+    def _read(self) -> None:
+        text = bytes(self.proc.readAllStandardOutput().data()).decode("utf-8", "replace")
+        for line in text.splitlines():
+            self._out = (self._out + [line])[-20:]
+            m = LISTENING.search(line)
+            if m and not self.url:
+                self.url = m.group(1) + "/v1"
+                self.started.emit(self.url)
+
+    def _finished(self, code: int, _status) -> None:
+        self.proc, self.url = None, ""
+        self.stopped.emit(code, "\n".join(self._out[-6:]))

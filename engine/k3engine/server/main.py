@@ -1,0 +1,182 @@
+"""`k3 serve MODEL_DIR [...]`: load the model once, then serve it over HTTP.
+
+Binding rules: loopback (127.0.0.1, ::1, localhost) by default; any other address needs an
+API key (--api-key, or K3_API_KEY so it stays out of `ps`) or an explicit
+--insecure-no-key.  The key is never printed.  `--port 0` picks a free port; the line
+`k3 serve: listening on http://HOST:PORT` says which (tests and scripts read it).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import sys
+
+from ..errors import EXIT_OK, EXIT_USAGE, describe
+from ..session import MAX_GEN, MAX_PROMPT
+
+USAGE_NOTE = """\
+endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
+(OpenAI-compatible; streamed as server-sent events with "stream": true).  One generation at
+a time; up to --queue requests wait, more get 429 with Retry-After.
+exit codes: 0 stopped cleanly, 1 the model could not be loaded, 2 bad options or plan."""
+
+
+class _Memory(argparse.Action):
+    """Memory flags keep their argv order: `k3` applies them in order (resolve_budgets)."""
+
+    def __call__(self, parser, ns, value, option_string=None):
+        ns.memory.append((option_string, True if self.nargs == 0 else value))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3 serve", epilog=USAGE_NOTE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Serve a K3 checkpoint over an OpenAI-compatible "
+                                            "HTTP API.")
+    p.add_argument("model_dir")
+    p.add_argument("--trunk", help="packed trunk (k3 pack-trunk): stream the trunk from it")
+    p.add_argument("--tok", help="tokenizer directory (default: MODEL_DIR when it holds "
+                                 "tiktoken.model)")
+    p.add_argument("--config", help="config file (default MODEL_DIR/config.json)")
+    for flag in ("--preset", "--trunk-gb", "--cache-gb"):
+        p.add_argument(flag, action=_Memory, dest="memory_" + flag[2:].replace("-", "_"),
+                       metavar="X")
+    p.add_argument("--ultra-low-memory", action=_Memory, nargs=0, dest="memory_ultra")
+    p.add_argument("--trunk-ring", type=int, default=2, choices=range(1, 9), metavar="N")
+    p.add_argument("--threads", type=int, default=0, metavar="N")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY (or set K3_API_KEY)")
+    p.add_argument("--insecure-no-key", action="store_true",
+                   help="allow a non-loopback --host without a key")
+    p.add_argument("--queue", type=int, default=4, metavar="N",
+                   help="requests that may wait for the engine (default 4)")
+    p.add_argument("--gen", type=int, default=MAX_GEN, metavar="N",
+                   help=f"max_tokens ceiling and default (1..{MAX_GEN})")
+    p.add_argument("--model-id", help="the id /v1/models lists (default: MODEL_DIR's name)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N")
+    p.add_argument("--max-messages", type=int, default=1024, metavar="N")
+    p.add_argument("--max-prompt", type=int, default=MAX_PROMPT, metavar="N",
+                   help=f"prompt ids per request (1..{MAX_PROMPT})")
+    p.add_argument("--access-log", action="store_true", help="log each request line")
+    p.set_defaults(memory=[])
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False                     # a name: it may resolve anywhere
+
+
+def check_options(a) -> str | None:
+    """The refusal for these options, or None."""
+    if not is_loopback(a.host) and not a.api_key and not a.insecure_no_key:
+        return (f"--host {a.host} is not a loopback address: give --api-key KEY (or set "
+                f"K3_API_KEY), or --insecure-no-key to serve it without one")
+    if a.queue < 0:
+        return "--queue must be >= 0"
+    if not 1 <= a.gen <= MAX_GEN:
+        return f"--gen must be in 1..{MAX_GEN}"
+    if not 1 <= a.max_prompt <= MAX_PROMPT:
+        return f"--max-prompt must be in 1..{MAX_PROMPT}"
+    if not 0 <= a.port <= 65535:
+        return "--port must be in 0..65535"
+    if a.api_key is not None and not a.api_key.strip():
+        return "--api-key must not be empty"
+    return None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    a.api_key = a.api_key or os.environ.get("K3_API_KEY") or None
+    why = check_options(a)
+    if why:
+        print(f"k3 serve: {why}", file=sys.stderr)
+        return EXIT_USAGE
+    if a.tok is None and os.path.exists(os.path.join(a.model_dir, "tiktoken.model")):
+        a.tok = a.model_dir
+    try:
+        sock = bind(a.host, a.port)
+    except OSError as e:
+        print(f"k3 serve: cannot listen on {a.host}:{a.port}: {e.strerror or e}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    from .. import run
+    from ..console import Printer
+    from ..telemetry import Events
+    from .app import create_app
+    from .engine import Backend, EngineThread
+    from .protocol import Limits
+    from ..memory import available_memory
+    _, available = available_memory()      # before the load, as the chat's KV check uses it
+    try:
+        req = run.request_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
+                               config_path=a.config, trunk_ring=a.trunk_ring,
+                               threads=a.threads, chat=True, gen=a.gen)
+        r = run.open_run(req, Printer(Events()))
+    except Exception as e:
+        d = describe(e)
+        if d is None:
+            raise
+        print(d[2], file=sys.stderr)
+        sock.close()
+        return d[0]
+    model_id = a.model_id or os.path.basename(os.path.normpath(a.model_dir))
+    limits = Limits(max_body_bytes=a.max_body_bytes, max_messages=a.max_messages,
+                    max_prompt_ids=a.max_prompt, max_tokens=a.gen)
+    backend = Backend(r, model_id, limits, available)
+    engine = EngineThread(backend, a.queue)
+    code = serve_until_stopped(create_app(engine, model_id, a.api_key, limits), sock, a)
+    engine.close()                         # cancels a running generation at a safe point
+    backend.close()
+    return code
+
+
+def serve_until_stopped(app, sock: socket.socket, a) -> int:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """Ours are installed before the `listening` line (below).  uvicorn's own
+            version installs them only once it runs, so a SIGTERM right after that line
+            killed the process, and it re-raises the signal once the server is down, which
+            ends the process before the engine is closed at a safe point."""
+            yield
+
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(app, log_level="warning", access_log=a.access_log,
+                            timeout_graceful_shutdown=5)
+    server = Server(config)
+    # SIGINT/SIGTERM ask the server to stop; a second SIGINT forces it (uvicorn's handler)
+    old = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+    key = "key required" if a.api_key else "no key"
+    try:
+        print(f"k3 serve: listening on http://{shown}:{port} (model id "
+              f"{a.model_id or os.path.basename(os.path.normpath(a.model_dir))}, {key}, "
+              f"queue {a.queue})", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    print("k3 serve: stopped", flush=True)
+    return EXIT_OK
