@@ -126,6 +126,18 @@ def save(store: QSettings, s: StudioSettings) -> None:
         v = getattr(s, f.name)
         store.setValue(f.name, QByteArray(v) if isinstance(v, bytes) else v)
     store.sync()
+    _private(store.fileName())
+
+
+def _private(path: str) -> None:
+    """The settings hold the system prompt (conversation content): 0600, like histories.
+    QSettings writes the file with the umask's mode, so it is narrowed after each sync."""
+    import os
+    try:
+        if path and os.path.isfile(path):
+            os.chmod(path, 0o600)
+    except OSError:
+        pass                        # a store we cannot chmod (not ours): leave it as it is
 
 
 def replace(s: StudioSettings, **changes) -> StudioSettings:

@@ -71,3 +71,15 @@ def test_window_restores_what_it_saved(qtbot, tmp_path, demo_model):
     assert again.setup.model.text() == demo_model[0]
     assert again.tabs.currentIndex() == TAB_MEMORY
     again.close()
+
+
+def test_settings_file_is_private(tmp_path):
+    """The settings hold the system prompt: the file is 0600 after a save (issue 14)."""
+    import stat
+    from PySide6.QtCore import QSettings
+    from k3studio import settings as S
+    store = QSettings(str(tmp_path / "k3.ini"), QSettings.IniFormat)
+    S.save(store, S.replace(S.StudioSettings(), system_prompt="private words"))
+    mode = stat.S_IMODE((tmp_path / "k3.ini").stat().st_mode)
+    print(f"[gate] settings file mode {oct(mode)}")
+    assert mode == 0o600
