@@ -16,7 +16,7 @@ light theme, "-dark" for the dark one):
   k3studio-setup SUFFIX.png     the setup view with the checks and the doctor
   k3studio-error SUFFIX.png     a refusal (a folder that is not a model) with its fix
 
-The demo model has random weights, so its own replies are noise: the Markdown shot shows a
+The demo model is tiny and knows only its small corpus, so the Markdown shot shows a
 conversation written into the conversations folder first (the rendering is the same for a
 reply the model streams).  Without a display it falls back to Qt's offscreen platform.
 Settings and conversations go to a temporary directory: a person's own are never touched.
