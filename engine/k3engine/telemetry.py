@@ -26,8 +26,11 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set from getrusage (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set from the OS: VmHWM where Linux has it (getrusage's
+    ru_maxrss carries a parent's larger peak across fork + exec, vm_hwm_bytes), else
+    getrusage (Linux and BSDs report KiB)."""
+    hwm = vm_hwm_bytes()
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PeakWindow:
@@ -55,16 +58,26 @@ class PeakWindow:
 
     def sample(self) -> int:
         if self.measured == "VmHWM":
-            try:
-                with open("/proc/self/status") as f:
-                    for line in f:
-                        if line.startswith("VmHWM:"):
-                            return int(line.split()[1]) * 1024
-            except (OSError, ValueError, IndexError):
-                pass
+            hwm = vm_hwm_bytes()
+            if hwm is not None:
+                return hwm
             self.measured = "samples"
         self._floor = max(self._floor, rss_bytes())
         return self._floor
+
+
+def vm_hwm_bytes() -> int | None:
+    """This process's own peak RSS: VmHWM of /proc/self/status (Linux), None elsewhere.
+    The trap it avoids: getrusage's ru_maxrss survives fork + execve, so a run started
+    from a big process (the app, a calibration) reports its parent's peak if larger."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 Sink = Callable[[dict], None]

@@ -220,17 +220,9 @@ def prompt_ids(n: int, vocab: int) -> list[int]:
 
 
 def own_peak_rss() -> int | None:
-    """This process's own peak RSS: VmHWM of /proc/self/status (Linux), None elsewhere.
-    The trap it avoids: getrusage's ru_maxrss survives fork + execve, so a run started
-    from a big process (the app, a calibration) reports its parent's peak if larger."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """This process's own peak RSS (telemetry.vm_hwm_bytes: not the parent's)."""
+    from ..telemetry import vm_hwm_bytes
+    return vm_hwm_bytes()
 
 
 def child_main(argv: list[str]) -> int:
