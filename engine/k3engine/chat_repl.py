@@ -12,6 +12,7 @@ Two modes, told apart by whether stdin and stdout are both terminals:
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -234,11 +235,9 @@ class _ctrl_c_stops:
 
     def __enter__(self):
         if self.live:
-            import signal
             self.old = signal.signal(signal.SIGINT, lambda *a: self.cancel.set())
         return self
 
     def __exit__(self, *exc):
         if self.old is not None:
-            import signal
             signal.signal(signal.SIGINT, self.old)

@@ -20,8 +20,8 @@ from . import events as E
 from .errors import PlanRefused, StateUnusable, UsageError
 from .ids import parse_ids, read_ids_file
 from .inputfile import InputFileError, read_regular_file
-from .memory import (AUTO, DEFAULT_DRAFT_TRUNK_GB, Budgets, Plan, PlanRequest, available_memory,
-                     plan_for, resolve_budgets)
+from .memory import (AUTO, DEFAULT_DRAFT_TRUNK_GB, PRESETS, Budgets, Plan, PlanRequest,
+                     available_memory, plan_for, resolve_budgets)
 from .session import (MAX_GEN, MAX_POSITIONS, MAX_PROMPT, Cancel, RunResult, default_threads,
                       generate_steps, load_draft, load_model, open_model, read_config,
                       set_threads)
@@ -130,14 +130,9 @@ def request_from(model_dir: str, memory: Iterable[tuple[str, object]] = (), **fi
 
 def memory_flags(preset: str, trunk_gb: float, cache_gb: float) -> list[tuple[str, object]]:
     """The app's budget settings as the flags `k3` would be given (`custom`: the sliders)."""
-    if preset == AUTO or preset in _preset_names():
+    if preset == AUTO or preset in PRESETS:
         return [("--preset", preset)]
     return [("--trunk-gb", float(trunk_gb)), ("--cache-gb", float(cache_gb))]
-
-
-def _preset_names():
-    from .memory import PRESETS
-    return PRESETS
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -225,8 +220,7 @@ def open_run(req: RunRequest, sink: E.Sink | None = None, tok=None) -> "Run":
                        setup.manifest.total_bytes() if setup.manifest else 0))
         if the_plan.refusals:
             raise PlanRefused(the_plan)
-        run = Run(req, cfg, nl, tok, ids, setup, the_plan, positions, n_prior, sink)
-        run.threads = threads
+        run = Run(req, cfg, nl, tok, ids, setup, the_plan, positions, n_prior, sink, threads)
         run._load(draft_topk)
     except BaseException:
         setup.ck.close()
@@ -240,14 +234,14 @@ class Run:
     """A loaded model with its plan, ready to generate; `close()` releases it."""
 
     def __init__(self, req: RunRequest, cfg, nl: int, tok, ids: list[int], setup,
-                 the_plan: Plan, positions: int, n_prior: int, sink: E.Sink):
+                 the_plan: Plan, positions: int, n_prior: int, sink: E.Sink, threads: int):
         self.req, self.cfg, self.nl, self.tok, self.ids = req, cfg, nl, tok, ids
         self.setup, self.plan, self.positions, self.n_prior = setup, the_plan, positions, n_prior
         self.sink = sink
         self.lm = None
         self.draft = None
         self.ctl = None
-        self.threads = 0
+        self.threads = threads
         self._trunk_mark = (0, 0.0, 0)
 
     # -- loading -------------------------------------------------------------------
