@@ -280,6 +280,9 @@ class MainWindow(QMainWindow):
 
     def _busy(self, busy: bool) -> None:
         self.setup.set_engine_state(self.host.model_loaded, busy)
+        # New waits for the reply (Stop ends it): a disabled control, not a press ignored
+        self.actions_by_name["new"].setEnabled(not busy)
+        self.sidebar.new_btn.setEnabled(not busy)
         self._stale_note()
 
     def _turn_finished(self, info: dict) -> None:

@@ -463,20 +463,25 @@ class EngineWorker(QObject):
             self.turnFinished.emit({"failed": True, "n": 0})
             return
         self.busyChanged.emit(True)
+        info = {"failed": True, "n": 0}
         try:
             self._apply_chat_options(spec)
-            self._run_turn(cancel, resume)
+            info = self._run_turn(cancel, resume)
         except BaseException as e:  # noqa: BLE001
             # A failed forward may leave the carried state half-advanced: start afresh.
             self._set_pending(None)
             self._new_session()
             self._fail(e, "turn")
-            self.turnFinished.emit({"failed": True, "n": 0})
         finally:
             self._in_turn = False
+            # Idle first, the summary last: whatever reacts to turnFinished (New, Send, a
+            # test) must find the engine idle, or a New pressed on it is dropped as "busy"
+            # (tests/app/test_app_continue.py caught this as a turn that continued the
+            # previous conversation).
             self.busyChanged.emit(False)
+            self.turnFinished.emit(info)
 
-    def _run_turn(self, cancel, resume: bool = False) -> None:
+    def _run_turn(self, cancel, resume: bool = False) -> dict:
         from k3engine import events as E
         from k3engine.chat import ChatError
         from k3engine.memory import human, kv_check
@@ -551,7 +556,7 @@ class EngineWorker(QObject):
                                    continuable=chat.pending is not None))
         else:
             self._set_pending(None)
-        self.turnFinished.emit(dict(
+        info = dict(
             failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_ids, reused=res.reused,
             continued=res.continued, read_bytes=read_bytes, peak_measured=self.peak.measured,
             seconds=res.seconds, first_token_seconds=first_s,
@@ -569,8 +574,9 @@ class EngineWorker(QObject):
             retention=lm.experts.total.retention / 100.0,
             true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
             expert_bytes_read=lm.experts.total.bytes_read,
-            trunk_bytes_read=lm.trunk.bytes_read if lm.trunk else 0))
+            trunk_bytes_read=lm.trunk.bytes_read if lm.trunk else 0)
         self._emit_conversation()
+        return info
 
     def _post_heat(self) -> None:
         """Requests per (layer, expert) so far: the trace's running counts, O(layers x

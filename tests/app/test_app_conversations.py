@@ -104,6 +104,27 @@ def test_new_keeps_the_previous_conversation(qtbot, window, demo_model):
     assert window.sidebar.titles() == ["Second conversation", "First conversation"]
 
 
+def test_new_is_disabled_while_a_reply_runs_and_ready_when_it_ends(qtbot, window, demo_model):
+    """A New pressed as a reply ends used to be dropped: the summary (turnFinished) reached
+    the window before the engine said it was idle, so the press met a busy engine and the
+    next message continued the old conversation."""
+    load(qtbot, window, *demo_model)
+    new, side = window.actions_by_name["new"], window.sidebar.new_btn
+    during, at_end = [], []
+    window.host.records.connect(
+        lambda r: during.append((window.host.busy, new.isEnabled(), side.isEnabled())))
+    window.host.turnFinished.connect(
+        lambda info: at_end.append((window.host.busy, new.isEnabled(), side.isEnabled())))
+    send(qtbot, window, "First conversation")
+    print(f"[gate] (busy, New, sidebar New) while generating {during[0]}, "
+          f"at the summary {at_end}")
+    assert during and all(d == (True, False, False) for d in during)
+    assert at_end == [(False, True, True)]
+    with qtbot.waitSignal(window.host.conversation, timeout=TIMEOUT) as b:
+        new.trigger()                        # pressed right at the summary: it is taken
+    assert [m for m in b.args[0] if m["role"] != "system"] == []
+
+
 def test_the_last_conversation_and_its_model_reopen_after_restart(qtbot, store, tmp_path,
                                                                   demo_model):
     from k3studio.window import MainWindow
