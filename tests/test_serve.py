@@ -144,6 +144,25 @@ def test_completions_with_ids_and_text(client):
     assert t.usage.completion_tokens == 3 and t.usage.prompt_tokens > 0
 
 
+def test_greedy_completion_equals_k3_batch_on_the_same_ids(client, demo, tmp_path):
+    """The completions route runs Run.generate, the loop `k3` runs: the same ids as
+    `k3 MODEL --ids ... --incremental` with the chat's end ids as stop ids."""
+    from k3engine.run import chat_controls
+    from k3engine.tokenizer import Tokenizer
+    ends = chat_controls(Tokenizer.from_dir(demo)).end_ids
+    prompt = [5, 6, 7, 40, 41]
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=6)
+    out = tmp_path / "o.json"
+    subprocess.run([sys.executable, "-m", "k3engine", demo, "--ids",
+                    ",".join(map(str, prompt)), "--gen", "6", "--incremental",
+                    *[a for e in ends for a in ("--stop-id", str(e))], "--out", str(out)],
+                   capture_output=True, timeout=600, check=True)
+    want = json.loads(out.read_text())["generated_ids"]
+    got = r.model_extra["k3"]["ids"]
+    print(f"[gate] completion {got} vs k3 --ids {want}")
+    assert got == want
+
+
 # ---------------------------------------------------------------- refusals
 
 def test_bad_key_is_401(server):

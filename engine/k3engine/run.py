@@ -329,25 +329,36 @@ class Run:
         return None if trace is None else trace.counts_grid()
 
     # -- batch generation ------------------------------------------------------------
-    def generate(self, cancel: Cancel | None = None, stop_in_pass: bool = False
+    def generate(self, cancel: Cancel | None = None, stop_in_pass: bool = False, *,
+                 ids: list[int] | None = None, gen: int | None = None, sampler=None,
+                 stop_ids: tuple[int, ...] | None = None, carried=None
                  ) -> Iterator[E.Event]:
         """The batch decode loop (SYSTEM §6.4) as events: DecodeStarted, then per step
         StepDone and one TokenOut per id, then Finished(RunResult).  `stop_in_pass` also
-        honours `cancel` between the layers of the prompt pass (session.generate_steps)."""
+        honours `cancel` between the layers of the prompt pass (session.generate_steps).
+
+        A caller serving many prompts on one run (k3 serve) overrides the request's `ids`,
+        `gen`, `sampler` and `stop_ids`, and continues a kept state with
+        `carried=(state, ids it was fed)` (the state grown for the new positions)."""
         req, lm = self.req, self.lm
+        ids = self.ids if ids is None else ids
+        gen = req.gen if gen is None else gen
+        stop_ids = req.stop_ids if stop_ids is None else stop_ids
         state, prior, resumed = None, [], None
-        if req.load_state:
+        if carried is not None:
+            state, prior = carried
+        elif req.load_state:
             from .statefile import load_state
             t0 = time.monotonic()
-            state = lm.model.new_state(self.n_prior + len(self.ids) + req.gen + 1)
+            state = lm.model.new_state(self.n_prior + len(ids) + gen + 1)
             prior = load_state(req.load_state, state)
-            resumed = E.Resumed(req.load_state, state.n_cached, len(self.ids),
+            resumed = E.Resumed(req.load_state, state.n_cached, len(ids),
                                 time.monotonic() - t0)
         cfg = self.cfg
         n_mla = sum(cfg.is_mla(L) for L in range(self.nl))
         per_pos = 4 * sum(cfg.n_heads * (cfg.qk_nope + cfg.v_head) + cfg.qk_rope
                           for L in range(self.nl) if cfg.is_mla(L))
-        positions = len(prior) + len(self.ids) + req.gen + 1
+        positions = len(prior) + len(ids) + gen + 1
         d = req.draft
         yield E.DecodeStarted(req.incremental, per_pos * positions, n_mla, positions, resumed,
                               min(req.spec, MAX_DRAFT), req.spec_auto,
@@ -356,10 +367,9 @@ class Run:
                                   topk=self.draft.model.router.k, cache_only=d.cache_only))
         from .tokenizer import StreamDecoder
         stream = StreamDecoder(self.tok) if self.tok else None
-        sampler = req.sampling.sampler()
+        sampler = sampler or req.sampling.sampler()
         sampler.new_turn(1)                      # batch mode: one stream, turn 1
-        self._trunk_mark = (0, 0.0, 0)
-        steps = generate_steps(lm, self.ids, req.gen, req.incremental, req.stop_ids, sampler,
+        steps = generate_steps(lm, ids, gen, req.incremental, stop_ids, sampler,
                                cancel, state, prior,
                                on_step_start=lambda g: lm.experts.reset_step(),
                                spec=req.spec, proposer=self.draft, spec_auto=req.spec_auto,

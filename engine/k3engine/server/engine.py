@@ -292,11 +292,10 @@ class Backend:
     # -- completions (the batch loop on the kept state) -------------------------------
     def _completion(self, job: Job) -> str:
         from ..chat import reuse_positions
+        from ..events import Finished, StepDone, TokenOut
         from ..state import grown
-        from ..session import generate_steps
         from ..tokenizer import StreamDecoder
         req, run = job.req, self.run
-        lm = run.lm
         if isinstance(req.prompt, str):
             if self.tok is None:
                 raise ApiError(400, "a text prompt needs the model's tokenizer (--tok); "
@@ -309,41 +308,34 @@ class Backend:
                 raise ApiError(400, f"token id {bad} is outside the vocabulary of "
                                     f"{run.cfg.vocab}", param="prompt")
         self._check_length(len(ids), req.gen)
-        state = self.state
-        reuse = 0
+        state, reuse = self.state, 0
         if state is not None and not state.poisoned:
             reuse = reuse_positions(self.record, ids, cached=state.n_cached)
-        state = grown(state, len(ids) + req.gen + 1) if reuse else None
+        carried = (grown(state, len(ids) + req.gen + 1), ids[:reuse]) if reuse else None
         self._keep(None, [], [])                  # the batch loop keeps no chat forks
         job.post(Started(len(ids)))
-        sampler = req.sampling.run_sampling().sampler()
-        sampler.new_turn(1)                                 # as `k3` batch mode
         ends = tuple(self.ctl.end_ids) if self.ctl is not None else ()
+        # the text a client sees leaves the end ids out (Run.generate's own text has them)
         stream = StreamDecoder(self.tok) if self.tok is not None else None
         stops = StopMatcher(req.stops)
         acc = Figures()
         out: list[int] = []
-        t0 = time.monotonic()
-        first = None
-        steps = generate_steps(lm, ids[reuse:], req.gen, True, ends, sampler, job.cancel,
-                               state, ids[:reuse], on_step_start=lambda g: lm.experts.reset_step(),
-                               stop_in_pass=True)
-        while True:
-            try:
-                s = next(steps)
-            except StopIteration as stop:
-                res = stop.value
-                break
-            first = first if first is not None else time.monotonic() - t0
-            acc.add(s.seconds, run.measure_step(s.seconds))
-            for i in s.ids:
-                out.append(i)
-                if stream is not None and i not in ends:
-                    text = stops.push(stream.push(i))
+        res = None
+        for ev in run.generate(job.cancel, stop_in_pass=True, ids=ids[reuse:], gen=req.gen,
+                               sampler=req.sampling.run_sampling().sampler(),
+                               stop_ids=ends, carried=carried):
+            if isinstance(ev, StepDone):
+                acc.step(ev)
+            elif isinstance(ev, TokenOut):
+                out.append(ev.id)
+                if stream is not None and ev.id not in ends:
+                    text = stops.push(stream.push(ev.id))
                     if text:
                         job.post(Delta("text", text))
-            if stops.hit is not None:
-                job.cancel.set()
+                if stops.hit is not None:
+                    job.cancel.set()              # generation ends at the next safe point
+            elif isinstance(ev, Finished):
+                res = ev.result
         if res.state is not None and not res.state.poisoned:
             self._keep(res.state, res.full_ids[:res.state.n_cached], [])
         tail = stops.flush() + (stream.flush() if stream is not None and stops.hit is None
@@ -353,7 +345,7 @@ class Backend:
         end = res.stopped_at if res.stopped_at >= 0 else None
         finish = finish_reason(stops.hit, end, res.interrupted, len(out), req.gen)
         job.post(Done(finish, usage_body(len(ids), len(out), 0),
-                      acc.ext(first or 0.0, len(out), reuse, len(ids), out)))
+                      acc.ext(acc.first or 0.0, len(out), reuse, len(ids), out)))
         return "cancelled" if finish == "cancelled" else "answered"
 
 
