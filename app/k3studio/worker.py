@@ -535,7 +535,8 @@ class EngineWorker(QObject):
                            retention=t.retention_rate / 100.0, raw_hit=t.raw_hit_rate / 100.0,
                            io_trunk_share=t.io_trunk_share, io_expert_share=t.io_expert_share,
                            plan_total=the_plan.total_bytes, available=the_plan.available_bytes)
-                rec["peak_rss_bytes"] = self.peak.sample()    # this reply's, from the OS
+                # this reply's, from the OS (the step's VmHWM: clear_refs reset it)
+                rec["peak_rss_bytes"] = self.peak.sample(t.peak_rss_bytes)
                 if self.records.put(rec):
                     self.recordsReady.emit()
                 heat_n += 1

@@ -56,9 +56,11 @@ class PeakWindow:
         except OSError:
             self.measured, self._floor = "samples", rss_bytes()
 
-    def sample(self) -> int:
+    def sample(self, hwm: int | None = None) -> int:
+        """The window's peak now.  `hwm`: VmHWM as the caller just read it (a step's
+        telemetry has it), so a per-token sample does not read /proc a second time."""
         if self.measured == "VmHWM":
-            hwm = vm_hwm_bytes()
+            hwm = hwm if hwm is not None else vm_hwm_bytes()
             if hwm is not None:
                 return hwm
             self.measured = "samples"
