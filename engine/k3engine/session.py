@@ -401,6 +401,20 @@ class PendingReply:
     reused: int
 
 
+@dataclass
+class Carried:
+    """What one sequence leaves for the next request on the same model (k3 serve keeps
+    one): the state, the exact ids it was fed, and the chat's fork snapshots (empty for
+    the batch loop)."""
+    state: SequenceState | None = None
+    record: list[int] = field(default_factory=list)
+    forks: list = field(default_factory=list)
+
+    @property
+    def usable(self) -> bool:
+        return self.state is not None and not self.state.poisoned
+
+
 class ChatSession:
     """A conversation on one loaded model.  Each turn renders the whole history (XTML),
     reuses the previous turn's state when the rendered ids extend what is cached (all or
@@ -430,6 +444,15 @@ class ChatSession:
 
     def _drop_state(self) -> None:
         self.state, self.record, self.pending, self.forks = None, [], None, []
+
+    def carried(self) -> Carried:
+        """This session's sequence, for a later session on the same model (adopt)."""
+        return Carried(self.state, self.record, self.forks)
+
+    def adopt(self, c: Carried) -> None:
+        """Continue from another session's sequence: the next turn reuses what still
+        matches its rendered prompt, like this session's own earlier turns."""
+        self.state, self.record, self.forks = c.state, list(c.record), c.forks
 
     def _user_boundary(self, prompt: list[int]) -> int:
         """Where the last user message starts in `prompt` (the rendered history without it

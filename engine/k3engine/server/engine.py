@@ -22,7 +22,7 @@ from typing import Callable
 
 from ..chat import ChatError, ChatOptions
 from ..errors import describe
-from ..session import Cancel
+from ..session import Cancel, Carried
 from .protocol import ApiError, GenRequest, Limits, usage_body
 from .stops import StopMatcher
 
@@ -184,20 +184,20 @@ class Backend:
         self.available = available         # memory.available_memory() before the load
         self.tok = run.tok
         self.ctl = chat_controls(run.tok) if run.tok is not None else None
-        # the last request's sequence state, the exact ids it was fed, and the chat's
-        # snapshots where its last user message started (ChatSession.forks: a request
-        # that changes what followed, e.g. a reply sent back without its reasoning,
-        # still reuses everything before that message)
-        self.state = None
-        self.record: list[int] = []
-        self.forks: list = []
+        # the last request's sequence (session.Carried): its state, the exact ids it was
+        # fed, and the chat's snapshots where its last user message started (a request
+        # that changes what followed, e.g. a reply sent back without its reasoning, still
+        # reuses everything before that message).  Taken out while a request runs, so a
+        # failed one leaves nothing half advanced behind.
+        self.kept = Carried()
 
     def close(self) -> None:
-        self._keep(None, [], [])
+        self.kept = Carried()
         self.run.close()
 
-    def _keep(self, state, record, forks) -> None:
-        self.state, self.record, self.forks = state, record, forks
+    def _take(self) -> Carried:
+        kept, self.kept = self.kept, Carried()
+        return kept
 
     def execute(self, job: Job) -> str:
         if job.cancel:
@@ -242,8 +242,7 @@ class Backend:
             code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
             raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
         self._check_length(len(prompt), req.gen)
-        chat.state, chat.record, chat.forks = self.state, list(self.record), self.forks
-        self._keep(None, [], [])
+        chat.adopt(self._take())
         job.post(Started(len(prompt)))
         acc = Figures()
         stops = StopMatcher(req.stops)
@@ -278,7 +277,7 @@ class Backend:
             acc.note = f"the reply closed but is not a well-formed turn: {e}"
         finally:
             if not (chat.state is not None and chat.state.poisoned):
-                self._keep(chat.state, chat.record, chat.forks)
+                self.kept = chat.carried()
         tail = stops.flush()
         if tail:
             job.post(Delta("content", tail))
@@ -308,11 +307,10 @@ class Backend:
                 raise ApiError(400, f"token id {bad} is outside the vocabulary of "
                                     f"{run.cfg.vocab}", param="prompt")
         self._check_length(len(ids), req.gen)
-        state, reuse = self.state, 0
-        if state is not None and not state.poisoned:
-            reuse = reuse_positions(self.record, ids, cached=state.n_cached)
-        carried = (grown(state, len(ids) + req.gen + 1), ids[:reuse]) if reuse else None
-        self._keep(None, [], [])                  # the batch loop keeps no chat forks
+        kept = self._take()                       # the batch loop keeps no chat forks
+        reuse = reuse_positions(kept.record, ids, cached=kept.state.n_cached) \
+            if kept.usable else 0
+        carried = (grown(kept.state, len(ids) + req.gen + 1), ids[:reuse]) if reuse else None
         job.post(Started(len(ids)))
         ends = tuple(self.ctl.end_ids) if self.ctl is not None else ()
         # the text a client sees leaves the end ids out (Run.generate's own text has them)
@@ -337,7 +335,7 @@ class Backend:
             elif isinstance(ev, Finished):
                 res = ev.result
         if res.state is not None and not res.state.poisoned:
-            self._keep(res.state, res.full_ids[:res.state.n_cached], [])
+            self.kept = Carried(res.state, res.full_ids[:res.state.n_cached])
         tail = stops.flush() + (stream.flush() if stream is not None and stops.hit is None
                                 else "")
         if tail:
