@@ -332,8 +332,10 @@ class PlotsPanel(QWidget):
         self._set_empty((self.p_heat,), False)
         self.heat_img.setImage(grid, autoLevels=True)
         self.heat_img.setRect(-0.5, -0.5, grid.shape[1], grid.shape[0])
+        routed = grid[grid.sum(axis=1) > 0]    # a dense layer (layer 0) requests none
         self.heat_label = (f"expert heat: {int(grid.sum())} requests over "
-                           f"{int((grid > 0).sum())} of {grid.size} (layer, expert) pairs")
+                           f"{int((routed > 0).sum())} of {routed.size} (layer, expert) pairs "
+                           f"of the {routed.shape[0]} routed layers")
         self._details()
 
     def clear(self) -> None:

@@ -4,8 +4,9 @@
         python -m k3studio.screenshot docs/ [--theme light|dark] [--size 1024x700]
 
 opens the real window (X11 under Xvfb), makes the demo model in a temporary data
-directory, loads it with a small trunk budget (so the trunk map shows pinned layers and a
-ring) and a small expert cache (so the hit rate moves), and saves (SUFFIX is "" for the
+directory, loads it with a trunk budget of about half its 2.65 MB trunk (so the trunk map
+shows pinned layers and a ring) and an expert cache smaller than its 224 (layer, expert)
+pairs (so the hit rate moves), and saves (SUFFIX is "" for the
 light theme, "-dark" for the dark one):
 
   k3studio-markdown SUFFIX.png  a saved conversation whose reply has Markdown and a code
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from .window import TAB_CHAT, TAB_MEMORY, TAB_SETUP, MainWindow
     data = os.path.join(tmp, "data")
     store = QSettings(os.path.join(tmp, "settings.ini"), QSettings.IniFormat)
-    for k, v in dict(preset="custom", trunk_gb=0.006, cache_gb=0.006, threads=1, gen=GEN,
+    for k, v in dict(preset="custom", trunk_gb=0.0015, cache_gb=0.003, threads=1, gen=GEN,
                      system_prompt="You are K3, a careful assistant.", theme=args.theme,
                      conversation_path=seed_conversations(data)).items():
         store.setValue(k, v)
@@ -126,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         grab("markdown")
         state["phase"] = "chat"
         win.new_conversation()
-        win.chat.input.setPlainText("Explain in one paragraph how a mixture-of-experts model "
-                                    "decides which experts to run.")
+        win.chat.input.setPlainText("What is the expert cache in K3 Studio?")   # in its corpus
         QTimer.singleShot(300, win.chat.send)
 
     def records(_r) -> None:
