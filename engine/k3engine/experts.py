@@ -11,7 +11,8 @@ Three layers, each usable alone:
   experts)`; each yielded group is resident at once and stays protected until the next
   group is requested.  A group's missing experts are read in parallel (§4.4) in disk-offset
   order by a small pool of I/O threads (`os.preadv` releases the GIL), into 4096-aligned
-  slots through the widened O_DIRECT window of §1.7.
+  slots through the widened O_DIRECT window of §1.7; each expert is handed to the forward
+  as soon as its own read lands, so compute overlaps the group's other reads (`_Group`).
 
 A slot is registered to its key only after its read returned every byte; a failed read
 leaves the slot EMPTY and is retried once, a second failure is an `ExpertLoadError` (a drop:
@@ -311,7 +312,8 @@ class CacheCounters:
     evictions: int = 0
     prefetch_reads: int = 0      # hits whose bytes the batch prefetch read this window
     bytes_read: int = 0
-    load_seconds: float = 0.0    # wall time of the read phases
+    load_seconds: float = 0.0    # time the forward waited for reads (I/O share)
+    read_seconds: float = 0.0    # wall time of the reads themselves, overlapped or not
 
     @property
     def requests(self) -> int:
@@ -439,10 +441,125 @@ class _Read:
     got: int = -1
     pad: int = 0
     error: str = ""
+    done: float = 0.0            # time.monotonic() when the read returned
 
     @property
     def ok(self) -> bool:
         return self.got == self.run.nbytes
+
+
+class _Group:
+    """One group of `ExpertCache.batches`: resident together, served in request order,
+    each expert as soon as its own read has landed -- so the forward computes one expert
+    while the group's other reads are still in flight (§4.4's parallel reads, overlapped
+    with compute).  Iterating it yields (expert, weights); iterating again replays them.
+
+    Same decisions as reading the whole group first (the trap: a served expert must see
+    the cache exactly as it would have): every request is still served in order under the
+    lock, an expert is served only after its own read is finished, and before any request
+    that has to read serially (its group read failed, or found no slot) every outstanding
+    read is finished first, as the group's read phase used to finish them all.  The
+    counters, the trace and the ids are unchanged (tests/test_experts.py replays both).
+    `load_seconds` counts the time spent waiting for reads, not the reads' wall time."""
+
+    def __init__(self, cache: "ExpertCache", layer: int, experts: list[int]):
+        self.cache, self.layer, self.experts = cache, layer, experts
+        self.held: list[int] = []            # protected slots, released by close()
+        self.pairs: list[tuple[int, ExpertWeights]] = []
+        self.fresh: set[int] = set()         # keys this group's reads published
+        self.failed: set[int] = set()
+        self.pending: dict[int, tuple[_Read, object]] = {}
+        self.broken = False
+        c = cache
+        with c._cv:
+            for e in experts:                # in-use protection before any victim
+                slot = c.policy.lookup(c.key(layer, e))
+                if slot >= 0:
+                    c.policy.protect(slot)
+                    self.held.append(slot)
+            reads = c._reserve_group(layer, experts) if c.prefetch else []
+        # issued in disk-offset order (_reserve_group sorts them); one read runs inline
+        self.issued, self.reads = time.monotonic(), reads
+        for r in reads:
+            fut = c._pool.submit(c._read_one, r) if len(reads) > 1 else None
+            self.pending[r.key] = (r, fut)
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __iter__(self):
+        i = 0
+        while True:
+            if i < len(self.pairs):
+                yield self.pairs[i]
+                i += 1
+            elif not self._serve_next():
+                return
+
+    def _land(self, key: int) -> None:
+        """Wait for one pending read and publish it (or release its slot)."""
+        c = self.cache
+        r, fut = self.pending.pop(key)
+        t0 = time.monotonic()
+        if fut is None:
+            c._read_one(r)
+        else:
+            fut.result()                     # _read_one never raises: it records errors
+        waited = time.monotonic() - t0
+        with c._cv:
+            c._count(load_seconds=waited)
+            if not self.pending:              # the last one: the reads' own wall time
+                c._count(read_seconds=waited if fut is None      # one read, run right here
+                         else max(x.done for x in self.reads) - self.issued)
+            if c._finish(r, "prefetch"):
+                self.fresh.add(r.key)
+                c.policy.protect(r.slot)
+                self.held.append(r.slot)
+            else:
+                self.failed.add(r.key)
+
+    def _land_all(self) -> None:
+        for key in list(self.pending):       # disk-offset order, as they were issued
+            self._land(key)
+
+    def _serve_next(self) -> bool:
+        if len(self.pairs) == len(self.experts) or self.broken:
+            return False
+        c, layer = self.cache, self.layer
+        e = self.experts[len(self.pairs)]
+        k = c.key(layer, e)
+        if k in self.pending:
+            self._land(k)
+        if (k in self.failed or (k not in self.fresh and c.policy.lookup(k) < 0)) \
+                and self.pending:
+            self._land_all()                  # a serial read sees every group read done
+        with c._cv:
+            c.trace.record(layer, e)
+            try:
+                slot = c._serve(layer, e, 1 if k in self.failed else 2, self.fresh)
+            except BaseException:
+                self.broken = True            # a drop: close() serves nothing more
+                raise
+            c.policy.protect(slot)
+            self.held.append(slot)
+        self.pairs.append((e, c._weights[slot]))
+        return True
+
+    def close(self) -> None:
+        """Serve what was not iterated (a consumer that stopped early, or list()), finish
+        every read, then release the group's protections.  On an error the reads still
+        land before their slots can be reused."""
+        try:
+            if self.pending or len(self.pairs) < len(self.experts):
+                try:
+                    while self._serve_next():
+                        pass
+                finally:
+                    self._land_all()
+        finally:
+            c = self.cache
+            with c._cv:
+                c._unhold_locked(self.held)
 
 
 # ---------------------------------------------------------------------------------------
@@ -522,17 +639,18 @@ class ExpertCache:
         once when they fit, else groups sized to the slots that can be freed.  A group's
         experts stay protected until the next group is requested or the iterator ends.
         Raises ExpertLoadError on a drop."""
-        held: list[int] = []
+        g = None
         try:
             i = 0
             while i < len(experts):
-                self._unhold(held)
-                group = self._next_group(layer, experts, i)
-                held = self._fetch_group(layer, group)
-                yield [(e, self._weights[s]) for e, s in zip(group, held)]
-                i += len(group)
+                if g is not None:
+                    g.close()
+                g = _Group(self, layer, self._next_group(layer, experts, i))
+                yield g
+                i += len(g.experts)
         finally:
-            self._unhold(held)
+            if g is not None:
+                g.close()
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         """One request (§4.3).  The result stays protected until top-k more single gets
@@ -601,8 +719,9 @@ class ExpertCache:
                       f"i.e. read from disk",
                       f"                  this token; TRUE resident hit rate "
                       f"{c.true_hit_rate:.2f}%"]
-        rate = c.bytes_read / 1e6 / c.load_seconds if c.load_seconds > 0 else 0.0
-        lines.append(f"  read from disk: {c.bytes_read / 1e9:.2f} GB in {c.load_seconds:.2f} s "
+        # the reads' own wall time: the device rate, though part of it overlapped compute
+        rate = c.bytes_read / 1e6 / c.read_seconds if c.read_seconds > 0 else 0.0
+        lines.append(f"  read from disk: {c.bytes_read / 1e9:.2f} GB in {c.read_seconds:.2f} s "
                      f"({rate:.0f} MB/s while loading)")
         return lines
 
@@ -627,45 +746,6 @@ class ExpertCache:
                 raise ExpertLoadError(layer, experts[start],
                                       f"no evictable slot: all {self.nslot} slots are pinned")
             return group
-
-    def _fetch_group(self, layer: int, group: list[int]) -> list[int]:
-        """Make a group resident and serve its requests: protect the resident members,
-        reserve and read the missing ones in parallel (§4.4), publish, then serve each
-        request in order (the prefetched ones hit).  Returns one protected slot per
-        request; the caller unprotects them."""
-        held: list[int] = []
-        try:
-            with self._cv:
-                for e in group:                # in-use protection before any victim
-                    s = self.policy.lookup(self.key(layer, e))
-                    if s >= 0:
-                        self.policy.protect(s)
-                        held.append(s)
-                reads = self._reserve_group(layer, group) if self.prefetch else []
-            self._read_parallel(reads)
-            with self._cv:
-                fresh, failed = set(), set()
-                for r in reads:
-                    if self._finish(r, "prefetch"):
-                        fresh.add(r.key)
-                        self.policy.protect(r.slot)
-                        held.append(r.slot)
-                    else:
-                        failed.add(r.key)
-                slots: list[int] = []
-                try:
-                    for e in group:
-                        self.trace.record(layer, e)
-                        s = self._serve(layer, e, 1 if self.key(layer, e) in failed else 2,
-                                        fresh)
-                        self.policy.protect(s)
-                        slots.append(s)
-                except BaseException:
-                    self._unhold_locked(slots)
-                    raise
-                return slots
-        finally:
-            self._unhold(held)
 
     def _reserve_group(self, layer: int, group: list[int]) -> list[_Read]:
         """Phase 1 (§4.4), under the lock: a slot for every distinct missing expert, in
@@ -757,7 +837,7 @@ class ExpertCache:
                 dt = time.monotonic() - t0
             finally:
                 self._cv.acquire()
-            self._count(load_seconds=dt)
+            self._count(load_seconds=dt, read_seconds=dt)     # serial: nothing overlaps
             if self._finish(r, "load"):
                 return slot
             last = r.error
@@ -807,22 +887,14 @@ class ExpertCache:
 
     # -- I/O ---------------------------------------------------------------------------
 
-    def _read_parallel(self, reads: list[_Read]) -> None:
-        """Phase 2: every read into its own reserved slot, concurrently, issued in
-        disk-offset order; the wall time of the whole phase is load time."""
-        if not reads:
-            return
-        t0 = time.monotonic()
-        if len(reads) == 1:
-            self._read_one(reads[0])
-        else:
-            list(self._pool.map(self._read_one, reads))
-        dt = time.monotonic() - t0
-        with self._cv:
-            self._count(load_seconds=dt)
-
     def _read_one(self, r: _Read) -> None:
-        """Read r.run into its slot; sets r.got (payload bytes obtained) and r.pad."""
+        """Read r.run into its slot; sets r.got (payload bytes obtained), r.pad, r.done."""
+        try:
+            self._read_into_slot(r)
+        finally:
+            r.done = time.monotonic()
+
+    def _read_into_slot(self, r: _Read) -> None:
         run = r.run
         buf = self.arena.view[r.slot * self.slot_bytes:(r.slot + 1) * self.slot_bytes]
         short = bool(self._fail_reads and self._fail_reads(run.layer, run.expert))
