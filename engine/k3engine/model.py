@@ -6,6 +6,8 @@ call (§4.10): teacher forcing, full recompute and incremental decode agree bit 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from . import kernels as K
@@ -102,20 +104,26 @@ PREFILL_CHUNK = 64      # positions whose routed experts are gathered into one u
 def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
                cfg: ModelConfig, router=route) -> np.ndarray:
     acc_TL = np.empty((x_TE.shape[0], w.down_lat.shape[0]), dtype=np.float32)
+    shared: list[np.ndarray] = []
+    last = (x_TE.shape[0] - 1) // PREFILL_CHUNK * PREFILL_CHUNK
     for c0 in range(0, x_TE.shape[0], PREFILL_CHUNK):
         x = x_TE[c0:c0 + PREFILL_CHUNK]
+        # the shared expert (original x) runs while the last chunk's expert reads are in
+        # flight; it is still added last, so the sum is the same
         _routed_aggregate(w, x, mv(w.down_lat, x), layer, experts, cfg,
-                          acc_TL[c0:c0 + x.shape[0]], router)
+                          acc_TL[c0:c0 + x.shape[0]], router,
+                          (lambda: shared.append(situ_mlp(w.shared, x_TE, cfg)))
+                          if c0 == last else None)
     if cfg.latent_norm:                                           # on the aggregate only
         K.rmsnorm(acc_TL, w.lat_norm, cfg.rms_eps, acc_TL)
     y_TE = mv(w.up_lat, acc_TL)
-    K.add(y_TE, situ_mlp(w.shared, x_TE, cfg))                    # shared: original x, last
+    K.add(y_TE, shared[0])                                        # shared: original x, last
     return y_TE
 
 
 def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer: int,
                       experts: ExpertSource, cfg: ModelConfig, acc_TL: np.ndarray,
-                      router=route) -> None:
+                      router=route, while_reading: Callable[[], None] | None = None) -> None:
     """acc[t] = sum_j w_j * expert_j(zl[t]) in selection order, for one chunk of tokens.
 
     Chunk union: each selected expert is fetched once and runs over all the chunk's tokens
@@ -131,6 +139,9 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer:
             users.setdefault(int(e), []).append((t, j))
     d_TkL = np.empty((T, k, zl_TL.shape[1]), dtype=np.float32)
     for group in experts.batches(layer, sorted(users)):           # resident together
+        if while_reading is not None:          # the first group's reads were just issued
+            while_reading()
+            while_reading = None
         for e, ex in group:
             rows = users[e]
             z = np.ascontiguousarray(zl_TL[[t for t, _ in rows]])
@@ -139,6 +150,8 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer:
             d = mv(ex.w2, g)
             for r, (t, j) in enumerate(rows):
                 d_TkL[t, j] = d[r]
+    if while_reading is not None:              # nothing was requested
+        while_reading()
     acc_TL.fill(0.0)
     for t, (_, wts) in enumerate(routes):
         for j in range(len(wts)):                                 # selection order
