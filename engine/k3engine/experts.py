@@ -483,6 +483,8 @@ class _Group:
         for r in reads:
             fut = c._pool.submit(c._read_one, r) if len(reads) > 1 else None
             self.pending[r.key] = (r, fut)
+        if not c.overlap:
+            self._land_all()
 
     def __len__(self) -> int:
         return len(self.experts)
@@ -598,6 +600,9 @@ class ExpertCache:
         if not self.moe_layers:
             raise ExpertCacheError("the model has no routed-expert layers")
         self.direct, self.prefetch = direct, prefetch
+        # K3_EXPERT_OVERLAP=0: a group's reads all land before any expert is served (the
+        # reference's order of work; same decisions and ids), for benchmarks/bench_overlap.py
+        self.overlap = os.environ.get("K3_EXPERT_OVERLAP", "1") != "0"
         self._fail_reads = fail_reads
         self._log = log or (lambda msg: print(f"k3: {msg}", file=sys.stderr, flush=True))
 
