@@ -255,7 +255,9 @@ class SetupPanel(QWidget):
         self.summary.setText(insp.summary)
         is_demo = demo.is_demo(self.model.text())
         self.demo_badge.setVisible(is_demo)
-        self.demo_box.setVisible(self.demo_task is not None or not insp.model.ok)
+        # the demo is offered for a folder that is no model, not for a download under way
+        self.demo_box.setVisible(self.demo_task is not None
+                                 or (not insp.model.ok and insp.download is None))
         self._update_buttons()
         self.refresh_doctor()
         self.inspected.emit(insp)

@@ -74,7 +74,9 @@ class WhatIfPanel(QWidget):
 
         pg.setConfigOptions(antialias=True, background="w", foreground="#2b3245")
         self.plot = pg.PlotWidget()
-        self.plot.setLabel("bottom", "expert cache", units="GB")
+        # no SI prefix: pyqtgraph would scale GB into "mGB" or "(x0.001)" on the demo
+        self.plot.setLabel("bottom", "expert cache (GB)")
+        self.plot.getAxis("bottom").enableAutoSIPrefix(False)
         self.plot.setLabel("left", "hit rate", units="%")
         self.plot.addLegend(offset=(10, 10))
         self.plot.showGrid(x=True, y=True, alpha=0.2)
@@ -86,10 +88,10 @@ class WhatIfPanel(QWidget):
         self.ceiling = pg.InfiniteLine(angle=0, pen=pg.mkPen("#cf222e", width=1.5,
                                                              style=Qt.DotLine),
                                        label="compulsory ceiling", movable=False,
-                                       labelOpts={"position": 0.15})
+                                       labelOpts={"position": 0.35})   # right of the legend
         self.current = pg.InfiniteLine(angle=90, pen=pg.mkPen("#1a7f37", width=2),
                                        label="current budget", movable=False,
-                                       labelOpts={"position": 0.9})
+                                       labelOpts={"position": 0.08})   # below the ceiling's
         self.plot.addItem(self.ceiling)
         self.plot.addItem(self.current)
         self.ceiling.setVisible(False)

@@ -77,6 +77,9 @@ def model_name(cfg) -> str:
     from .make_checkpoint import DIMS
     if _same_shape(cfg, parse_config(RELEASED_K3_CONFIG)):
         return "Kimi K3"
+    demo = _shipped_demo_config()
+    if demo is not None and _same_shape(cfg, demo):
+        return "the K3 Studio demo model (tiny, trained; not Kimi K3)"
     for name, dims in DIMS.items():
         d = dict(dims)
         if d.get("vocab_size") is None:
@@ -84,6 +87,17 @@ def model_name(cfg) -> str:
         if _same_shape(cfg, parse_config(d)):
             return f"generated '{name}' (k3 make-checkpoint --dims {name})"
     return "custom checkpoint"
+
+
+def _shipped_demo_config():
+    """The shipped trained demo model's config (k3 demo --path), or None without it."""
+    from ..config import ConfigError
+    from ..session import read_config
+    from .demo import shipped_dir
+    try:
+        return read_config(shipped_dir(), None)[0]
+    except (ConfigError, OSError):
+        return None
 
 
 def _same_shape(a, b) -> bool:
@@ -232,7 +246,7 @@ def markdown(rec: dict) -> str:
          else human(r["bytes_read_per_decode_token"])),
         ("peak RSS", human(r["peak_rss_bytes"] or 0)),
     ]
-    out = ["# K3 Studio benchmark datapoint", "", "| | |", "|---|---|"]
+    out = ["# K3 Studio benchmark datapoint", "", "| | figure |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
     out += ["", f"_{rec['note']}._", ""]
     return "\n".join(out)
