@@ -364,7 +364,10 @@ def main(argv: list[str]) -> int:
         events = (read_events(a.from_events) if a.from_events else
                   run_events(a.model, flags, prompt_ids(a.prompt_len, cfg.vocab), a.gen,
                              a.threads))
-        rec = build(cfg, events, machine_section(a.trunk or a.model, a.threads), a.threads)
+        # the threads the child ran with (it inherits OMP_NUM_THREADS): never "None"
+        from ..session import default_threads
+        threads = a.threads or default_threads()
+        rec = build(cfg, events, machine_section(a.trunk or a.model, threads), threads)
         paths = write(rec, a.out, [a.model, a.trunk, a.from_events])
     except (OSError, ValueError, RuntimeError) as e:
         print(f"k3 datapoint: {e}", file=sys.stderr)
