@@ -694,3 +694,22 @@ def test_bad_sizes_and_hashes_in_the_listing_are_refused(source, tmp_path, capsy
     finally:
         h.close()
     assert code == 1 and "the size" in err and "Traceback" not in err
+
+
+def test_download_state_of_a_folder(hub, source, tmp_path, capsys):
+    """What the app's pickers read (download.download_state): None without the tool's
+    manifest, the shards done and the bytes while unfinished, complete once verified."""
+    dest = tmp_path / "model"
+    dest.mkdir()
+    assert dl.download_state(dest) is None                    # not a download of ours
+    code, _, _ = run(capsys, *args(hub, dest))
+    assert code == 0
+    st = dl.download_state(dest)
+    assert st.complete and st.shards == st.shards_done == len(shard_names(source))
+    assert st.repo == hub.repo and st.endpoint == hub.endpoint
+    assert st.bytes_done == st.bytes_total == sum(len(d) for d in source.values())
+    shards = shard_names(source)
+    (dest / shards[5]).unlink()                                # one shard gone again
+    st = dl.download_state(dest)
+    assert not st.complete and st.shards_done == len(shards) - 1 and st.files_left == 1
+    assert st.line().startswith(f"partial download: {len(shards) - 1} of {len(shards)} shards;")

@@ -38,6 +38,7 @@ class Inspection:
     moe_layers: tuple[int, ...] = ()
     layer_kinds: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    download: object | None = None    # download.DownloadState of an unfinished download
 
     @property
     def runnable(self) -> bool:
@@ -67,6 +68,13 @@ def inspect(model_dir: str, trunk_dir: str = "", tok_dir: str = "") -> Inspectio
                                        "*.safetensors)."), none, none)
     if not os.path.isdir(model_dir):
         return Inspection(Check(ERROR, f"{model_dir}: not a directory"), none, none)
+    # An unfinished download of ours (its manifest and partial files): said as such, with
+    # the way on, before the engine's reader refuses it as a missing shard.
+    from k3engine.tools.download import download_state
+    state = download_state(model_dir)
+    if state is not None and not state.complete:
+        return Inspection(Check(ERROR, f"{state.line()}; resume it in Download"), none, none,
+                          download=state)
     try:
         cfg, _ = read_config(model_dir)
     except ConfigError as e:

@@ -428,7 +428,7 @@ class DownloadPanel(QWidget):
 
 def attach_download(window) -> None:
     """A Download tab; a verified download becomes the Setup tab's model (whose Pack trunk
-    button is the next step)."""
+    button is the next step); an unfinished one Setup meets is resumed here."""
     panel = window.download = DownloadPanel()
     window.tabs.addTab(panel, "Download")
 
@@ -437,4 +437,16 @@ def attach_download(window) -> None:
             window.setup.set_paths(res["dest"], "", "")
             window.tabs.setCurrentWidget(window.setup)
 
+    def resume(state, dest: str) -> None:
+        """Setup found an unfinished download: continue it here, from its manifest's hub."""
+        if panel.state == "running":
+            window.tabs.setCurrentWidget(panel)
+            return
+        panel.repo.setText(state.repo)
+        panel.endpoint.setText(state.endpoint or "")
+        panel.dest.setText(dest)
+        window.tabs.setCurrentWidget(panel)
+        panel.start()
+
     panel.finished.connect(done)
+    window.setup.resumeDownload.connect(resume)

@@ -20,9 +20,14 @@ class Advice:
 
 
 # (pattern over the engine's message, cause, fix), first match wins.  Each names one
-# refusal of the issue: not a folder, not a model, incomplete download, trunk of another
-# model / out of date, tokenizer missing, budget over memory.
+# refusal of the issue: an unfinished download of ours (checks.py found its manifest), not
+# a folder, not a model, incomplete download, trunk of another model / out of date,
+# tokenizer missing, budget over memory.
 RULES: tuple[tuple[str, str, str], ...] = (
+    (r"^partial download: \d+ of \d+ shards",
+     "This folder holds a download that has not finished.",
+     "Resume it in the Download tab (Resume download, below): it continues from the "
+     "bytes already fetched."),
     (r"not a directory|cannot list .* \(No such file",
      "This path is not a folder.",
      "Choose the folder that holds the model's config.json and .safetensors files."),

@@ -38,7 +38,8 @@ TERM_HELP = {
     "state": "Recurrent state of the KDA layers (a matrix per head plus the short-conv "
              "history), for every bound layer. Fixed by the model.",
     "buffers": "Activations, the AttnRes block stack, per-layer scratch and one logits row, "
-               "for every position of the run.",
+               "for every position of the run; and the session's expert trace the What-if "
+               "tab replays (a window of the latest requests, 8 bytes each).",
     "kv": "The MLA key/value cache for incremental decode: grows with the context "
           "(positions = prompt + generation + 1). A memory fact, not an engine limit.",
     "baseline": "What this process already holds before the model: the Python interpreter, "
@@ -434,6 +435,9 @@ class MemoryPanel(QWidget):
         else:
             bits.append("trunk resident: pack a trunk in Setup to stream it within a budget")
         bits.append(f"expert cache: {p.expert_slots} slots x {human(p.expert_slot_bytes)}")
+        if p.trace_window:
+            bits.append(f"buffers include the What-if trace: the latest {p.trace_window:,} "
+                        f"expert requests ({human(p.trace_bytes)})")
         bits.append(f"{p.positions} positions planned (generation limit {spec.gen} + 1)")
         if p.auto is not None:
             bits.append(p.auto.line)

@@ -2,7 +2,7 @@
 
 File: New conversation (Ctrl+N), Open… (Ctrl+O: import a §9.1 JSONL file into the
 conversation list), Export as JSONL… (Ctrl+S), Export as Markdown… (Ctrl+Shift+S),
-Quit (Ctrl+Q).  Chat: Stop (Esc), Continue, Regenerate.  View: theme.  Settings… (Ctrl+,).
+Save benchmark datapoint… (datapoint_action.py), Quit (Ctrl+Q).  Chat: Stop (Esc), Continue, Regenerate.  View: theme.  Settings… (Ctrl+,).
 The window keeps the actions (`win.actions_by_name`) so tests and panels trigger the same
 thing a person does.
 """
@@ -39,6 +39,10 @@ def build_menus(win) -> dict[str, QAction]:
         lambda: win.sidebar.export_dialog("jsonl", win.library.current), "Ctrl+S")
     add(f, "export_md", "Export as &Markdown…",
         lambda: win.sidebar.export_dialog("md", win.library.current), "Ctrl+Shift+S")
+    f.addSeparator()
+    add(f, "datapoint", "Save benchmark &datapoint…", lambda: win.datapoint.save_dialog(),
+        tip="A shareable record of the last reply: machine, model, plan, s/token, first "
+            "token, hit rate, peak RSS (k3 datapoint); nothing personal in it")
     f.addSeparator()
     add(f, "settings", "Se&ttings…", lambda: SettingsDialog(win).exec(), "Ctrl+,")
     f.addSeparator()

@@ -12,7 +12,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from k3engine.memory import AUTO, PRESETS, Plan, plan_for
+from k3engine.memory import AUTO, PRESETS, Plan, plan_for, trace_window
 from k3engine.run import RunRequest, Sampling, memory_flags, request_from
 
 CUSTOM = "custom"
@@ -68,7 +68,9 @@ class RunSpec:
             gen=int(self.gen), sampling=sampling, thinking=self.thinking, effort=self.effort,
             baseline_bytes=int(baseline_bytes), baseline_label=BASELINE_LABEL,
             available_override=available_override, total_memory=int(total_memory),
-            keep_trace=True)     # the What-if tab replays this session's expert requests
+            # the What-if tab replays this session's expert requests: the latest window of
+            # them (a long session's trace would grow without bound), counted in the plan
+            keep_trace=True, trace_window=trace_window())
 
 
 def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,

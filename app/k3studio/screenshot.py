@@ -75,6 +75,36 @@ def seed_conversations(data_dir: str) -> str:
     return store.path(cid)
 
 
+def grabber(app, win, out: str, suffix: str, saved: list[str]):
+    """grab(name, widget=None): save the widget (default: the window) as
+    OUT/k3studio-NAME SUFFIX.png -- from the X server under xcb (what is on screen),
+    rendered by Qt offscreen."""
+    from PySide6.QtGui import QGuiApplication
+    platform = QGuiApplication.platformName()
+
+    def grab(name: str, widget=None) -> None:
+        widget = widget or win
+        app.processEvents()
+        path = os.path.join(out, f"k3studio-{name}{suffix}.png")
+        pm = widget.screen().grabWindow(widget.winId()) if platform == "xcb" else widget.grab()
+        pm.save(path, "PNG")
+        saved.append(path)
+        print(f"wrote {path} ({pm.width()}x{pm.height()}, {platform})", flush=True)
+    return grab
+
+
+def run_window(app, win, start) -> None:
+    """Call `start` once the event loop runs, give up after 10 minutes, then destroy the
+    window while Python is alive (dispose)."""
+    from PySide6.QtCore import QTimer
+
+    from .__main__ import dispose
+    QTimer.singleShot(100, start)
+    QTimer.singleShot(600_000, lambda: (print("timed out", file=sys.stderr), win.close()))
+    app.exec()
+    dispose(win)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3studio.screenshot")
     ap.add_argument("out", nargs="?", default="docs")
@@ -91,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tmp, "tiktoken"))
 
     from PySide6.QtCore import QSettings, QTimer
-    from PySide6.QtGui import QGuiApplication
 
     from .__main__ import make_app
     app = make_app()
@@ -105,17 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     win = MainWindow(store=store, data_dir=data)
     win.resize(width, height)
     win.show()
-    platform = QGuiApplication.platformName()
     saved: list[str] = []
     state = {"shot": False, "code": 0, "phase": "markdown"}
-
-    def grab(name: str) -> None:
-        app.processEvents()
-        path = os.path.join(out, f"k3studio-{name}{suffix}.png")
-        pm = win.screen().grabWindow(win.winId()) if platform == "xcb" else win.grab()
-        pm.save(path, "PNG")
-        saved.append(path)
-        print(f"wrote {path} ({pm.width()}x{pm.height()}, {platform})", flush=True)
+    grab = grabber(app, win, out, suffix, saved)
 
     def loaded(_info) -> None:
         if state["phase"] != "markdown":
@@ -186,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     win.host.prefillProgress.connect(progress)
     win.host.turnFinished.connect(finished)
     win.host.errored.connect(failed)
-    QTimer.singleShot(100, lambda: win.use_demo(autoload=True))
-    QTimer.singleShot(600_000, lambda: (print("timed out", file=sys.stderr), win.close()))
-    app.exec()
-    from .__main__ import dispose
-    dispose(win)
+    run_window(app, win, lambda: win.use_demo(autoload=True))
     return state["code"] if len(saved) == 6 else 1
 
 

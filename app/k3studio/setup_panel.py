@@ -76,6 +76,7 @@ class SetupPanel(QWidget):
     loadRequested = Signal()
     unloadRequested = Signal()
     demoReady = Signal(str, str)       # model_dir, trunk_dir
+    resumeDownload = Signal(object, str)   # download.DownloadState, its directory
 
     def __init__(self, data_dir: str, parent=None):
         super().__init__(parent)
@@ -134,6 +135,13 @@ class SetupPanel(QWidget):
         form.addRow(self.summary)
 
         buttons = QHBoxLayout()
+        self.resume_btn = QPushButton("Resume download")
+        self.resume_btn.setObjectName("primary")
+        self.resume_btn.setToolTip("Continue this folder's unfinished download in the Download "
+                                   "tab, from the bytes already fetched (k3 download).")
+        self.resume_btn.clicked.connect(self._resume_download)
+        self.resume_btn.setVisible(False)
+        buttons.addWidget(self.resume_btn)
         self.pack_btn = QPushButton("Pack trunk…")
         self.pack_btn.setToolTip("Write a packed trunk for this checkpoint so it can stream "
                                  "within a memory budget (k3 pack-trunk).")
@@ -247,7 +255,9 @@ class SetupPanel(QWidget):
         self.summary.setText(insp.summary)
         is_demo = demo.is_demo(self.model.text())
         self.demo_badge.setVisible(is_demo)
-        self.demo_box.setVisible(self.demo_task is not None or not insp.model.ok)
+        # the demo is offered for a folder that is no model, not for a download under way
+        self.demo_box.setVisible(self.demo_task is not None
+                                 or (not insp.model.ok and insp.download is None))
         self._update_buttons()
         self.refresh_doctor()
         self.inspected.emit(insp)
@@ -266,10 +276,16 @@ class SetupPanel(QWidget):
     def _update_buttons(self) -> None:
         insp = self.inspection
         runnable = insp is not None and insp.runnable
+        self.resume_btn.setVisible(insp is not None and insp.download is not None)
         self.load_btn.setEnabled(runnable and not self.busy)
         self.load_btn.setText("Reload model" if self.model_loaded else "Load model")
         self.unload_btn.setEnabled(self.model_loaded and not self.busy)
         self.pack_btn.setEnabled(insp is not None and insp.model.ok)
+
+    def _resume_download(self) -> None:
+        insp = self.inspection
+        if insp is not None and insp.download is not None:
+            self.resumeDownload.emit(insp.download, self.model.text())
 
     # -- demo -----------------------------------------------------------------------
     def create_demo(self) -> None:

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView,
                                QWidget)
 
 from k3engine import forecast as F
-from k3engine.memory import human
+from k3engine.memory import TRACE_PAIR_BYTES, human
 from k3engine.tools import sim_cache
 
 from .tasks import Task
@@ -52,6 +52,7 @@ class WhatIfPanel(QWidget):
         self.machine: F.MachineFigures | None = None
         self.keys: list[int] | None = None
         self.trace_label = ""
+        self.total_requests = 0              # > len(keys): only the latest window is shown
         self.budget = (0.0, 0.0, 2)          # trunk GB, cache GB, ring
         self.curve: dict | None = None
         self.rows: list = []
@@ -73,7 +74,9 @@ class WhatIfPanel(QWidget):
 
         pg.setConfigOptions(antialias=True, background="w", foreground="#2b3245")
         self.plot = pg.PlotWidget()
-        self.plot.setLabel("bottom", "expert cache", units="GB")
+        # no SI prefix: pyqtgraph would scale GB into "mGB" or "(x0.001)" on the demo
+        self.plot.setLabel("bottom", "expert cache (GB)")
+        self.plot.getAxis("bottom").enableAutoSIPrefix(False)
         self.plot.setLabel("left", "hit rate", units="%")
         self.plot.addLegend(offset=(10, 10))
         self.plot.showGrid(x=True, y=True, alpha=0.2)
@@ -85,10 +88,10 @@ class WhatIfPanel(QWidget):
         self.ceiling = pg.InfiniteLine(angle=0, pen=pg.mkPen("#cf222e", width=1.5,
                                                              style=Qt.DotLine),
                                        label="compulsory ceiling", movable=False,
-                                       labelOpts={"position": 0.15})
+                                       labelOpts={"position": 0.35})   # right of the legend
         self.current = pg.InfiniteLine(angle=90, pen=pg.mkPen("#1a7f37", width=2),
                                        label="current budget", movable=False,
-                                       labelOpts={"position": 0.9})
+                                       labelOpts={"position": 0.08})   # below the ceiling's
         self.plot.addItem(self.ceiling)
         self.plot.addItem(self.current)
         self.ceiling.setVisible(False)
@@ -141,9 +144,13 @@ class WhatIfPanel(QWidget):
         self._mark_current()
         self._refill.start()
 
-    def set_trace(self, keys: list[int] | None, label: str = "") -> None:
+    def set_trace(self, keys: list[int] | None, label: str = "",
+                  total: int | None = None) -> None:
+        """`total`: the requests the trace covered, when `keys` is only the latest window
+        of them (the session trace): the view then says so."""
         self.keys = list(keys) if keys else None
         self.trace_label = label
+        self.total_requests = max(total or 0, len(self.keys or ()))
         self.hits = F.TraceRouting(self.keys, label) if self.keys else None
         self.curve = None
         self.recompute()
@@ -177,14 +184,26 @@ class WhatIfPanel(QWidget):
         f = self.shape.figures
         top = max(f.topk + 1, min(f.expert_pool, int(len(set(self.keys)) * 1.2)))
         slots = slot_series(f.topk + 1, top)
-        self.source.setText(f"{self.trace_label}: {len(self.keys):,} requests, "
-                            f"{len(set(self.keys)):,} distinct experts; replaying…")
+        self.source.setText(f"{self._what()}; replaying…")
         if self._task is not None and not self._task.done:
             self._task.abort()
         t = self._task = Task(compute_curve, self.keys, slots)
         t.returned.connect(lambda c, t=t: self._curve_ready(t, c))
         t.errored.connect(lambda e: self.source.setText(f"replay failed: {e}"))
         t.start()
+
+    @property
+    def windowed(self) -> bool:
+        """The keys are only the latest window of the trace's requests."""
+        return self.keys is not None and self.total_requests > len(self.keys)
+
+    def _what(self) -> str:
+        n = len(self.keys)
+        head = (f"{self.trace_label}: only the latest {n:,} of {self.total_requests:,} "
+                f"requests (the session trace keeps a window of "
+                f"{human(n * TRACE_PAIR_BYTES)})" if self.windowed else
+                f"{self.trace_label}: {n:,} requests")
+        return f"{head}, {len(set(self.keys)):,} distinct experts"
 
     def _curve_ready(self, task: Task, curve: dict) -> None:
         if task is not self._task:
@@ -196,9 +215,8 @@ class WhatIfPanel(QWidget):
         self.belady_curve.setData(gb, curve["belady"])
         self.ceiling.setValue(curve["ceiling"])
         self.ceiling.setVisible(True)
-        self.source.setText(f"{self.trace_label}: {len(self.keys):,} requests, "
-                            f"{len(set(self.keys)):,} distinct experts; compulsory ceiling "
-                            f"{curve['ceiling']:.1f}% (the same replay as k3 sim-cache)")
+        self.source.setText(f"{self._what()}; compulsory ceiling {curve['ceiling']:.1f}% "
+                            f"(the same replay as k3 sim-cache)")
         self._mark_current()
         self._fill_splits()
 
@@ -253,19 +271,19 @@ class WhatIfPanel(QWidget):
         self.useSplit.emit(t, c)
 
 
-def session_trace_keys(host) -> list[int] | None:
-    """The loaded model's request trace (experts.trace; the app's RunRequest keeps it),
-    read after a turn, while the worker is idle.  Reaches through the worker's Run because
-    the run API does not expose the trace; any change there makes this return None (the
-    panel then shows no session trace, and the app test says so)."""
-    import numpy as np
+def session_trace(host) -> tuple[list[int], int] | None:
+    """(keys, requests) of the loaded model's request trace (experts.trace; the app's
+    RunRequest keeps the latest window of it): the kept requests in order, and how many
+    the session made in all (more than the keys once the window has moved on).  Read after
+    a turn, while the worker is idle.  Reaches through the worker's Run because the run API
+    does not expose the trace; any change there makes this return None (the panel then
+    shows no session trace, and the app test says so)."""
     worker = getattr(host, "worker", None)
     lm = getattr(getattr(worker, "run", None), "lm", None) or getattr(worker, "lm", None)
-    pairs = getattr(getattr(getattr(lm, "experts", None), "trace", None), "pairs", None)
-    if pairs is None or not len(pairs):
+    trace = getattr(getattr(lm, "experts", None), "trace", None)
+    if trace is None or not hasattr(trace, "kept_pairs") or not trace.kept:
         return None
-    arr = np.frombuffer(bytes(memoryview(pairs)), dtype=np.int32).reshape(-1, 2)
-    return sim_cache.trace_keys(arr)
+    return sim_cache.trace_keys(trace.kept_pairs()), trace.requests
 
 
 def attach_whatif(window) -> None:
@@ -292,9 +310,10 @@ def attach_whatif(window) -> None:
     def turn_done(info: dict) -> None:
         if info.get("failed"):
             return
-        keys = session_trace_keys(window.host)
-        if keys:
-            w.set_trace(keys, "this session's runs")
+        got = session_trace(window.host)
+        if got:
+            keys, total = got
+            w.set_trace(keys, "this session's runs", total)
             mem.forecast_box.hits = F.TraceRouting(keys, "this session's runs")
             mem.refresh()
 

@@ -24,6 +24,7 @@ from .chat_panel import ChatPanel
 from .conversation_library import ConversationLibrary
 from .conversations import ConversationStore, default_root
 from .conversations_panel import ConversationsPanel
+from .datapoint_action import attach_datapoint
 from .download_panel import attach_download
 from .memory_panel import MemoryPanel
 from .menus import build_menus
@@ -191,6 +192,7 @@ class MainWindow(QMainWindow):
 
         attach_whatif(self)
         attach_download(self)
+        attach_datapoint(self)
         self._restore_window()
         if not self.settings.model_dir:
             self.tabs.setCurrentIndex(TAB_SETUP)

@@ -342,12 +342,23 @@ class RequestTrace:
     and expert_hist.json need, O(layers x experts) to read however long the run), plus the
     requests in order when `keep_pairs` (what --dump-cache-trace and sim-cache replay:
     independent of cache contents, so it can be replayed at any capacity).  The plan counts
-    both (memory.ModelFigures.trace_bytes)."""
+    both (memory.ModelFigures.trace_bytes).
 
-    def __init__(self, n_layers: int = 0, n_experts: int = 0, keep_pairs: bool = True):
+    `window` > 0 keeps only the most recent `window` requests, in a ring allocated whole at
+    the start (8 bytes a request, what the plan counts): the app's session trace, which
+    would otherwise grow for as long as the app runs.  0 keeps every request (a CLI run,
+    bounded by its positions)."""
+
+    def __init__(self, n_layers: int = 0, n_experts: int = 0, keep_pairs: bool = True,
+                 window: int = 0):
         self.n_layers, self.n_experts = n_layers, n_experts
         self.keep_pairs = keep_pairs
-        self.pairs = array("i")                 # layer, expert, layer, expert, ...
+        self.window = max(0, int(window)) if keep_pairs else 0
+        self.pairs = array("i")                 # layer, expert, ... (window 0: every request)
+        # the ring: one allocation of the whole window, so what is held never grows past
+        # what the plan counted (an append-grown array over-allocates and copies)
+        self._ring = array("i", [0]) * (2 * self.window) if self.window else None
+        self._next = 0                          # the ring's write position (int32 index)
         self._rows, self._cols = max(n_layers, 1), max(n_experts, 1)
         self._counts = array("q", bytes(8 * self._rows * self._cols))   # flat, row-major
         self.requests = 0
@@ -357,9 +368,37 @@ class RequestTrace:
             self._grow(layer + 1, expert + 1)
         self._counts[layer * self._cols + expert] += 1   # an array item: ~50 ns, no NumPy
         self.requests += 1
-        if self.keep_pairs:
+        if self._ring is not None:
+            i = self._next
+            self._ring[i] = layer
+            self._ring[i + 1] = expert
+            self._next = i + 2 if i + 2 < len(self._ring) else 0
+        elif self.keep_pairs:
             self.pairs.append(layer)
             self.pairs.append(expert)
+
+    @property
+    def kept(self) -> int:
+        """How many requests the ordered trace holds (all of them unless windowed)."""
+        if not self.keep_pairs:
+            return 0
+        return min(self.requests, self.window) if self.window else self.requests
+
+    @property
+    def windowed(self) -> bool:
+        """True once older requests have left the window (the trace is not the whole run)."""
+        return bool(self.window) and self.requests > self.window
+
+    def kept_pairs(self) -> np.ndarray:
+        """The kept requests in order, oldest first, as int32 [n, 2] (layer, expert): a copy,
+        so no view pins the growing array (array.append refuses while a buffer is out)."""
+        if self._ring is None:
+            return np.frombuffer(self.pairs, np.int32).reshape(-1, 2).copy()
+        ring = np.frombuffer(self._ring, np.int32).reshape(-1, 2)
+        if not self.windowed:
+            return ring[:self.requests].copy()
+        k = self._next // 2                     # the oldest kept request
+        return np.concatenate([ring[k:], ring[:k]])
 
     def _grow(self, rows: int, cols: int) -> None:
         old = self.counts
@@ -401,10 +440,12 @@ class RequestTrace:
         write_atomic(hpath, f'{{"n_layers":{n_layers},"n_experts":{n_experts},"counts":'
                             f'{{{counts}}}}}\n'.encode())
         tpath = os.path.join(directory, "expert_trace.bin")
-        data = np.frombuffer(self.pairs, np.int32).astype("<i4", copy=False)
+        data = self.kept_pairs().astype("<i4", copy=False)
         write_atomic(tpath, data.tobytes())
+        which = (f"the latest {self.kept} of {self.requests} requests (a window)"
+                 if self.windowed else f"{self.requests} requests")
         return [f"wrote {hpath}: {len(hist)} experts",
-                f"wrote {tpath}: {self.requests} requests ({data.nbytes / 1024:.1f} KB)"]
+                f"wrote {tpath}: {which} ({data.nbytes / 1024:.1f} KB)"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -585,7 +626,8 @@ class ExpertCache:
                  io_threads: int = DEFAULT_IO_THREADS, direct: bool = True,
                  prefetch: bool = True,
                  fail_reads: Callable[[int, int], bool] | None = None,
-                 log: Callable[[str], None] | None = None, keep_trace: bool = True):
+                 log: Callable[[str], None] | None = None, keep_trace: bool = True,
+                 trace_window: int = 0):
         self.ck, self.cfg = ck, cfg
         if cfg is not None:
             n_layers = cfg.n_layers if n_layers is None else n_layers
@@ -632,7 +674,7 @@ class ExpertCache:
         self.step = CacheCounters()               # reset at every decode step
         self.total = CacheCounters()              # the whole run
         self.drops = 0
-        self.trace = RequestTrace(n_layers, n_experts, keep_trace)
+        self.trace = RequestTrace(n_layers, n_experts, keep_trace, trace_window)
 
     # -- public interface -------------------------------------------------------------
 
@@ -1008,9 +1050,10 @@ class ResidentExperts:
     `CheckpointExperts`): one group holding every requested expert.  Requests are
     logged like the cache's, so `--dump-cache-trace` works on this path too."""
 
-    def __init__(self, source, n_layers: int = 0, n_experts: int = 0, keep_trace: bool = True):
+    def __init__(self, source, n_layers: int = 0, n_experts: int = 0, keep_trace: bool = True,
+                 trace_window: int = 0):
         self.source = source
-        self.trace = RequestTrace(n_layers, n_experts, keep_trace)
+        self.trace = RequestTrace(n_layers, n_experts, keep_trace, trace_window)
 
     def batches(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         group = []

@@ -112,6 +112,23 @@ def list_presets_text() -> str:
     return "\n".join(out) + "\n"
 
 
+# --- the session's expert trace ----------------------------------------------------------
+
+TRACE_PAIR_BYTES = 8                   # one request: int32 layer + int32 expert
+# What the app's session trace (the What-if tab's replay) may hold: a window of the latest
+# requests, so a long session's trace stays bounded.  4 MiB is 524,288 requests: about 350
+# tokens of the released K3 (92 MoE layers x top-16), whole sessions of the demo.  The cap
+# also bounds the replay, which is Python (LRU + Belady at 14 sizes): ~2 s per 100,000
+# requests at 7 sizes on this 2-core machine under load, so ~20 s for a full window, on the
+# panel's task thread.
+TRACE_WINDOW_BYTES = 4 << 20
+
+
+def trace_window(nbytes: int | None = None) -> int:
+    """Requests a session-trace window of `nbytes` (default TRACE_WINDOW_BYTES) holds."""
+    return (TRACE_WINDOW_BYTES if nbytes is None else int(nbytes)) // TRACE_PAIR_BYTES
+
+
 # --- the model's figures ----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -146,13 +163,19 @@ class ModelFigures:
     sweep_log_floats: int = 0         # per position fed in a speculative sweep: the logged
                                       # recurrent inputs of every KDA layer (7 P + H each)
 
-    def trace_bytes(self, positions: int, keep_pairs: bool) -> int:
+    def trace_bytes(self, positions: int, keep_pairs: bool, window: int = 0) -> int:
         """The expert request trace kept for the whole run (--dump-cache-trace): every
         request as an int32 (layer, expert) pair, topk per MoE layer for every position fed
-        (experts.RequestTrace).  Without it only the running per-(layer, expert) counts are
-        kept: a fixed layers x experts x 8 bytes (437 KB on K3), below what the plan
-        resolves, so the reference's printed figures stay as they are."""
-        return 8 * self.n_moe_layers * self.topk * positions if keep_pairs else 0
+        (experts.RequestTrace).  With a `window` (the app's session trace, which outlives
+        any one run's positions) the ring of the latest `window` requests, allocated whole.
+        Without either only the running per-(layer, expert) counts are kept: a fixed
+        layers x experts x 8 bytes (437 KB on K3), below what the plan resolves, so the
+        reference's printed figures stay as they are."""
+        if not keep_pairs:
+            return 0
+        if window:
+            return TRACE_PAIR_BYTES * int(window)
+        return TRACE_PAIR_BYTES * self.n_moe_layers * self.topk * positions
 
     @classmethod
     def for_config(cls, cfg, layer_sizes: Sequence[int], expert_bytes: int,
@@ -632,6 +655,8 @@ class Plan:
     draft_bytes: int = 0          # hybrid decode's draft model: its trunk, state and KV
     draft_plan: TrunkPlan | None = None
     spec_bytes: int = 0           # --spec / --draft-trunk: snapshot, sweep log, sweep logits
+    trace_bytes: int = 0          # the expert request trace (part of buffer_bytes)
+    trace_window: int = 0         # its window in requests (0: every request, or none kept)
 
     @property
     def total_bytes(self) -> int:
@@ -749,7 +774,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
          baseline_label: str = "python baseline",
          draft_sizes: Sequence[int] | None = None,
          draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0,
-         keep_trace: bool = False) -> Plan:
+         keep_trace: bool = False, trace_window: int = 0) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -764,7 +789,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
     speculative sweep holds; `draft_sizes` (the draft trunk's layer runs) adds hybrid
     decode's draft model: its trunk within `draft_gb`, its own recurrent state with what
     its proposals hold, and its KV cache.  `keep_trace` (--dump-cache-trace) adds the
-    request trace kept for the whole run to the buffers (trace_bytes)."""
+    request trace kept for the whole run to the buffers (trace_bytes); with `trace_window`
+    requests (the app's session trace) it adds that window's ring instead."""
     refusals: list[Refusal] = []
     avail, known, malformed, detail = _availability(available_bytes)
     NL = figures.n_layers if layers is None else int(layers)
@@ -814,14 +840,14 @@ def plan(figures: ModelFigures, preset: str | None = None,
         w_draft += (figures.state_bytes(NL, False, True) + figures.kv_bytes(positions)
                     + figures.speculation_bytes(NL, spec))
     w_spec = figures.speculation_bytes(NL, spec + 1) if spec and incremental else 0
+    trace = figures.trace_bytes(positions, keep_trace, trace_window)
 
     terms = dict(
         trunk_bytes=w_trunk,
         model_table_bytes=figures.model_table_bytes(ultra),
         expert_cache_bytes=min(int(c_gb * 1e9), figures.expert_pool * figures.expert_slot_bytes),
         recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
-        buffer_bytes=figures.buffer_bytes(positions) + figures.trace_bytes(positions,
-                                                                           keep_trace),
+        buffer_bytes=figures.buffer_bytes(positions) + trace,
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
         baseline_bytes=int(baseline_bytes),
         draft_bytes=w_draft,
@@ -839,7 +865,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
                 expert_slot_bytes=figures.expert_slot_bytes,
                 expert_slots=figures.expert_slots(c_gb),
                 expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
-                refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan)
+                refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan,
+                trace_bytes=trace, trace_window=int(trace_window) if keep_trace else 0)
 
 
 @dataclass(frozen=True)
@@ -857,6 +884,7 @@ class PlanRequest:
     draft_gb: float = DEFAULT_DRAFT_TRUNK_GB
     spec: int = 0
     keep_trace: bool = False
+    trace_window: int = 0
     prefix: bool = False
 
 
@@ -871,7 +899,8 @@ def plan_for(figures: ModelFigures, req: PlanRequest,
                 available_bytes=available_bytes, total_memory=total_memory,
                 layers=req.layers, baseline_bytes=req.baseline_bytes, prefix=req.prefix,
                 baseline_label=req.baseline_label, draft_sizes=req.draft_sizes,
-                draft_gb=req.draft_gb, spec=req.spec, keep_trace=req.keep_trace)
+                draft_gb=req.draft_gb, spec=req.spec, keep_trace=req.keep_trace,
+                trace_window=req.trace_window)
 
 
 def _streamed_trunk(sizes: Sequence[int], gb: float, ring: int | None, widen: int,

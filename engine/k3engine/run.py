@@ -96,6 +96,7 @@ class RunRequest:
     load_state: str | None = None
     save_state: str | None = None
     keep_trace: bool = False          # keep every expert request (--dump-cache-trace)
+    trace_window: int = 0             # ...only the latest N of them (the app's session trace)
     # the app's process baseline (SYSTEM §5.8) and a fixed availability for tests
     baseline_bytes: int = 0
     baseline_label: str = "python baseline"
@@ -113,7 +114,8 @@ class RunRequest:
                            positions=positions, layers=layers, baseline_bytes=self.baseline_bytes,
                            baseline_label=self.baseline_label, draft_sizes=draft_sizes,
                            draft_gb=self.draft.trunk_gb if self.draft else DEFAULT_DRAFT_TRUNK_GB,
-                           spec=min(self.spec, MAX_DRAFT), keep_trace=self.keep_trace)
+                           spec=min(self.spec, MAX_DRAFT), keep_trace=self.keep_trace,
+                           trace_window=self.trace_window)
 
 
 def request_from(model_dir: str, memory: Iterable[tuple[str, object]] = (), **fields
@@ -268,7 +270,7 @@ class Run:
         t0 = time.monotonic()
         lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
                         cache_bytes=int(the_plan.expert_cache_bytes), ultra=the_plan.ultra,
-                        keep_trace=req.keep_trace)
+                        keep_trace=req.keep_trace, trace_window=req.trace_window)
         self.lm = lm
         tr = lm.trunk
         one_slot = lm.ultra and not req.incremental

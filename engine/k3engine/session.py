@@ -186,7 +186,7 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                n_layers: int | None = None, plan: Plan | None = None,
                on_trunk_read: Callable[[int, int, float], None] | None = None,
                cache_bytes: int | None = None, ultra: bool = False,
-               keep_trace: bool = True) -> LoadedModel:
+               keep_trace: bool = True, trace_window: int = 0) -> LoadedModel:
     """Bind the model tables and the trunk (resident, or streamed when the setup has a
     packed trunk and `plan` chose its pinned set and ring).  Routed experts come from a
     bounded cache of `cache_bytes`, or are read once and kept when it is None.  `ultra`
@@ -210,9 +210,9 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
         weights = ResidentWeights(binder, nl)
         trunk_bytes = weights.trunk_nbytes()
     experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl, fail_reads=_injected_failure(),
-                          keep_trace=keep_trace) \
+                          keep_trace=keep_trace, trace_window=trace_window) \
         if cache_bytes else ResidentExperts(CheckpointExperts(binder), cfg.n_layers,
-                                            cfg.n_experts, keep_trace)
+                                            cfg.n_experts, keep_trace, trace_window)
     table_bytes = deep_nbytes(tables) if not ultra else \
         tables.final_norm.nbytes + tables.phi_out.nbytes
     return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,

@@ -177,3 +177,67 @@ def test_window_tab_hands_the_download_to_setup(qtbot, window, hub, source, tmp_
     assert res["code"] == 0
     assert window.tabs.currentWidget() is window.setup
     assert window.setup.model.edit.text() == str(dest)
+
+
+def test_setup_recognises_a_partial_download_and_resumes_it(qtbot, window, hub, source,
+                                                            tmp_path, no_keyring,
+                                                            monkeypatch):
+    """A download paused in its fourth shard: the Setup picker says "partial download: 3 of
+    14 shards", not the engine's missing-shard refusal, and offers to resume it; Resume
+    download continues in the Download tab from the byte it reached."""
+    import shutil
+
+    from k3studio import checks
+
+    shards = shard_names(source)
+    shard = shards[3]
+    fired = []
+    real = D.PanelOut.progress
+
+    def pause_in_the_fourth_shard(self, name, have, size):
+        if name == shard and not fired:
+            fired.append(have)
+            self.pause.set()                      # what the Pause button does
+        return real(self, name, have, size)
+
+    monkeypatch.setattr(D.PanelOut, "progress", pause_in_the_fourth_shard)
+    p = window.download
+    dest = tmp_path / "dl"
+    p.repo.setText(hub.repo)
+    p.endpoint.setText(hub.endpoint)
+    p.dest.setText(str(dest))
+    with qtbot.waitSignal(p.paused, timeout=TIMEOUT):
+        p.start_btn.click()
+    monkeypatch.setattr(D.PanelOut, "progress", real)
+    assert [n for n in shards if (dest / n).is_file()] == shards[:3]
+
+    setup = window.setup
+    window.tabs.setCurrentWidget(setup)
+    setup.set_paths(str(dest), "", "")
+    qtbot.waitUntil(lambda: setup.inspection is not None and not setup.validating,
+                    timeout=TIMEOUT)
+    text = setup.model.check.text()
+    print(f"[app] partial download check: {text!r}")
+    assert f"partial download: 3 of {len(shards)} shards, 1 part-way;" in text
+    assert "resume it in Download" in text and "Download tab" in text
+    assert "is missing" not in text                     # not the engine's shard refusal
+    assert setup.resume_btn.isVisibleTo(setup) and not setup.load_btn.isEnabled()
+    # the same folder without the downloader's state: the engine's generic refusal
+    bare = tmp_path / "bare"
+    shutil.copytree(dest, bare, ignore=shutil.ignore_patterns(".k3-download"))
+    generic = checks.inspect(str(bare)).model.message
+    assert "is missing" in generic and "partial download: 3" not in generic
+
+    before = len(hub.requests)
+    with qtbot.waitSignal(p.finished, timeout=TIMEOUT) as blocker:
+        setup.resume_btn.click()
+        assert window.tabs.currentWidget() is p           # resumed in the Download tab
+    assert blocker.args[0]["code"] == 0
+    fetched = [r for r in hub.requests[before:] if r["server"] == "cdn"]
+    assert not [r for r in fetched if r["name"] in shards[:3]]           # kept, not refetched
+    assert [r["range"] for r in fetched if r["name"] == shard] == [f"bytes={fired[0]}-"]
+    assert (dest / shard).read_bytes() == source[shard]
+    qtbot.waitUntil(lambda: not setup.validating and setup.inspection.model.ok,
+                    timeout=TIMEOUT)
+    assert window.tabs.currentWidget() is setup
+    assert not setup.resume_btn.isVisibleTo(setup)

@@ -107,3 +107,50 @@ def test_trace_of_a_real_turn_reaches_the_panel(qtbot, window, demo_model):
     qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
     assert w.trace_label == "this session's runs" and len(w.keys) > 0
     assert isinstance(window.memory.forecast_box.hits, F.TraceRouting)
+
+
+def test_the_session_trace_is_a_bounded_window(qtbot, window, demo_model, monkeypatch,
+                                               tmp_path, capsys):
+    """The app keeps only the latest window of the session's expert requests (a window of
+    400 here, so one turn overflows it): the plan counts the window, the What-if view says
+    it shows only the latest window, and its curve is `k3 sim-cache` over those requests."""
+    from k3engine import memory as M
+    monkeypatch.setattr(M, "TRACE_WINDOW_BYTES", M.TRACE_PAIR_BYTES * 400)
+    w = ready(qtbot, window, demo_model)
+    plan = window.memory.plan
+    assert plan.trace_window == 400 and plan.trace_bytes == M.TRACE_PAIR_BYTES * 400
+    assert "What-if trace: the latest 400" in window.memory.detail.text()
+    load(qtbot, window, demo_model[0], demo_model[1], demo_model[0])
+    res = send(qtbot, window, "hello, what day comes after monday?")
+    assert not res.get("failed")
+    qtbot.waitUntil(lambda: w.curve is not None and w.keys is not None, timeout=TIMEOUT)
+    trace = window.host.worker.run.lm.experts.trace
+    assert trace.requests > 400 and trace.kept == 400 == len(w.keys)
+    assert w.windowed and w.total_requests == trace.requests
+    assert f"only the latest 400 of {trace.requests:,} requests" in w.source.text()
+    # the same requests as the engine's own dump, replayed by k3 sim-cache
+    trace.dump(tmp_path)
+    dumped = sim_cache.read_trace(tmp_path / "expert_trace.bin")
+    keys = sim_cache.trace_keys(dumped)
+    assert keys == w.keys
+    want = sim_cache.hit_curve(keys, w.curve["slots"])
+    assert w.curve["lru"] == [p.lru for p in want]
+    assert w.curve["belady"] == [p.belady for p in want]
+    slots = [s for s in w.curve["slots"] if s >= sim_cache.MIN_SLOTS]
+    assert slots, w.curve["slots"]
+    capsys.readouterr()
+    caps = ",".join(f"{(s + 0.5) / 1000:.4f}" for s in slots)    # 1 MB experts: s slots each
+    assert k3_main(["sim-cache", str(tmp_path / "expert_trace.bin"), "--capacities", caps,
+                    "--expert-bytes", "1000000"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        parts = line.split()
+        # "0.0205 GB       20     4.00%    19.75%     8.00% ...": size, slots, LRU, BELADY
+        if len(parts) >= 6 and parts[1] == "GB" and parts[2].isdigit():
+            rows[int(parts[2])] = (float(parts[3][:-1]), float(parts[4][:-1]))
+    assert sorted(rows) == slots
+    for s, lru, bel in zip(w.curve["slots"], w.curve["lru"], w.curve["belady"]):
+        if s in rows:
+            assert abs(rows[s][0] - lru) <= 0.005 + 1e-9 and abs(rows[s][1] - bel) <= 0.005 + 1e-9
+    print(f"[app] what-if window: {trace.requests} requests, latest 400 replayed; "
+          f"k3 sim-cache agrees at {len(slots)} sizes")

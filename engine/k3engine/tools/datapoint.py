@@ -40,17 +40,19 @@ class PersonalDataError(ValueError):
 
 # ---- the parts of a record -------------------------------------------------------------
 
-def machine_section(device_dir: str | None, threads: int | None = None) -> dict:
+def machine_section(device_dir: str | None, threads: int | None = None,
+                    figures=None) -> dict:
     """Cores, memory, CPU model, OS and the device's measured read rate (the forecast's
-    cached machine figures: measured once per machine)."""
+    cached machine figures: measured once per machine; `figures`, a MachineFigures the
+    caller already holds -- the app's forecast column -- is used as it is)."""
     from ..forecast import machine_figures
     from ..session import physical_cores
     out = {"cpu": _cpu(), "logical_cpus": os.cpu_count() or 1,
            "physical_cores": physical_cores(), "memory_bytes": _mem_total(),
            "os": f"{platform.system()} {platform.machine()}",
            "python": platform.python_version()}
-    if device_dir:
-        m = machine_figures(device_dir, threads)
+    if device_dir or figures is not None:
+        m = figures if figures is not None else machine_figures(device_dir, threads)
         out["disk_read_mbs"] = {f"qd{q}": round(v / 1e6, 1) for q, v in
                                 sorted(m.read_bps.items(), key=lambda kv: int(kv[0]))}
         out["disk_read_direct"] = m.direct
@@ -75,6 +77,9 @@ def model_name(cfg) -> str:
     from .make_checkpoint import DIMS
     if _same_shape(cfg, parse_config(RELEASED_K3_CONFIG)):
         return "Kimi K3"
+    demo = _shipped_demo_config()
+    if demo is not None and _same_shape(cfg, demo):
+        return "the K3 Studio demo model (tiny, trained; not Kimi K3)"
     for name, dims in DIMS.items():
         d = dict(dims)
         if d.get("vocab_size") is None:
@@ -82,6 +87,17 @@ def model_name(cfg) -> str:
         if _same_shape(cfg, parse_config(d)):
             return f"generated '{name}' (k3 make-checkpoint --dims {name})"
     return "custom checkpoint"
+
+
+def _shipped_demo_config():
+    """The shipped trained demo model's config (k3 demo --path), or None without it."""
+    from ..config import ConfigError
+    from ..session import read_config
+    from .demo import shipped_dir
+    try:
+        return read_config(shipped_dir(), None)[0]
+    except (ConfigError, OSError):
+        return None
 
 
 def _same_shape(a, b) -> bool:
@@ -111,8 +127,9 @@ def measured_section(events: list[dict]) -> tuple[dict, dict]:
     req = sum(s.get("expert_requests", 0) for s in steps)
     true_hits = [s.get("true_resident_hit") for s in decode if s.get("true_resident_hit") is not None]
     n = len(summary.get("generated_ids") or [])
+    prompt = summary.get("prompt_ids") or []
     measured = {
-        "tokens": n, "prompt_positions": len(summary.get("prompt_ids") or []),
+        "tokens": n, "prompt_positions": prompt if isinstance(prompt, int) else len(prompt),
         "s_per_token": round(summary.get("seconds_per_token", 0.0), 4),
         "ttft_s": round(steps[0]["seconds"], 4),
         "decode_s_per_token_median": round(statistics.median(s["seconds"] for s in decode), 4)
@@ -125,13 +142,42 @@ def measured_section(events: list[dict]) -> tuple[dict, dict]:
         "io_share": round(summary.get("io_share", 0.0), 4),
         "ids_emitted": n,
     }
+    if summary.get("reused_positions") is not None:    # a chat turn: the cached context
+        measured["reused_positions"] = summary["reused_positions"]
     return plan, measured
 
 
-def build(cfg, events: list[dict], machine: dict, threads: int | None) -> dict:
+def turn_events(plan_event: dict, steps: list[dict], ids: list[int], prompt_positions: int,
+                reused: int, seconds: float, peak_rss_bytes: int | None) -> list[dict]:
+    """A chat turn as the §7.5 events `build` reads, from what a front end that watched it
+    holds (K3 Studio: the load's plan event, the turn's per-step records, its summary).
+    Only the step event's own keys are taken from a record: the token text a record may
+    carry never enters.  The I/O share is the steps' trunk + expert read seconds over the
+    turn's wall time (the step events hold no model-table seconds)."""
+    from ..events import StepTelemetry
+    evs = [dict(plan_event, ev="plan")]
+    for s in steps:
+        evs.append({"ev": "step", "step": s["step"], "seconds": s["seconds"],
+                    **{k: s[k] for k in StepTelemetry.EVENT_KEYS}})
+    io = sum(s["trunk_read_s"] + s["expert_read_s"] for s in steps)
+    evs.append({"ev": "summary", "prompt_ids": int(prompt_positions),
+                "generated_ids": list(ids), "reused_positions": int(reused),
+                "seconds_per_token": seconds / len(ids) if ids else 0.0,
+                "peak_rss_bytes": peak_rss_bytes,
+                "io_share": io / seconds if seconds > 0 else 0.0})
+    return evs
+
+
+SOURCE_CLI = "k3 datapoint: one incremental run of a fixed prompt, in a child process"
+SOURCE_APP = "K3 Studio: the last chat reply of the session (the app's own process)"
+
+
+def build(cfg, events: list[dict], machine: dict, threads: int | None,
+          source: str = SOURCE_CLI) -> dict:
     plan, measured = measured_section(events)
     return {"schema": SCHEMA,
             "version": {"k3": __version__, "reference_compatible": REFERENCE_VERSION},
+            "source": source,
             "machine": machine, "threads": threads, "model": model_section(cfg),
             "plan": plan, "measured": measured,
             "note": "one run; the s/token of a single run can differ by a third from the next "
@@ -170,7 +216,10 @@ def check_impersonal(text: str, paths=()) -> None:
 
 def markdown(rec: dict) -> str:
     m, mo, p, r = rec["machine"], rec["model"], rec["plan"], rec["measured"]
-    disk = ", ".join(f"{k.upper()} {v:g} MB/s" for k, v in m.get("disk_read_mbs", {}).items())
+    # by queue depth, not key order: the JSON is written with sorted keys ("qd16" < "qd4"),
+    # so a record read back would otherwise render differently from the one written
+    disk = ", ".join(f"{k.upper()} {v:g} MB/s" for k, v in
+                     sorted(m.get("disk_read_mbs", {}).items(), key=lambda kv: int(kv[0][2:])))
     rows = [
         ("version", f"k3 {rec['version']['k3']} (reference-compatible with kimi-k3-in-c "
                     f"{rec['version']['reference_compatible']})"),
@@ -187,14 +236,17 @@ def markdown(rec: dict) -> str:
          + f"; {p['expert_slots']} expert slots; planned {human(p['planned_bytes'] or 0)}"),
         ("s/token", f"{r['s_per_token']:.3f} over {r['tokens']} tokens (decode median "
                     f"{r['decode_s_per_token_median']} s)"),
-        ("time to first token", f"{r['ttft_s']:.3f} s for {r['prompt_positions']} prompt positions"),
+        ("measured by", rec.get("source", SOURCE_CLI)),
+        ("time to first token", f"{r['ttft_s']:.3f} s for {r['prompt_positions']} prompt positions"
+         + (f" ({r['reused_positions']} of them reused from the turn before)"
+            if r.get("reused_positions") else "")),
         ("expert hit rate", "n/a" if r["expert_hit_rate"] is None
          else f"{100 * r['expert_hit_rate']:.1f}% (true resident, decode steps)"),
         ("read per decode token", "n/a" if r["bytes_read_per_decode_token"] is None
          else human(r["bytes_read_per_decode_token"])),
         ("peak RSS", human(r["peak_rss_bytes"] or 0)),
     ]
-    out = ["# K3 Studio benchmark datapoint", "", "| | |", "|---|---|"]
+    out = ["# K3 Studio benchmark datapoint", "", "| | figure |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
     out += ["", f"_{rec['note']}._", ""]
     return "\n".join(out)
@@ -312,7 +364,10 @@ def main(argv: list[str]) -> int:
         events = (read_events(a.from_events) if a.from_events else
                   run_events(a.model, flags, prompt_ids(a.prompt_len, cfg.vocab), a.gen,
                              a.threads))
-        rec = build(cfg, events, machine_section(a.trunk or a.model, a.threads), a.threads)
+        # the threads the child ran with (it inherits OMP_NUM_THREADS): never "None"
+        from ..session import default_threads
+        threads = a.threads or default_threads()
+        rec = build(cfg, events, machine_section(a.trunk or a.model, threads), threads)
         paths = write(rec, a.out, [a.model, a.trunk, a.from_events])
     except (OSError, ValueError, RuntimeError) as e:
         print(f"k3 datapoint: {e}", file=sys.stderr)

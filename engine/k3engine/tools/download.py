@@ -124,6 +124,7 @@ class Expected:
     shard_count: int
     source: str                      # where the figures came from, for the report
     published: bool = False          # sizes pinned by the shipped table
+    endpoint: str | None = None      # the hub a saved manifest was fetched from
 
     def shards(self) -> list[str]:
         return sort_shards(n for n in self.files if SHARD_RE.match(n))
@@ -332,14 +333,19 @@ def save_manifest(dest: Path, exp: Expected, endpoint: str) -> None:
     write_atomic(str(d / MANIFEST), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644)
 
 
-def load_manifest(dest: Path, repo: str) -> Expected | None:
+def load_manifest(dest: Path, repo: str | None) -> Expected | None:
+    """The expected figures saved in DEST before the first byte was fetched; None when DEST
+    has no (readable) manifest or it is another repository's.  `repo` None: whichever
+    repository the manifest names."""
     path = dest / PART_DIR / MANIFEST
     try:
         doc = loads_strict(read_regular_file(path, MANIFEST_LIMIT, "manifest"), str(path))
     except (InputFileError, JSONFormatError):
         return None
-    if not isinstance(doc, dict) or doc.get("repo") != repo:
+    if not isinstance(doc, dict) or not isinstance(doc.get("repo"), str) \
+            or doc["repo"] != (repo or doc["repo"]):
         return None
+    repo = doc["repo"]
     try:
         siblings = [{"name": f["name"], "size": f["size"], "sha256": f.get("sha256"),
                      "git_oid": f.get("git_oid")} for f in doc["files"]]
@@ -348,7 +354,66 @@ def load_manifest(dest: Path, repo: str) -> Expected | None:
         raise DownloadError(f"{path}: the saved manifest is damaged") from None
     exp = expected_from_siblings(repo, str(commit), siblings)
     exp.source += " (saved manifest; hub not reachable)"
+    endpoint = doc.get("endpoint")
+    exp.endpoint = endpoint if isinstance(endpoint, str) else None
     return exp
+
+
+@dataclass(frozen=True)
+class DownloadState:
+    """How far a download this tool started in DEST has got, from its saved manifest and
+    the files on disk (sizes only: no hashing, cheap enough for a live check)."""
+    repo: str
+    endpoint: str | None
+    shards: int                      # shards of the checkpoint
+    shards_done: int                 # present with the expected size
+    shards_started: int              # part-way: a partial file in DEST/.k3-download
+    files_left: int                  # any file (shard or small) not yet in place
+    bytes_done: int                  # of every file, partial files included
+    bytes_total: int
+
+    @property
+    def complete(self) -> bool:
+        return self.files_left == 0
+
+    def line(self) -> str:
+        """`partial download: 3 of 14 shards, 1 part-way; 1.2 MB of 4.1 MB`."""
+        part = f", {self.shards_started} part-way" if self.shards_started else ""
+        return (f"partial download: {self.shards_done} of {self.shards} shards{part}; "
+                f"{human(self.bytes_done)} of {human(self.bytes_total)}")
+
+
+def download_state(dest) -> DownloadState | None:
+    """DEST's download state, or None when DEST holds no manifest of this tool (a folder
+    filled some other way, or a damaged manifest: the caller's other checks speak then).
+    The trap it avoids: an unfinished download met by the engine's reader is refused as a
+    missing shard, which reads as a damaged checkpoint rather than "resume it"
+    (tests/app/test_app_download.py checks the Setup tab's words)."""
+    dest = Path(dest)
+    try:
+        exp = load_manifest(dest, None)
+    except DownloadError:
+        return None
+    if exp is None:
+        return None
+    shards = set(exp.shards())
+    done = started = left = have = 0
+    for name, fig in exp.files.items():
+        if _complete(dest / name, fig):
+            have += fig.size
+            done += name in shards
+            continue
+        left += 1
+        part = part_path(dest, fig)
+        try:
+            got = part.stat().st_size if part.is_file() else 0
+        except OSError:
+            got = 0
+        if got:
+            have += min(got, fig.size)
+            started += name in shards
+    return DownloadState(exp.repo, exp.endpoint, len(shards), done, started, left, have,
+                         sum(f.size for f in exp.files.values()))
 
 
 # --- which shards a layer prefix needs -----------------------------------------------------
