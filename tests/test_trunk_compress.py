@@ -339,3 +339,26 @@ def test_cli_pack_compress_and_run(tiny, tmp_path):
     assert json.loads((tmp_path / "d.json").read_bytes())["generated_ids"] == WANT
     bad = k3("pack-trunk", tiny, t, "--compress-block-kb", "8")
     assert bad.returncode == 2 and "--compress" in bad.stderr
+
+
+def test_doctor_verify_checks_the_compressed_digests(packed, tmp_path):
+    d = _copy(packed, tmp_path)
+    ok = k3("doctor", "--verify", "--trunk", d)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "compressed trunk: 13 of 13 layers verified" in ok.stdout
+    _flip_in_block(d, 9)
+    bad = k3("doctor", "--verify", "--trunk", d)
+    print(f"[gate] doctor --verify on a flipped compressed byte: exit {bad.returncode}")
+    assert bad.returncode == 1
+    assert f"{os.path.join(d, K3Z_BIN)}: layer 9 does not match" in bad.stdout + bad.stderr
+
+
+def test_stale_partials_are_removed_and_listed(packed, tmp_path):
+    from k3engine.integrity import stale_files
+    d = _copy(packed, tmp_path)
+    dead = 2 ** 22 + 17                        # above pid_max's default: never running
+    for name in (f"trunk.k3z.partial-{dead}", f"trunk.k3z.json.partial-{dead}"):
+        Path(d, name).write_bytes(b"x")
+    assert len(stale_files(d)) == 2
+    ct = compress_trunk(d, block_bytes=SMALL_BLOCK)
+    assert len(ct.notes) == 2 and stale_files(d) == []
