@@ -19,7 +19,8 @@ from test_trunk import GOLDEN, N, run_streamed
 from k3engine.kernels import _k3z as Z
 from k3engine.trunk import TRUNK_BIN, TRUNK_JSON, TrunkManifest, pack_trunk
 from k3engine.trunk_compress import (K3Z_BIN, K3Z_JSON, MODE_ENV, CompressedTrunk, K3zError,
-                                     block_plan, code_lengths, compress_trunk, encode_block)
+                                     block_plan, code_lengths, compress_trunk, compressed_wins,
+                                     encode_block)
 
 WANT = GOLDEN["generated_ids"][:N]
 SMALL_BLOCK = 8192          # several blocks per tiny layer: the parallel per-block path
@@ -198,9 +199,16 @@ def test_auto_measures_both_and_says_which(tiny, packed, monkeypatch):
     print(f"[gate] auto: {st.reads_line}")
     assert ids == WANT
     assert c.decode_bps > 0 and c.device_bps > 0
-    assert c.use == (c.decode_bps * c.threads * (1 - c.ratio) > c.device_bps)
+    assert c.use == compressed_wins(c.decode_bps * c.threads, c.ratio, c.device_bps)
     assert (st._k3z_reader is not None) == c.use
     assert st.reads_line.startswith("trunk reads: ")
+
+
+def test_the_rule_picks_compressed_only_when_decoding_outruns_the_device():
+    # 2/3 of the bytes: compressed needs decode x threads > 3 x device (x the margin)
+    assert compressed_wins(4e9, 2 / 3, 1e9)
+    assert not compressed_wins(3e9, 2 / 3, 1e9)
+    assert not compressed_wins(0.0, 0.5, 1e9)
 
 
 def test_bad_mode_is_a_usage_error(tiny, packed, monkeypatch):
