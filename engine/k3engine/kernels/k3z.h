@@ -161,13 +161,16 @@ static inline void k3z_refill_safe(k3z_br *b, const uint8_t *end) {
     }
 }
 
-/* Table entry for K3Z_MAXLEN bits: bytes 0-3 up to four decoded symbols, byte 4 how many
- * (0: the bits start with a code the table does not define), byte 5 their total bits,
- * byte 6 the first symbol's length (the tail decodes one symbol at a time). */
-#define K3Z_E_SYMS(t) ((uint32_t)(t))
-#define K3Z_E_K(t) ((unsigned)((t) >> 32) & 0xFF)
-#define K3Z_E_BITS(t) ((unsigned)((t) >> 40) & 0xFF)
-#define K3Z_E_LEN1(t) ((unsigned)((t) >> 48) & 0xFF)
+/* Table entry for K3Z_MAXLEN bits: byte 0 the total bits of the whole codes it holds
+ * (first, so the shift takes it unmasked), byte 1 how many (up to four), byte 2 the first
+ * code's length (the tail decodes one symbol at a time), bytes 4-7 the symbols.  Bits
+ * that start with a code the table lacks: K3Z_E_BAD set, one bit consumed (so the fast
+ * loop still advances and ends), no symbol. */
+#define K3Z_E_BITS(t) ((unsigned)(t) & 0xFF)
+#define K3Z_E_K(t) ((unsigned)((t) >> 8) & 0xFF)
+#define K3Z_E_LEN1(t) ((unsigned)((t) >> 16) & 0xFF)
+#define K3Z_E_SYMS(t) ((uint32_t)((t) >> 32))
+#define K3Z_E_BAD (1ull << 24)
 
 static void k3z_table(const uint8_t len[256], const uint16_t rcode[256], uint64_t *lut) {
     uint16_t one[K3Z_LUT];                      /* symbol | length << 8; 0 = undefined */
@@ -188,8 +191,8 @@ static void k3z_table(const uint8_t len[256], const uint16_t rcode[256], uint64_
             used += l;
             k++;
         }
-        lut[idx] = syms | (uint64_t)k << 32 | (uint64_t)used << 40
-                   | (uint64_t)(one[idx] >> 8) << 48;
+        lut[idx] = k ? (syms << 32 | (uint64_t)(one[idx] >> 8) << 16 | (uint64_t)k << 8 | used)
+                     : (K3Z_E_BAD | 1);
     }
 }
 
@@ -220,7 +223,7 @@ static int k3z_decode_hx8_work(const uint8_t *src, size_t srclen, uint8_t *dst, 
         pos[s] = s * q < n ? s * q : n;
         hi[s] = (s + 1) * q < n ? (s + 1) * q : n;
     }
-    unsigned bad = 0;
+    uint64_t bad = 0;
     /* Fast loop: per stream one refill, then five lookups of up to four symbols each
      * (<= 20 symbols, written as 4-byte stores that stay inside the stream's range).  The
      * readers live in locals so the four dependency chains overlap. */
@@ -233,8 +236,8 @@ static int k3z_decode_hx8_work(const uint8_t *src, size_t srclen, uint8_t *dst, 
                && p0 + 8 <= end && p1 + 8 <= end && p2 + 8 <= end && p3 + 8 <= end) {
 #define K3Z_REFILL(b, c, p) do { (b) |= k3z_rd64(p) << (c); (p) += (63 - (c)) >> 3; (c) |= 56; } while (0)
 #define K3Z_DEC(b, c, o) do { uint64_t t_ = lut[(b) & (K3Z_LUT - 1)]; uint32_t s_ = K3Z_E_SYMS(t_); \
-        unsigned k_ = K3Z_E_K(t_), l_ = K3Z_E_BITS(t_); bad |= (k_ == 0);                      \
-        memcpy(ework + (o), &s_, 4); (o) += k_; (b) >>= l_; (c) -= l_; } while (0)
+        unsigned l_ = K3Z_E_BITS(t_); bad |= t_;                                                \
+        memcpy(ework + (o), &s_, 4); (o) += K3Z_E_K(t_); (b) >>= l_; (c) -= l_; } while (0)
             K3Z_REFILL(b0, c0, p0); K3Z_REFILL(b1, c1, p1);
             K3Z_REFILL(b2, c2, p2); K3Z_REFILL(b3, c3, p3);
             for (int r = 0; r < 5; r++) {
@@ -243,7 +246,7 @@ static int k3z_decode_hx8_work(const uint8_t *src, size_t srclen, uint8_t *dst, 
             }
 #undef K3Z_REFILL
 #undef K3Z_DEC
-            if (bad) return K3Z_E_STREAM;       /* k = 0 makes no progress: stop here */
+            if (bad & K3Z_E_BAD) return K3Z_E_STREAM;
         }
         br[0].p = p0; br[0].buf = b0; br[0].cnt = c0; pos[0] = o0;
         br[1].p = p1; br[1].buf = b1; br[1].cnt = c1; pos[1] = o1;
@@ -257,15 +260,24 @@ static int k3z_decode_hx8_work(const uint8_t *src, size_t srclen, uint8_t *dst, 
             k3z_refill_safe(b, end);
             uint64_t t = lut[b->buf & (K3Z_LUT - 1)];
             unsigned l = K3Z_E_LEN1(t);
-            if (!l) return K3Z_E_STREAM;
-            ework[i] = (uint8_t)t;
+            if (t & K3Z_E_BAD) return K3Z_E_STREAM;
+            ework[i] = (uint8_t)(t >> 32);
             b->buf >>= l;
             b->cnt -= l;
         }
         size_t used = (size_t)(b->p - start[s]) * 8 - b->cnt;
         if (used > seglen[s] * 8) return K3Z_E_STREAM;   /* read past its declared length */
     }
-    /* Rebuild BF16 from sign+mantissa and exponent (vectorised by the compiler). */
+    /* Rebuild BF16 from sign+mantissa and exponent (vectorised by the compiler); a
+     * 2-aligned dst directly, an odd one (a tensor at an odd offset) through a buffer. */
+    if (((uintptr_t)dst & 1) == 0) {
+        uint16_t *d16 = (uint16_t *)(void *)dst;
+        for (size_t i = 0; i < n; i++) {
+            unsigned sv = sm[i];
+            d16[i] = (uint16_t)(((sv & 0x80u) << 8) | ((unsigned)ework[i] << 7) | (sv & 0x7Fu));
+        }
+        return K3Z_OK;
+    }
     for (size_t i0 = 0; i0 < n; i0 += 4096) {
         uint16_t v[4096];
         size_t m = n - i0 < 4096 ? n - i0 : 4096;
