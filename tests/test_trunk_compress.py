@@ -263,6 +263,14 @@ def test_a_compressed_file_of_another_pack_is_not_read(tiny, packed, tmp_path, m
         CompressedTrunk.load(str(d), TrunkManifest.load(str(d)))
 
 
+def test_a_repack_removes_a_compressed_file_that_no_longer_binds(tiny, packed, tmp_path):
+    d = _copy(packed, tmp_path)
+    m = pack_trunk(tiny, d, n_layers=12)            # another trunk.json: 12 layers, not 13
+    assert any(K3Z_BIN in note for note in m.notes)
+    assert not os.path.exists(os.path.join(d, K3Z_BIN))
+    assert not os.path.exists(os.path.join(d, K3Z_JSON))
+
+
 def _mutations(doc: dict):
     """(what, edit) pairs, each of which must be refused naming trunk.k3z.json."""
     def blk(key, value, L=2, j=1):

@@ -256,8 +256,26 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                 if os.path.exists(p):
                     os.unlink(p)
     m = TrunkManifest.load(trunk_dir)
-    m.notes = notes
+    m.notes = notes + _drop_stale_compressed(trunk_dir, m)
     return m
+
+
+def _drop_stale_compressed(trunk_dir: str, m: "TrunkManifest") -> list[str]:
+    """A compressed trunk made from the previous pack no longer binds to the new
+    trunk.json (runs would ignore it with a warning every time): remove it."""
+    from .trunk_compress import K3Z_BIN, K3Z_JSON, CompressedTrunk, K3zError
+    if not CompressedTrunk.present(trunk_dir):
+        return []
+    try:
+        CompressedTrunk.load(trunk_dir, m)
+        return []
+    except K3zError:
+        for name in (K3Z_JSON, K3Z_BIN):         # manifest first: never blocks without it
+            p = os.path.join(trunk_dir, name)
+            if os.path.exists(p):
+                os.unlink(p)
+        return [f"removed {K3Z_BIN}, compressed from the previous pack (re-run with "
+                f"--compress)"]
 
 
 PARTIAL_RE = re.compile(r"trunk\.(?:bin|json)\.partial-(?P<pid>[0-9]+)")
