@@ -12,7 +12,9 @@ Silent-failure traps handled here (each has a test in tests/test_trunk.py):
 * a slot is marked empty BEFORE its read starts and published only AFTER the read
   succeeded, so a failed or short read is never bound;
 * an upcoming layer already in a slot is never evicted for a further one (re-read storm);
-* a trunk packed from another checkpoint is refused at open (TrunkMismatchError).
+* a trunk packed from another checkpoint is refused at open (TrunkMismatchError);
+* a layer decoded from the compressed trunk (trunk_compress) that fails a block's check is
+  never bound: re-read from trunk.bin, compressed reads off (tests/test_trunk_compress.py).
 """
 from __future__ import annotations
 
@@ -661,28 +663,33 @@ class StreamedTrunk:
         z = k.stored_bytes_read if k is not None else 0
         return self.bytes_read - (self._k3z_raw_read if k is not None else 0) + z
 
+    def _read_compressed(self, L: int, dest: memoryview) -> bool:
+        """Layer L decoded from trunk.k3z into dest; False when compressed reads are off
+        or a block failed.  A failed block stops compressed reads for the run (the plain
+        bytes are the same bits; the caller re-reads the layer from trunk.bin).  The
+        reader is never closed here: another reader thread may be inside it."""
+        k = self.k3z
+        if k is None:
+            return False
+        problem = k.read_layer(self.pool, L, dest)
+        with self.cv:
+            if problem is None:
+                self._k3z_raw_read += len(dest)
+                return True
+            if self.k3z is not None:
+                self.k3z = None
+                self.notes.append((f"{problem}; the compressed trunk is damaged, reading "
+                                   f"trunk.bin from layer {L} on (check it with k3 doctor "
+                                   f"--verify --trunk {self.m.trunk_dir})", True))
+        return False
+
     def _read_run(self, L: int, dest: memoryview) -> bool:
         run = self.m.layers[L]
         t0 = time.monotonic()
-        k = self.k3z
-        problem = k.read_layer(self.pool, L, dest[:run.nbytes]) if k is not None else "plain"
-        if problem is None:
-            got = run.nbytes
-            with self.cv:
-                self._k3z_raw_read += run.nbytes
-        else:
-            if k is not None:
-                # A damaged block: the plain bytes are the same bits, so re-read the layer
-                # from trunk.bin and stop reading the compressed file (never closed here:
-                # another reader thread may be inside it; close() closes it).
-                with self.cv:
-                    if self.k3z is not None:
-                        self.k3z = None
-                        self.notes.append((f"{problem}; the compressed trunk is damaged, "
-                                           f"reading trunk.bin from layer {L} on (check it "
-                                           f"with k3 doctor --verify --trunk "
-                                           f"{self.m.trunk_dir})", True))
+        if not self._read_compressed(L, dest[:run.nbytes]):
             got = parallel_read(self.pool, self.fd, dest[:run.nbytes], run.file_off)
+        else:
+            got = run.nbytes
         dt = time.monotonic() - t0
         if got != run.nbytes:
             return False
