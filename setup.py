@@ -14,18 +14,25 @@ compile_args = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-
 if os.environ.get("K3_NATIVE") == "1":
     compile_args.append("-march=native")
 
-ext = Extension(
-    "k3engine.kernels._kernels",
-    sources=["engine/k3engine/kernels/_kernels.pyx"],
-    include_dirs=[np.get_include(), "engine/k3engine/kernels"],
-    extra_compile_args=compile_args,
-    extra_link_args=["-fopenmp"],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-)
+
+def kernel_ext(name: str) -> Extension:
+    return Extension(
+        f"k3engine.kernels.{name}",
+        sources=[f"engine/k3engine/kernels/{name}.pyx"],
+        include_dirs=[np.get_include(), "engine/k3engine/kernels"],
+        extra_compile_args=compile_args,
+        extra_link_args=["-fopenmp"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+
+
+# _k3z: the compressed trunk's block codec (a module of its own: it is I/O + decode, not
+# part of the forward pass's numeric contract).
+exts = [kernel_ext("_kernels"), kernel_ext("_k3z")]
 
 setup(
     ext_modules=cythonize(
-        [ext],
+        exts,
         compiler_directives={
             "language_level": 3,
             "boundscheck": False,

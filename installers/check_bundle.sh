@@ -57,7 +57,7 @@ esac
 
 # -- 1. contents -----------------------------------------------------------------------------
 for pattern in \
-    "k3engine/kernels/_kernels.*" \
+    "k3engine/kernels/_kernels.*" "k3engine/kernels/_k3z.*" \
     "k3engine/data/tokenizer/tiktoken.model" \
     "k3engine/data/tokenizer/tokenizer_config.json" \
     "k3studio_resources/k3studio.svg" "k3studio_resources/k3studio.png" \

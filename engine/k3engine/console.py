@@ -91,6 +91,12 @@ class Printer:
             for line in p.trunk_plan.lines():
                 print(line)
 
+    def _TrunkNotice(self, ev):
+        if ev.warning:
+            print(f"k3: warning: {ev.message}", file=sys.stderr, flush=True)
+        else:
+            print(ev.message)
+
     def _Loaded(self, ev):
         if ev.streamed:
             print(f"trunk streaming enabled from {ev.trunk_dir} in {ev.seconds:.1f} s; reads "

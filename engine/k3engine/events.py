@@ -126,6 +126,14 @@ class Loaded(Event):
 
 
 @dataclass(frozen=True)
+class TrunkNotice(Event):
+    """Which file the streamed trunk reads (trunk.bin or the compressed trunk.k3z, and
+    why), or a warning: a compressed trunk refused or found damaged, plain reads instead."""
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
 class DraftLoaded(Event):
     total_bytes: int
     bits: int | None             # None: the draft holds exact weights

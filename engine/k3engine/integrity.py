@@ -76,6 +76,35 @@ def verify_trunk(trunk_dir: str, say: Progress) -> list[str]:
     secs = time.monotonic() - t0
     say(f"  trunk: {len(m.layers) - len(problems)} of {len(m.layers)} layers verified, "
         f"{total / 1e9:.2f} GB in {secs:.1f} s")
+    return problems + verify_compressed(trunk_dir, m, say)
+
+
+def verify_compressed(trunk_dir: str, m, say: Progress) -> list[str]:
+    """The compressed trunk (pack-trunk --compress), when there is one: its manifest, bound
+    to trunk.json, and every layer's stored bytes against its recorded SHA-256."""
+    from .trunk_compress import K3zError, CompressedTrunk
+    if not CompressedTrunk.present(trunk_dir):
+        return []
+    try:
+        ct = CompressedTrunk.load(trunk_dir, m)
+    except K3zError as e:
+        return [f"{e} (runs read trunk.bin instead; re-run k3 pack-trunk --compress)"]
+    problems = []
+    buf = bytearray(CHUNK)
+    fd = os.open(ct.path, os.O_RDONLY)
+    try:
+        for L, c in enumerate(ct.layers):
+            ok = sha256_range(fd, c.file_off, c.stored_nbytes, buf) == c.sha256
+            say(f"  {'OK  ' if ok else 'BAD '} compressed layer {L} ({c.stored_nbytes:,} "
+                f"bytes at {c.file_off:,})")
+            if not ok:
+                problems.append(f"{ct.path}: layer {L} does not match its recorded SHA-256: "
+                                f"the compressed trunk is damaged (runs fall back to "
+                                f"trunk.bin); re-run k3 pack-trunk --compress")
+    finally:
+        os.close(fd)
+    say(f"  compressed trunk: {len(ct.layers) - len(problems)} of {len(ct.layers)} layers "
+        f"verified, {ct.stored_bytes / 1e9:.2f} GB")
     return problems
 
 
@@ -148,9 +177,11 @@ def verify_shards(model_dir: str, say: Progress) -> tuple[list[str], str]:
 
 # Temp and partial files our writers leave when killed: write_atomic's `.NAME.tmp-PID`,
 # mkstemp's `NAME.tmp.XXXXXX` (older saves), pack-trunk's `trunk.*.partial-PID`, the
-# safetensors writer's `NAME.tmp-PID`, and a download's `.k3-download/*.incomplete`.
-_STALE = re.compile(r"(?:\..+\.tmp-[0-9]+|.+\.tmp\.[A-Za-z0-9_]{6,}|trunk\.(?:bin|json)"
-                    r"\.partial-[0-9]+|.+\.safetensors\.tmp-[0-9]+)")
+# safetensors writer's `NAME.tmp-PID`, and a download's `.k3-download/*.incomplete`
+# (pack-trunk --compress leaves `trunk.k3z.partial-PID` and `trunk.k3z.json.partial-PID`).
+_STALE = re.compile(r"(?:\..+\.tmp-[0-9]+|.+\.tmp\.[A-Za-z0-9_]{6,}"
+                    r"|trunk\.(?:bin|json|k3z|k3z\.json)\.partial-[0-9]+"
+                    r"|.+\.safetensors\.tmp-[0-9]+)")
 
 
 def stale_files(directory: str) -> list[tuple[str, int]]:

@@ -284,6 +284,8 @@ class Run:
             expert_slots=lm.experts.nslot, expert_slot_bytes=lm.experts.slot_bytes,
             state_bytes=lm.model.new_state(0, one_slot).nbytes(), one_recurrent_slot=one_slot,
             n_layers=self.nl))
+        for ev in self.trunk_notices():
+            sink(ev)
         if req.draft is not None:
             self.draft = load_draft(lm, setup, the_plan, self.positions, draft_topk,
                                     req.draft.cache_only)
@@ -298,6 +300,12 @@ class Run:
         if self.lm is not None:
             self.lm.close()
             self.lm = None
+
+    def trunk_notices(self) -> list[E.TrunkNotice]:
+        """The streamed trunk's notes since the last call (drained on the thread that runs
+        the model, so a sink is never called from a reader thread)."""
+        tr = self.lm.trunk if self.lm is not None else None
+        return [E.TrunkNotice(m, w) for m, w in tr.drain_notes()] if tr is not None else []
 
     # -- figures -------------------------------------------------------------------
     def measure_step(self, seconds: float) -> E.StepTelemetry:
@@ -384,6 +392,7 @@ class Run:
                 break
             yield E.StepDone(s.step, tuple(s.ids), s.seconds, self.measure_step(s.seconds),
                              s.logits)
+            yield from self.trunk_notices()
             for i in s.ids:
                 yield E.TokenOut(i, stream.push(i) if stream else "", "text")
         yield E.Finished(res)
@@ -443,6 +452,7 @@ class Run:
             now = time.monotonic()
             secs, t_last[0] = now - t_last[0], now
             yield E.StepDone(i - 1, (tok_id,), secs, self.measure_step(secs))
+            yield from self.trunk_notices()
             lm.experts.reset_step()
             phase, text = parser.push(tok_id)
             yield E.TokenOut(tok_id, text, phase)

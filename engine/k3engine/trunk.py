@@ -12,7 +12,9 @@ Silent-failure traps handled here (each has a test in tests/test_trunk.py):
 * a slot is marked empty BEFORE its read starts and published only AFTER the read
   succeeded, so a failed or short read is never bound;
 * an upcoming layer already in a slot is never evicted for a further one (re-read storm);
-* a trunk packed from another checkpoint is refused at open (TrunkMismatchError).
+* a trunk packed from another checkpoint is refused at open (TrunkMismatchError);
+* a layer decoded from the compressed trunk (trunk_compress) that fails a block's check is
+  never bound: re-read from trunk.bin, compressed reads off (tests/test_trunk_compress.py).
 """
 from __future__ import annotations
 
@@ -256,8 +258,26 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                 if os.path.exists(p):
                     os.unlink(p)
     m = TrunkManifest.load(trunk_dir)
-    m.notes = notes
+    m.notes = notes + _drop_stale_compressed(trunk_dir, m)
     return m
+
+
+def _drop_stale_compressed(trunk_dir: str, m: "TrunkManifest") -> list[str]:
+    """A compressed trunk made from the previous pack no longer binds to the new
+    trunk.json (runs would ignore it with a warning every time): remove it."""
+    from .trunk_compress import K3Z_BIN, K3Z_JSON, CompressedTrunk, K3zError
+    if not CompressedTrunk.present(trunk_dir):
+        return []
+    try:
+        CompressedTrunk.load(trunk_dir, m)
+        return []
+    except K3zError:
+        for name in (K3Z_JSON, K3Z_BIN):         # manifest first: never blocks without it
+            p = os.path.join(trunk_dir, name)
+            if os.path.exists(p):
+                os.unlink(p)
+        return [f"removed {K3Z_BIN}, compressed from the previous pack (re-run with "
+                f"--compress)"]
 
 
 PARTIAL_RE = re.compile(r"trunk\.(?:bin|json)\.partial-(?P<pid>[0-9]+)")
@@ -559,7 +579,8 @@ class StreamedTrunk:
 
     def __init__(self, manifest: TrunkManifest, binder: Binder, tables: ModelTables,
                  n_layers: int, pinned: set[int], ring_slots: int, io_threads: int = 4,
-                 on_read: Callable[[int, int, float], None] | None = None):
+                 on_read: Callable[[int, int, float], None] | None = None,
+                 compressed: str | None = None):
         self.m, self.binder, self.tables, self.n_layers = manifest, binder, tables, n_layers
         self.pinned = set(pinned)
         self.on_read = on_read
@@ -571,6 +592,13 @@ class StreamedTrunk:
             os.close(self.fd)
             self.fd, self.direct = os.open(manifest.bin_path, os.O_RDONLY), False
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="k3-trunk-io")
+        # The compressed copy (trunk_compress): read in place of trunk.bin when decoding
+        # outruns the device (`compressed`: auto/on/off, default $K3_TRUNK_COMPRESS).
+        self.notes: list[tuple[str, bool]] = []     # (message, is a warning), drained by run
+        self.reads_line = ""
+        self.compress_choice = None
+        self.k3z = self._k3z_reader = None
+        self._open_compressed(compressed, io_threads)
         self.slots = [AlignedBuffer(self.slot_bytes) for _ in range(self.nslot)]
         self.pinned_buf: dict[int, AlignedBuffer] = {}
         self.pinned_bound: dict[int, LayerWeights] = {}
@@ -587,6 +615,7 @@ class StreamedTrunk:
         # counters (completed binds / reads only)
         self.hits = self.misses = self.binds = 0
         self.bytes_read = 0
+        self._k3z_raw_read = 0                  # of bytes_read, decoded from trunk.k3z
         self.read_seconds = 0.0
         self.reader = None
         if self.nslot >= 2:                     # with ONE slot there must be no read-ahead
@@ -596,10 +625,71 @@ class StreamedTrunk:
 
     # -- reads -------------------------------------------------------------------------
 
+    def _open_compressed(self, mode: str | None, io_threads: int) -> None:
+        from .trunk_compress import (CompressedReader, CompressedTrunk, K3zError, MODE_ENV,
+                                     choose, requested_mode)
+        mode = requested_mode(mode)
+        if not CompressedTrunk.present(self.m.trunk_dir):
+            if mode == "on":
+                self.notes.append((f"{MODE_ENV}=on but {self.m.trunk_dir} has no compressed "
+                                   f"trunk (k3 pack-trunk --compress); reading trunk.bin",
+                                   True))
+            return
+        try:
+            ct = CompressedTrunk.load(self.m.trunk_dir, self.m)
+        except K3zError as e:
+            self.notes.append((f"{e}; reading the plain trunk.bin instead", True))
+            return
+        reader = CompressedReader(ct)
+        choice = choose(reader, self.m, self.pool, self.fd, io_threads, mode)
+        self.reads_line, self.compress_choice = choice.line, choice
+        self.notes.append((choice.line, False))
+        if choice.use:
+            self.k3z = self._k3z_reader = reader
+        else:
+            reader.close()
+
+    def drain_notes(self) -> list[tuple[str, bool]]:
+        """The notes (message, is a warning) since the last drain: the compressed-read
+        choice at open, a damaged compressed file found on the way."""
+        with self.cv:
+            out, self.notes = self.notes, []
+        return out
+
+    @property
+    def stored_bytes_read(self) -> int:
+        """Bytes read from the disk for the trunk (compressed blocks count as stored)."""
+        k = self._k3z_reader
+        z = k.stored_bytes_read if k is not None else 0
+        return self.bytes_read - (self._k3z_raw_read if k is not None else 0) + z
+
+    def _read_compressed(self, L: int, dest: memoryview) -> bool:
+        """Layer L decoded from trunk.k3z into dest; False when compressed reads are off
+        or a block failed.  A failed block stops compressed reads for the run (the plain
+        bytes are the same bits; the caller re-reads the layer from trunk.bin).  The
+        reader is never closed here: another reader thread may be inside it."""
+        k = self.k3z
+        if k is None:
+            return False
+        problem = k.read_layer(self.pool, L, dest)
+        with self.cv:
+            if problem is None:
+                self._k3z_raw_read += len(dest)
+                return True
+            if self.k3z is not None:
+                self.k3z = None
+                self.notes.append((f"{problem}; the compressed trunk is damaged, reading "
+                                   f"trunk.bin from layer {L} on (check it with k3 doctor "
+                                   f"--verify --trunk {self.m.trunk_dir})", True))
+        return False
+
     def _read_run(self, L: int, dest: memoryview) -> bool:
         run = self.m.layers[L]
         t0 = time.monotonic()
-        got = parallel_read(self.pool, self.fd, dest[:run.nbytes], run.file_off)
+        if not self._read_compressed(L, dest[:run.nbytes]):
+            got = parallel_read(self.pool, self.fd, dest[:run.nbytes], run.file_off)
+        else:
+            got = run.nbytes
         dt = time.monotonic() - t0
         if got != run.nbytes:
             return False
@@ -741,6 +831,8 @@ class StreamedTrunk:
             self.reader.join()
         self.pool.shutdown()
         os.close(self.fd)
+        if self._k3z_reader is not None:
+            self._k3z_reader.close()
         self.pinned_bound.clear()
         for b in list(self.pinned_buf.values()) + self.slots:
             try:
