@@ -285,6 +285,8 @@ class EngineWorker(QObject):
             self._loaded_event = ev
         elif isinstance(ev, E.Indexed):
             self.status.emit("planning memory")
+        elif isinstance(ev, E.TrunkNotice):   # which trunk file is read; damage -> plain reads
+            self.status.emit(("warning: " if ev.warning else "") + ev.message)
         elif isinstance(ev, E.LoadProgress) and ev.phase == "prefill" and self._in_turn:
             if self.progress.put(dict(phase="prefill", layers=ev.layer + 1,
                                       n_layers=self.run.nl if self.run else 0,
@@ -542,6 +544,8 @@ class EngineWorker(QObject):
                 heat_n += 1
                 if heat_n % HEAT_EVERY == 0:
                     self._post_heat()
+            elif isinstance(ev, E.TrunkNotice):
+                self._on_event(ev)
             elif isinstance(ev, E.TurnEnded):
                 res = ev.result
         self._post_heat()
