@@ -125,36 +125,43 @@ def run_once(model: str, args: list[str], gen: int, tmp: str, ids: str) -> dict:
 PROFILE_GEN, PROFILE_SKIP = 16, 4     # profile steps PROFILE_SKIP..PROFILE_GEN-1 of a run
 
 
-def profile_run(model: str, args: list[str], tmp: str, ids: str, rate: int = 250) -> dict:
+def profile_run(model: str, args: list[str], tmp: str, ids: str, rate: int = 250,
+                gen: int = PROFILE_GEN, skip: int = PROFILE_SKIP) -> dict:
     """Where a decode step's time goes: one `k3` run of PROFILE_GEN tokens with py-spy
     (--native, so the C kernels are named) attached after token PROFILE_SKIP, so the
     samples are steady decode steps (the prompt, the first touch of the trunk and the
     cache's compulsory fill are excluded).  Each sample of the main thread is charged to
     the deepest frame of the engine's own code (a .py, .pyx or .h of k3engine); samples of
     other threads (expert and trunk readers) are counted apart: they overlap the main one.
-    The engine's own per-step timers (trunk and expert read seconds) are reported beside."""
+    The engine's own per-step timers (trunk and expert read seconds) are reported beside.
+    skip = 0, gen = 1 profiles a prefill instead (attached at once; set-up is included,
+    seconds against the prefill's minutes)."""
     import shutil
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     raw, ev = os.path.join(tmp, "prof.txt"), os.path.join(tmp, "events.jsonl")
     cmd = [sys.executable, "-m", "k3engine", model, "--ids", ids,
-           "--gen", str(PROFILE_GEN), "--incremental", "--stream-tokens", "--events", ev,
+           "--gen", str(gen), "--incremental", "--stream-tokens", "--events", ev,
            "--out", os.path.join(tmp, "o.json"), *args]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     seen, spy_p = 0, None
+
+    def attach():
+        return subprocess.Popen([spy, "record", "--pid", str(p.pid), "--native", "--threads",
+                                 "--rate", str(rate), "--format", "raw", "-o", raw],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if skip == 0:
+        spy_p = attach()
     for line in p.stdout:
         if line.startswith("@K3TOKEN"):
             seen += 1
-            if seen == PROFILE_SKIP and spy_p is None:
-                spy_p = subprocess.Popen([spy, "record", "--pid", str(p.pid), "--native",
-                                          "--threads", "--rate", str(rate), "--format", "raw",
-                                          "-o", raw], stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL)
+            if seen == skip and spy_p is None:
+                spy_p = attach()
     p.wait()
     if spy_p is not None:
         spy_p.wait()
     if p.returncode != 0 or spy_p is None or not os.path.exists(raw):
         raise RuntimeError(f"profile run failed: {' '.join(cmd)} -> {p.returncode}")
-    steps = [e for e in map(json.loads, open(ev)) if e.get("ev") == "step"][PROFILE_SKIP:]
+    steps = [e for e in map(json.loads, open(ev)) if e.get("ev") == "step"][skip:]
     by_thread: dict[str, dict[str, int]] = {}
     runs_cli: dict[str, int] = {}          # the main thread is the one running k3engine.cli
     cats: dict[str, dict[str, int]] = {}
@@ -181,7 +188,7 @@ def profile_run(model: str, args: list[str], tmp: str, ids: str, rate: int = 250
         if t != main:
             for k, v in d.items():
                 others[k] = others.get(k, 0) + v
-    return {"main": by_thread[main], "others": others, "categories": cats[main],
+    return {"skip": skip, "gen": gen, "main": by_thread[main], "others": others, "categories": cats[main],
             "step_s": [e["seconds"] for e in steps],
             "trunk_read_s": [e["trunk_read_s"] for e in steps],
             "expert_read_s": [e["expert_read_s"] for e in steps],
@@ -210,7 +217,7 @@ def print_profile(name: str, prof: dict, top: int = 14) -> None:
     total = sum(main.values()) or 1
     n = len(prof["step_s"])
     st, tr, ex = (sum(prof[k]) / max(n, 1) for k in ("step_s", "trunk_read_s", "expert_read_s"))
-    print(f"profile: {name}: steps {PROFILE_SKIP}..{PROFILE_GEN - 1}, mean step {st:.3f} s = "
+    print(f"profile: {name}: steps {prof['skip']}..{prof['gen'] - 1}, mean step {st:.3f} s = "
           f"trunk read {tr:.3f} + expert read {ex:.3f} + the rest {st - tr - ex:.3f} (engine "
           f"timers); {total} main-thread samples", flush=True)
     cats = prof["categories"]
@@ -239,7 +246,8 @@ def main() -> int:
     ap.add_argument("--prefill", metavar="N,N,...", help="time prompts of these lengths")
     ap.add_argument("--profile", action="store_true",
                     help="profile steady decode steps with py-spy instead (rows: --budgets, "
-                         "default resident and trunk 0.5 + cache 0.5)")
+                         "default resident and trunk 0.5 + cache 0.5); with --prefill N, "
+                         "the prefill of N positions")
     ap.add_argument("--ids", default=prompt_ids(5), help="the prompt of --profile")
     ap.add_argument("--json")
     ap.add_argument("--hybrid", metavar="DRAFT_TRUNK_DIR")
@@ -261,7 +269,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for name, args in (budgets if a.budgets else PREFILL_BUDGETS):
                 with ForeignLoad(children=True) as fl:
-                    prof = profile_run(a.model, [x.format(trunk=a.trunk) for x in args] + extra, tmp, a.ids)
+                    prof = profile_run(a.model, [x.format(trunk=a.trunk) for x in args] + extra,
+                                       tmp, prompt_ids(lengths[0]) if a.prefill else a.ids,
+                                       **(dict(gen=1, skip=0) if a.prefill else {}))
                 print_profile(f"{name}, threads {a.threads or 'default'}, other load "
                               f"{100 * (fl.fraction or 0):.0f}%, load avg {fl.load}", prof)
                 profiles.append(dict(budget=name, other_load=fl.fraction, load_average=fl.load,

@@ -35,13 +35,14 @@ PLANS = {
 }
 
 
-# the same ladder for the ~26 MB demo model (a 12 MB trunk of ~1 MB layers, 36 KB slots)
+# the same ladder for the demo model (9 MB: a 2.65 MB trunk of 8 layers of ~0.33 MB, 224
+# experts in ~16 KB slots): all pinned, 3 and 2 of 8 layers pinned, none pinned (ring 2)
 DEMO_PLANS = {
     "resident": ["--cache-gb", "0.05"],
     "all-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0.05", "--cache-gb", "0.05"],
-    "t0.008+c0.004": ["--trunk", "{trunk}", "--trunk-gb", "0.008", "--cache-gb", "0.004"],
-    "t0.004+c0.002": ["--trunk", "{trunk}", "--trunk-gb", "0.004", "--cache-gb", "0.002"],
-    "nothing-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0", "--cache-gb", "0.0005"],
+    "t0.002+c0.001": ["--trunk", "{trunk}", "--trunk-gb", "0.002", "--cache-gb", "0.001"],
+    "t0.0015+c0.0005": ["--trunk", "{trunk}", "--trunk-gb", "0.0015", "--cache-gb", "0.0005"],
+    "nothing-pinned": ["--trunk", "{trunk}", "--trunk-gb", "0.001", "--cache-gb", "0.0003"],
 }
 
 
