@@ -3,7 +3,8 @@ test; figures are reported, never asserted).
 
     python benchmarks/bench_engine.py MODEL_DIR TRUNK_DIR [--runs 3] [--gen 8] [--json PATH]
                                       [--threads N] [--budgets I,J] [--hybrid DRAFT_TRUNK_DIR]
-                                      [--prefill 64,512,2048]
+                                      [--prefill 64,512,2048] [--profile]
+    python benchmarks/bench_engine.py --markdown RESULT.json     # the docs' table
 
 For every budget row it runs the real `k3` process `--runs` times (page cache dropped
 before each run when /proc/sys/vm/drop_caches is writable), and reports the median
@@ -235,7 +236,58 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def markdown(path: str) -> str:
+    """The docs' tables from a --json result (budgets, prefill or profile rows)."""
+    with open(path) as f:
+        r = json.load(f)
+    load = lambda x: f"{100 * (x['other_load'] or 0):.0f}% / {x['load_average']}"
+    if "profiles" in r:
+        out = []
+        for p in r["profiles"]:
+            total = sum(p["categories"].values()) or 1
+            n = max(len(p["step_s"]), 1)
+            st, tr, ex = (sum(p[k]) / n for k in ("step_s", "trunk_read_s", "expert_read_s"))
+            out += [f"**{p['budget']}** (steps {p['skip']}..{p['gen'] - 1}: mean {st:.3f} s = "
+                    f"trunk read {tr:.3f} + expert read {ex:.3f} + the rest {st - tr - ex:.3f}; "
+                    f"{total} main-thread samples; other load / load avg {load(p)})", "",
+                    "| where (main thread) | share |", "|---|---:|"]
+            out += [f"| {k} | {100 * v / total:.1f}% |"
+                    for k, v in sorted(p["categories"].items(), key=lambda kv: -kv[1])]
+            out += ["", "| deepest engine frame | share |", "|---|---:|"]
+            out += [f"| `{k}` | {100 * v / total:.1f}% |"
+                    for k, v in sorted(p["main"].items(), key=lambda kv: -kv[1])[:12]]
+            out.append("")
+        return "\n".join(out)
+    rows = r["rows"]
+    if rows and rows[0]["prompt"] != 5:
+        out = ["| positions | budget | runs | TTFT s | = trunk read + expert read + compute | "
+               "s/position | decode step s (steps 1-3) | decode step / position | peak RSS GB "
+               "| other load / load avg |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---|"]
+        for x in rows:
+            comp = x["ttft_s"] - x["ttft_trunk_read_s"] - x["ttft_expert_read_s"]
+            out.append(f"| {x['prompt']:,} | {x['budget']} | {x['runs']} | {x['ttft_s']:.2f} | "
+                       f"{x['ttft_trunk_read_s']:.2f} + {x['ttft_expert_read_s']:.2f} + "
+                       f"{comp:.2f} | {x['s_per_position']:.4f} | {x['steady_s_per_token']:.3f} | "
+                       f"{x['steady_s_per_token'] / x['s_per_position']:.1f}x | "
+                       f"{x['peak_rss_gb']:.2f} | {load(x)} |")
+        return "\n".join(out)
+    dev = r["device_mb_s"]
+    out = [f"device (k3 devbw's code, 4 MiB O_DIRECT): QD1 {dev['1']:.0f}, QD4 {dev['4']:.0f}, "
+           f"QD16 {dev['16']:.0f} MB/s; the I/O floor uses QD16", "",
+           "| budget | s/token | steady s/token | GB read per step | I/O floor s (GB / QD16) | "
+           "engine's read timers s | I/O share | peak RSS GB | plan GB | other load / load avg |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for x in rows:
+        out.append(f"| {x['budget']} | {x['s_per_token']:.3f} | {x['steady_s_per_token']:.3f} | "
+                   f"{x['steady_gb_read']:.3f} | {x['io_floor_s']:.3f} | {x['steady_io_s']:.3f} | "
+                   f"{x['io_share']:.1f}% | {x['peak_rss_gb']:.2f} | {x['plan_gb']:.2f} | {load(x)} |")
+    return "\n".join(out)
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("trunk")

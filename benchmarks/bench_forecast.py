@@ -57,24 +57,35 @@ def child(cpu_path: str, argv: list[str]) -> int:
     import time
     from k3engine import cli, telemetry
     cpu: list[float] = []
+    wait: list[float] = []
+
+    def runq_wait() -> float:
+        """Seconds this thread has been runnable but waiting for a CPU (Linux schedstat:
+        on-CPU ns, run-queue ns, slices): the time other processes took from it."""
+        try:
+            with open("/proc/thread-self/schedstat") as f:
+                return int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
     class Timed(telemetry.Events):
         def __init__(self, *sinks):
             super().__init__(*sinks)
             self.sinks.append(self._tick)
-            self._last = time.thread_time()
+            self._last, self._wait = time.thread_time(), runq_wait()
 
         def _tick(self, e):
-            now = time.thread_time()
+            now, w = time.thread_time(), runq_wait()
             if e.get("ev") == "step":
                 cpu.append(now - self._last)
-            self._last = now
+                wait.append(w - self._wait)
+            self._last, self._wait = now, w
 
     cli.Events = Timed
     code = cli.main(argv)
     from k3engine.tools.datapoint import own_peak_rss
     with open(cpu_path, "w") as f:
-        json.dump({"cpu": cpu, "peak": own_peak_rss()}, f)
+        json.dump({"cpu": cpu, "wait": wait, "peak": own_peak_rss()}, f)
     return code
 
 
@@ -110,7 +121,11 @@ def run_once(model: str, args: list[str], gen: int, threads: int, ids: str = IDS
         from k3engine.tools.sim_cache import read_trace, trace_keys
         keys = trace_keys(read_trace(os.path.join(tmp, "expert_trace.bin")))
     decode = steps[1:]
-    return {"keys": keys, "other_load": other, "ttft_s": steps[0]["seconds"], "ttft_cpu_s": cpu[0],
+    wait = got.get("wait") or [0.0] * len(steps)
+    return {"keys": keys, "decode_runq_wait_s": statistics.median(wait[1:]) if decode else 0.0,
+            "steady_unstarved_s": statistics.median(s["seconds"] - w for s, w in
+                                                    zip(decode, wait[1:])) if decode else 0.0,
+            "ttft_unstarved_s": steps[0]["seconds"] - wait[0], "other_load": other, "ttft_s": steps[0]["seconds"], "ttft_cpu_s": cpu[0],
             "decode_cpu_s": statistics.median(cpu[1:]) if len(cpu) > 1 else 0.0,
             "decode_io_s": statistics.median(s["trunk_read_s"] + s["expert_read_s"]
                                              for s in decode) if decode else 0.0,
@@ -129,16 +144,19 @@ def markdown(path: str) -> str:
     """The tables of docs/forecast.md from a --json result."""
     with open(path) as f:
         r = json.load(f)
-    out = ["| plan | decode s/token: forecast / measured (miss) | compute s: forecast / "
+    out = ["| plan | decode s/token: forecast / measured (miss) | measured less the main "
+           "thread's run-queue wait (miss) | compute s: forecast / "
            "measured CPU (miss) | reads s: forecast / measured | ttft s: forecast / measured"
            " | GB read per step: forecast (trace) / measured | peak RSS GB: forecast (trace) / "
            "measured (miss) | other load |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         f, t, m = row["forecast"], row["forecast_with_trace"], row["measured_median"]
         out.append(
             f"| {row['plan']} | {f['decode_s_per_token_run']:.3f} / {m['steady_s']:.3f} "
             f"({pct(f['decode_s_per_token_run'], m['steady_s'])}) | "
+            + (f"{m['steady_unstarved_s']:.3f} ({pct(f['decode_s_per_token_run'], m['steady_unstarved_s'])})"
+               if "steady_unstarved_s" in m else "–") + " | "
             f"{f['compute_s_per_token']:.3f} / {m['decode_cpu_s']:.3f} "
             f"({pct(f['compute_s_per_token'], m['decode_cpu_s'])}) | "
             f"{f.get('decode_io_s_per_token_run', f['io_s_per_token']):.3f} / "
@@ -210,7 +228,7 @@ def main() -> int:
                "ids_identical": all(r["ids"] == runs[0]["ids"] for r in runs)}
         rows.append(row)
         print(f"{name:16} decode {fc.decode_s_run:.3f} vs {med['steady_s']:.3f} (steady "
-              f"{fc.s_per_token:.3f}) | compute {fc.decode_compute_s:.3f} vs cpu "
+              f"{fc.s_per_token:.3f}; less run-queue wait {med.get('steady_unstarved_s', 0):.3f}) | compute {fc.decode_compute_s:.3f} vs cpu "
               f"{med['decode_cpu_s']:.3f} | io {fc.decode_io_s:.3f} vs {med['decode_io_s']:.3f} | ttft "
               f"{fc.ttft_s:.3f} vs {med['ttft_s']:.3f} | run {fc.s_per_token_run:.3f} vs "
               f"{med['run_s']:.3f} | read {fc.bytes_read_per_token / 1e9:.3f} vs "
