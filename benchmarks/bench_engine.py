@@ -41,8 +41,9 @@ BUDGETS = [
     ("trunk all pinned + cache 8 GB", ["--trunk", "{trunk}", "--trunk-gb", "8", "--cache-gb", "8"]),
     ("trunk 1.0 GB + cache 1.0 GB", ["--trunk", "{trunk}", "--trunk-gb", "1", "--cache-gb", "1"]),
     ("trunk 0.5 GB + cache 0.5 GB", ["--trunk", "{trunk}", "--trunk-gb", "0.5", "--cache-gb", "0.5"]),
-    ("nothing pinned, ring 2 + cache 0.3 GB", ["--trunk", "{trunk}", "--trunk-gb", "0",
-                                               "--cache-gb", "0.3"]),
+    # at --trunk-gb 0 the planner holds the ring at 1 slot (two 0.14 GB slots exceed it)
+    ("nothing pinned (ring held at 1) + cache 0.3 GB", ["--trunk", "{trunk}", "--trunk-gb", "0",
+                                                        "--cache-gb", "0.3"]),
 ]
 
 # prefill rows: the resident budget and the streamed one issue 13 quotes (trunk 0.5 + 0.5)
