@@ -2,7 +2,8 @@
 """Forecast against measurement (a script, not a test; figures reported, never asserted).
 
     python benchmarks/bench_forecast.py MODEL_DIR TRUNK_DIR [--runs 3] [--gen 8]
-                                        [--plans NAME,...] [--json PATH] [--markdown]
+                                        [--plans NAME,...] [--json PATH]
+    python benchmarks/bench_forecast.py --markdown RESULT.json [MODEL_DIR TRUNK_DIR]
 
 For each plan (resident to nothing pinned) it prints the forecast (k3engine.forecast, the
 machine's cached figures) and runs the real `k3` process `--runs` times with --events,
@@ -140,10 +141,29 @@ def pct(pred: float, meas: float) -> str:
     return f"{100 * (pred / meas - 1):+.0f}%" if meas else "n/a"
 
 
-def markdown(path: str) -> str:
-    """The tables of docs/forecast.md from a --json result."""
+def reforecast(r: dict, model: str, trunk: str) -> None:
+    """Replace each row's forecasts by the current model's, from the machine figures the
+    run recorded (after a fix of the model: the measurements do not change)."""
+    machine = F.MachineFigures.from_json(r["machine"], "recorded with the measurement")
+    shapes = {True: F.local_model(model, trunk), False: F.local_model(model)}
+    demo = r.get("plan_set") == "demo" or any(row["plan"] not in PLANS for row in r["rows"])
+    plans = DEMO_PLANS if demo else PLANS
+    for row in r["rows"]:
+        args = [x.format(trunk=trunk) for x in plans[row["plan"]]]
+        streamed = "--trunk" in args
+        kw = dict(trunk_gb=float(flag(args, "--trunk-gb", 16)), streamed=streamed,
+                  cache_gb=float(flag(args, "--cache-gb", 64)), prompt_len=5, gen=8)
+        row["forecast"] = F.forecast(shapes[streamed], machine, **kw).as_json()
+        # (the trace column keeps the run's own forecast: the trace itself is not stored)
+
+
+def markdown(path: str, model: str | None = None, trunk: str | None = None) -> str:
+    """The tables of docs/forecast.md from a --json result (forecast again by the current
+    model when MODEL_DIR and TRUNK_DIR are given)."""
     with open(path) as f:
         r = json.load(f)
+    if model:
+        reforecast(r, model, trunk)
     out = ["| plan | decode s/token: forecast / measured (miss) | measured less the main "
            "thread's run-queue wait (miss) | compute s: forecast / "
            "measured CPU (miss) | reads s: forecast / measured | ttft s: forecast / measured"
@@ -175,7 +195,7 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3:])
     if len(sys.argv) > 2 and sys.argv[1] == "--markdown":
-        print(markdown(sys.argv[2]))
+        print(markdown(*sys.argv[2:5]))
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -240,7 +260,8 @@ def main() -> int:
               f" | hit {100 * ft.hit_rate:.1f}%", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"machine": machine.to_json(), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine.to_json(), "rows": rows, "plan_set": a.plan_set},
+                      f, indent=1)
     return 0
 
 
