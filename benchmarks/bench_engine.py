@@ -81,14 +81,20 @@ def device_bandwidth(path: str) -> tuple[dict, bool]:
     return {q.qd: q.mbs for q in res.results}, res.direct
 
 
-def prompt_ids(n: int) -> str:
+def prompt_ids(n: int, vocab: int = 32768) -> str:
     """The benchmark prompt: the 5 ids of every earlier table, or n ids drawn with a fixed
-    seed (a prefill row) -- the same prompt in every run and budget."""
+    seed (a prefill row) -- the same prompt in every run and budget (taken modulo a
+    smaller model's vocabulary)."""
     if n == 5:
-        return "1008,10484,318,15383,387"
+        return ",".join(str(i % vocab) for i in (1008, 10484, 318, 15383, 387))
     import random
     rng = random.Random(n)
-    return ",".join(str(rng.randrange(32768)) for _ in range(n))
+    return ",".join(str(rng.randrange(32768) % vocab) for _ in range(n))
+
+
+def vocab_of(model: str) -> int:
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    return int(cfg.get("text_config", cfg)["vocab_size"])
 
 
 def run_once(model: str, args: list[str], gen: int, tmp: str, ids: str) -> dict:
@@ -233,6 +239,14 @@ def print_profile(name: str, prof: dict, top: int = 14) -> None:
             f"{k} {v}" for k, v in sorted(prof["others"].items(), key=lambda kv: -kv[1])[:5]))
 
 
+# a row's figure -> the run_once key it is the median of
+ROW_MEDIANS = {"s_per_token": "spt", "steady_s_per_token": "steady", "gb_read_per_step": "read_gb",
+               "steady_gb_read": "steady_read_gb", "steady_io_s": "steady_io_s", "io_share": "io",
+               "ttft_s": "ttft", "ttft_trunk_read_s": "ttft_trunk_s",
+               "ttft_expert_read_s": "ttft_expert_s", "ttft_read_gb": "ttft_read_gb",
+               "process_wall_s": "process_wall", "peak_rss_gb": "peak"}
+
+
 def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -301,7 +315,7 @@ def main() -> int:
                     help="profile steady decode steps with py-spy instead (rows: --budgets, "
                          "default resident and trunk 0.5 + cache 0.5); with --prefill N, "
                          "the prefill of N positions")
-    ap.add_argument("--ids", default=prompt_ids(5), help="the prompt of --profile")
+    ap.add_argument("--ids", help="the prompt of --profile (default: the 5 ids of the tables)")
     ap.add_argument("--json")
     ap.add_argument("--hybrid", metavar="DRAFT_TRUNK_DIR")
     a = ap.parse_args()
@@ -317,13 +331,15 @@ def main() -> int:
     if a.budgets:
         budgets = [budgets[int(i)] for i in a.budgets.split(",")]
     extra = ["--threads", str(a.threads)] if a.threads else []
+    vocab = vocab_of(a.model)
     if a.profile:
         profiles = []
         with tempfile.TemporaryDirectory() as tmp:
             for name, args in (budgets if a.budgets else PREFILL_BUDGETS):
                 with ForeignLoad(children=True) as fl:
                     prof = profile_run(a.model, [x.format(trunk=a.trunk) for x in args] + extra,
-                                       tmp, prompt_ids(lengths[0]) if a.prefill else a.ids,
+                                       tmp, prompt_ids(lengths[0], vocab) if a.prefill
+                                       else a.ids or prompt_ids(5, vocab),
                                        **(dict(gen=1, skip=0) if a.prefill else {}))
                 print_profile(f"{name}, threads {a.threads or 'default'}, other load "
                               f"{100 * (fl.fraction or 0):.0f}%, load avg {fl.load}", prof)
@@ -346,7 +362,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in lengths:
-            ids_text = prompt_ids(n)
+            ids_text = prompt_ids(n, vocab)
             for name, args in budgets:
                 args = [x.format(trunk=a.trunk, draft=a.hybrid, topk=topk) for x in args] + extra
                 runs = []
@@ -356,21 +372,10 @@ def main() -> int:
                         runs.append(run_once(a.model, args, gen, tmp, ids_text))
                 ids = {tuple(r["ids"]) for r in runs}
                 row = dict(budget=name, prompt=n, runs=a.runs, threads=a.threads,
-                           s_per_token=median_of(runs, "spt"),
-                           steady_s_per_token=median_of(runs, "steady"),
-                           gb_read_per_step=median_of(runs, "read_gb"),
-                           steady_gb_read=median_of(runs, "steady_read_gb"),
-                           steady_io_s=median_of(runs, "steady_io_s"),
-                           io_floor_s=median_of(runs, "steady_read_gb") * 1e3 / bw,
-                           io_share=median_of(runs, "io"),
-                           ttft_s=median_of(runs, "ttft"),
-                           ttft_trunk_read_s=median_of(runs, "ttft_trunk_s"),
-                           ttft_expert_read_s=median_of(runs, "ttft_expert_s"),
-                           ttft_read_gb=median_of(runs, "ttft_read_gb"),
-                           ttft_io_floor_s=median_of(runs, "ttft_read_gb") * 1e3 / bw,
-                           s_per_position=median_of(runs, "ttft") / n,
-                           process_wall_s=median_of(runs, "process_wall"),
-                           peak_rss_gb=median_of(runs, "peak") / 1e9,
+                           **{out: median_of(runs, key) for out, key in ROW_MEDIANS.items()})
+                row.update(io_floor_s=row["steady_gb_read"] * 1e3 / bw,
+                           ttft_io_floor_s=row["ttft_read_gb"] * 1e3 / bw,
+                           s_per_position=row["ttft_s"] / n, peak_rss_gb=row["peak_rss_gb"] / 1e9,
                            plan_gb=runs[0]["plan"] / 1e9, ids=list(next(iter(ids))),
                            drafted=runs[0]["drafted"], accepted=runs[0]["accepted"],
                            ids_identical_across_runs=len(ids) == 1,
