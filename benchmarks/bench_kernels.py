@@ -73,13 +73,25 @@ def machine_info() -> dict:
             "isas": ",".join(K.isas_available()), "default_isa": K.isa()}
 
 
+def loadavg() -> str:
+    """`uptime`'s three load averages (1, 5, 15 min), as text."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
 class ForeignLoad:
     """CPU time used by OTHER processes while a block runs, as a fraction of all CPUs
-    (from /proc/stat minus this process's own CPU time).  Timings taken while other work
-    shares the cores are unreliable, mainly at 2 threads on a 2-core machine."""
+    (from /proc/stat minus this process's own CPU time, and its waited-for children's
+    with children=True: a benchmark that runs `k3` in a subprocess).  Timings taken while
+    other work shares the cores are unreliable, mainly at 2 threads on a 2-core machine.
+    `load` is the load averages at the end of the block."""
 
-    def __init__(self):
+    def __init__(self, children: bool = False):
         self.fraction = None
+        self.children = children
+        self.load = None
 
     @staticmethod
     def _busy_and_total():
@@ -102,6 +114,10 @@ class ForeignLoad:
         busy = (e[0] - self._s[0]) / hz
         total = (e[1] - self._s[1]) / hz
         own = (t.user - self._t.user) + (t.system - self._t.system)
+        if self.children:
+            own += (t.children_user - self._t.children_user) + (
+                t.children_system - self._t.children_system)
+        self.load = loadavg()
         self.fraction = max(0.0, busy - own) / total if total > 0 else None
 
 
@@ -122,6 +138,46 @@ def _timed_parallel(fn, parts) -> float:
     return time.perf_counter() - t0
 
 
+# A STREAM-like pure read in C (XOR of every 64-bit word: associative, so the compiler
+# vectorises it with no reordering concern, and it does one instruction per 64 bytes per
+# vector -- far below the memory's rate).  Compiled here at run time with the machine's own
+# vector width; it is the benchmark's ruler, not an engine kernel.
+STREAM_READ_C = r"""
+#include <stddef.h>
+#include <stdint.h>
+uint64_t k3bench_read(const uint64_t *a, size_t n, int threads) {
+    uint64_t x = 0;
+    #pragma omp parallel for num_threads(threads) reduction(^:x) schedule(static)
+    for (size_t i = 0; i < n; i++) x ^= a[i];
+    return x;
+}
+"""
+
+
+def stream_read_lib():
+    """ctypes handle of STREAM_READ_C compiled with `cc -O3 -march=native -fopenmp`, or None
+    when there is no compiler (the NumPy read below is then the only figure)."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    d = tempfile.mkdtemp(prefix="k3-stream-")
+    src, lib = os.path.join(d, "r.c"), os.path.join(d, "r.so")
+    Path(src).write_text(STREAM_READ_C)
+    done = subprocess.run([cc, "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",
+                           "-shared", "-fPIC", src, "-o", lib], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"  (no C read test: {done.stderr.strip()[:200]})")
+        return None
+    f = ctypes.CDLL(lib).k3bench_read
+    f.restype = ctypes.c_uint64
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return f
+
+
 def measure_bandwidth(size: int, repeat: int, thread_counts) -> dict:
     n = size // 8
     src = np.arange(n, dtype=np.uint64)          # touched: pages are really allocated
@@ -138,7 +194,17 @@ def measure_bandwidth(size: int, repeat: int, thread_counts) -> dict:
         copies = [_timed_parallel(lambda p: np.copyto(p[0], p[1]), pairs) for _ in range(repeat)]
         out[f"read_gbs_{nt}t"] = size / statistics.median(reads) / 1e9
         out[f"copy_gbs_{nt}t"] = 2 * size / statistics.median(copies) / 1e9
-    out["read_gbs_best"] = max(v for k, v in out.items() if k.startswith("read_gbs_") and k[-1] == "t")
+    c_read = stream_read_lib()
+    for nt in thread_counts if c_read is not None else ():
+        c_read(src.ctypes.data, n, nt)                                  # warm-up
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            c_read(src.ctypes.data, n, nt)
+            times.append(time.perf_counter() - t0)
+        out[f"c_read_gbs_{nt}t"] = size / statistics.median(times) / 1e9
+        out[f"c_read_gbs_{nt}t_best"] = size / min(times) / 1e9      # the least disturbed pass
+    out["read_gbs_best"] = max(v for k, v in out.items() if "read_gbs_" in k and k[-1] == "t")
     del src, dst
     return out
 
@@ -308,6 +374,8 @@ def main(argv=None) -> int:
                          "CPUs during it (shared machines); default 10")
     ap.add_argument("--retries", type=int, default=3,
                     help="attempts per cell at most; the least disturbed one is kept")
+    ap.add_argument("--bandwidth-only", action="store_true",
+                    help="only the memory read bandwidth (take it when the machine is quietest)")
     ap.add_argument("--one-call", help=argparse.SUPPRESS)   # a --callgrind child
     a = ap.parse_args(argv)
     if a.one_call:
@@ -339,8 +407,17 @@ def main(argv=None) -> int:
     with ForeignLoad() as fl_bw:
         bw = measure_bandwidth(int(a.bw_gib * GIB), a.repeat, thread_counts)
     for nt in thread_counts:
+        c = bw.get(f"c_read_gbs_{nt}t")
         print(f"  {nt} thread(s): read (uint64 sum) {bw[f'read_gbs_{nt}t']:6.2f} GB/s, "
-              f"copy (np.copyto, read+write) {bw[f'copy_gbs_{nt}t']:6.2f} GB/s")
+              f"copy (np.copyto, read+write) {bw[f'copy_gbs_{nt}t']:6.2f} GB/s"
+              + ("" if c is None else f", STREAM-like C read (XOR, -march=native) {c:6.2f} GB/s "
+                 f"(best pass {bw[f'c_read_gbs_{nt}t_best']:.2f})"))
+    if a.bandwidth_only:
+        print(f"  load average {loadavg()}")
+        if a.json:
+            bw["foreign_cpu"] = fl_bw.fraction
+            Path(a.json).write_text(json.dumps({"machine": info, "bandwidth": bw}, indent=2))
+        return 0
     read_bw = a.floor_gbs or bw["read_gbs_best"]
     print(f"  floor uses {'the given' if a.floor_gbs else 'the best measured'} read bandwidth: "
           f"{read_bw:.2f} GB/s")

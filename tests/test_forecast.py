@@ -226,3 +226,33 @@ def test_ultra_streams_the_lm_head_every_token():
     assert ultra.plan.ultra and not plain.plan.ultra
     assert ultra.trunk_bytes_per_token == plain.trunk_bytes_per_token + m.lm_head_bytes
     assert ultra.peak_rss_bytes < plain.peak_rss_bytes          # the tables are not held
+
+
+def test_reads_share_one_device():
+    """The expert misses and the trunk reader's prefetch read from one device: a step
+    never takes less than all its reads at the device's rate, and a known case comes out
+    as processor sharing says.  Two ring layers (1.0 s of reading each, prefetched one
+    ahead), 0.1 s of compute and 0.5 s of expert misses each: layer 0 is read (1.0), layer
+    1's prefetch runs 1.0-2.0; the experts of layer 0 are read from 1.1 and share the
+    device with it (done at 2.1, the prefetch at 2.5); layer 1 waits for it, computes to
+    2.6 and reads its experts alone: 3.1 s, against 2.6 when the two reads were scheduled
+    as if on two devices (below the 3.0 s the device needs for the bytes)."""
+    c = F._Costs(compute=[0.1, 0.1], expert_io=[0.5, 0.5], sync_read=[0.0, 0.0],
+                 ring_read=[1.0, 1.0])
+    step, comp, io = F._step_seconds(c, 2)
+    print(f"[model] two ring layers + expert misses: step {step:.3f} s (device floor 3.0), "
+          f"compute {comp:.2f}, read timers {io:.3f}")
+    assert step == pytest.approx(3.1) and comp == pytest.approx(0.2)
+    # the timers: two trunk reads (the prefetch slowed by the 0.5 it shared) + experts
+    assert io == pytest.approx(1.0 + 1.5 + 1.0 + 0.5)
+    rng = np.random.default_rng(17)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        ring = [float(x) if rng.random() < 0.7 else 0.0 for x in rng.random(n)]
+        c = F._Costs(compute=list(rng.random(n) * 0.3), expert_io=list(rng.random(n) * 0.5),
+                     sync_read=[0.0] * n, ring_read=ring)
+        for slots in (1, 2, 3):
+            step, _, io = F._step_seconds(c, slots)
+            floor = sum(c.expert_io) + sum(c.ring_read)
+            assert step >= floor - 1e-9, (c, slots, step, floor)
+            assert io >= floor - 1e-9

@@ -195,3 +195,24 @@ def test_long_prefill_in_moe_chunks_equals_token_by_token(lm):
     print(f"[gate] prefill of {len(ids)} positions ({PREFILL_CHUNK}-position MoE chunks) vs "
           f"one token at a time: {same}/{len(ids)} positions bit-identical")
     assert same == len(ids)
+
+
+def test_2048_position_prompt_first_step_logits_equal_per_position(lm):
+    """Issue 13: a 2,048-position prompt in one pass (token-blocked matvecs, 32 MoE chunks,
+    the blocked MLA prefill over a long cache) gives the first step's logits bit for bit
+    as feeding the prompt one position at a time -- and every position's logits on the
+    way, so a mismatch names where it starts."""
+    n = 2048
+    ids = [int(i) for i in np.random.default_rng(2048).integers(0, lm.cfg.vocab, n)]
+    tf = teacher_forced_logits(lm, ids)
+    st = lm.model.new_state(n)
+    per = [lm.model.forward([t], st) for t in ids]
+    same = [np.array_equal(tf[t], per[t]) for t in range(n)]
+    first_bad = same.index(False) if not all(same) else None
+    print(f"[gate] {n}-position prompt in one pass vs one position at a time (kernel path "
+          f"{K.isa()}, {K.get_num_threads()} thread(s)): first-step logits (position {n - 1}, "
+          f"{tf.shape[1]} floats) sha256 {_sha(tf[-1])[:16]} vs {_sha(per[-1])[:16]}; "
+          f"{sum(same)}/{n} positions bit-identical"
+          + (f", first mismatch at {first_bad}" if first_bad is not None else ""))
+    assert np.array_equal(tf[-1].view(np.uint32), per[-1].view(np.uint32))
+    assert all(same)
