@@ -4,10 +4,10 @@ not a test; figures are reported, never asserted).
     python benchmarks/bench_overlap.py MODEL_DIR TRUNK_DIR [--runs 3] [--gen 8]
                                        [--trunk-gb 0.5] [--cache-gb 0.5] [--threads 2]
 
-Alternates `k3` runs with K3_EXPERT_OVERLAP=1 (the default: each expert is computed as
+Alternates `k3` runs with the default (SYSTEM §4.5's pipeline: each expert is computed as
 soon as its read lands, and the shared expert runs while the reads are in flight) and
-K3_EXPERT_OVERLAP=0 (every read of a group lands before any expert is served, the
-reference's order of work), page cache dropped before each run where allowed.  Reports
+K3_NO_EXPERT_PIPELINE=1 (every read of a group lands before any expert is served, §4.4's
+whole-batch barrier), page cache dropped before each run where allowed.  Reports
 the median s/token, the whole run's time the forward waited for expert reads and its
 I/O share, and whether the ids of every run are identical (they must be).
 """
@@ -32,7 +32,7 @@ def run(model: str, trunk: str, a, overlap: bool, out: str) -> dict:
     cmd = [sys.executable, "-m", "k3engine", model, "--trunk", trunk, "--ids", ids,
            "--gen", str(a.gen), "--trunk-gb", str(a.trunk_gb), "--cache-gb", str(a.cache_gb),
            "--threads", str(a.threads), "--incremental", "--out", out]
-    env = {**os.environ, "K3_EXPERT_OVERLAP": "1" if overlap else "0"}
+    env = {**os.environ, "K3_NO_EXPERT_PIPELINE": "0" if overlap else "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     o = json.load(open(out))
     io = IO.search(p.stdout)

@@ -207,16 +207,18 @@ def test_cli_refuses_bad_input(tmp_path, monkeypatch, capsys):
 
 
 def test_expert_overlap_hides_expert_reads_behind_compute():
-    """The reference's async expert pipeline (--expert-overlap): a layer costs the larger
-    of its compute and its expert reads, never more than this engine's sum."""
+    """The §4.5 pipeline the engine runs (the default): a layer costs the larger of its
+    compute and its expert reads, never more than the sum K3_NO_EXPERT_PIPELINE=1 gives
+    (--no-expert-pipeline)."""
     m = F.released_k3()
     kw = dict(trunk_gb=16, cache_gb=60, streamed=False, prompt_len=8, gen=4)
-    serial = F.forecast(m, GIVEN, **kw)
-    hidden = F.forecast(m, GIVEN, expert_overlap=True, **kw)
+    serial = F.forecast(m, GIVEN, expert_overlap=False, **kw)
+    hidden = F.forecast(m, GIVEN, **kw)
     assert hidden.s_per_token < serial.s_per_token
     assert hidden.s_per_token >= max(serial.compute_s, serial.io_s) - 1e-9
     assert hidden.bytes_read_per_token == serial.bytes_read_per_token
-    assert any("reference pipeline" in a for a in hidden.assumptions)
+    assert any("§4.5 pipeline" in a for a in hidden.assumptions)
+    assert any("K3_NO_EXPERT_PIPELINE" in a for a in serial.assumptions)
 
 
 def test_ultra_streams_the_lm_head_every_token():

@@ -142,8 +142,8 @@ def test_generate_yields_typed_events_with_the_golden_ids(tiny):
 @pytest.mark.parametrize("trunk_gb", [None, 0.0])
 def test_overlapped_expert_reads_change_no_id_and_no_counter(demo, trunk_gb, monkeypatch,
                                                              tmp_path):
-    """K3_EXPERT_OVERLAP=0 lands a group's reads before serving any (the reference's order
-    of work); the default computes each expert as its read lands.  A cache of a third of
+    """K3_NO_EXPERT_PIPELINE=1 lands a group's reads before serving any (§4.4's whole-batch
+    barrier); the default computes each expert as its read lands.  A cache of a third of
     the demo's experts (misses and evictions every step): the ids and every per-step cache
     counter are identical."""
     from k3engine.trunk import pack_trunk
@@ -154,7 +154,7 @@ def test_overlapped_expert_reads_change_no_id_and_no_counter(demo, trunk_gb, mon
     flags = [("--trunk-gb", trunk_gb or 0.0), ("--cache-gb", 0.0012)]
     runs = {}
     for overlap in ("0", "1"):
-        monkeypatch.setenv("K3_EXPERT_OVERLAP", overlap)
+        monkeypatch.setenv("K3_NO_EXPERT_PIPELINE", "1" if overlap == "0" else "0")
         req = request_from(demo, flags, incremental=True, gen=6,
                            prompt=Prompt(ids=tuple(range(40, 56))), **kw)
         r = open_run(req, lambda e: None)

@@ -314,6 +314,9 @@ class CacheCounters:
     bytes_read: int = 0
     load_seconds: float = 0.0    # time the forward waited for reads (I/O share)
     read_seconds: float = 0.0    # wall time of the reads themselves, overlapped or not
+    pipelined: int = 0           # groups whose reads ran behind compute (§4.5)
+    next_wait_s: float = 0.0     # of load_seconds: waiting for the next expert's own read
+    join_wait_s: float = 0.0     # ... and for the rest of a group at once (the final join)
 
     @property
     def requests(self) -> int:
@@ -526,6 +529,9 @@ class _Group:
             self.pending[r.key] = (r, fut)
         if not c.overlap:
             self._land_all()
+        elif len(reads) > 1:
+            with c._cv:
+                c._count(pipelined=1)
 
     def __len__(self) -> int:
         return len(self.experts)
@@ -539,7 +545,7 @@ class _Group:
             elif not self._serve_next():
                 return
 
-    def _land(self, key: int) -> None:
+    def _land(self, key: int, join: bool = False) -> None:
         """Wait for one pending read and publish it (or release its slot)."""
         c = self.cache
         r, fut = self.pending.pop(key)
@@ -550,7 +556,8 @@ class _Group:
             fut.result()                     # _read_one never raises: it records errors
         waited = time.monotonic() - t0
         with c._cv:
-            c._count(load_seconds=waited)
+            c._count(load_seconds=waited,
+                     **{"join_wait_s" if join else "next_wait_s": waited})
             if not self.pending:              # the last one: the reads' own wall time
                 c._count(read_seconds=waited if fut is None      # one read, run right here
                          else max(x.done for x in self.reads) - self.issued)
@@ -563,7 +570,7 @@ class _Group:
 
     def _land_all(self) -> None:
         for key in list(self.pending):       # disk-offset order, as they were issued
-            self._land(key)
+            self._land(key, join=True)
 
     def _serve_next(self) -> bool:
         if len(self.pairs) == len(self.experts) or self.broken:
@@ -642,9 +649,10 @@ class ExpertCache:
         if not self.moe_layers:
             raise ExpertCacheError("the model has no routed-expert layers")
         self.direct, self.prefetch = direct, prefetch
-        # K3_EXPERT_OVERLAP=0: a group's reads all land before any expert is served (the
-        # reference's order of work; same decisions and ids), for benchmarks/bench_overlap.py
-        self.overlap = os.environ.get("K3_EXPERT_OVERLAP", "1") != "0"
+        # SYSTEM §4.5's switch K3_NO_EXPERT_PIPELINE=1: a group's reads all land before any
+        # expert is served (the whole-batch barrier of §4.4; same decisions and ids), for
+        # benchmarks/bench_overlap.py
+        self.overlap = os.environ.get("K3_NO_EXPERT_PIPELINE", "") != "1"
         self._fail_reads = fail_reads
         self._log = log or (lambda msg: print(f"k3: {msg}", file=sys.stderr, flush=True))
 
@@ -770,6 +778,10 @@ class ExpertCache:
         rate = c.bytes_read / 1e6 / c.read_seconds if c.read_seconds > 0 else 0.0
         lines.append(f"  read from disk: {c.bytes_read / 1e9:.2f} GB in {c.read_seconds:.2f} s "
                      f"({rate:.0f} MB/s while loading)")
+        if c.pipelined:                                         # §4.5's report line
+            lines.append(f"  async overlap : {c.pipelined} batches, final join wait "
+                         f"{c.join_wait_s:.2f} s, next-expert waits {c.next_wait_s:.2f} s "
+                         f"(I/O worker threads {self.io_threads})")
         return lines
 
     # -- groups -----------------------------------------------------------------------

@@ -749,11 +749,11 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
              trunk_gb: float | str | None = None, cache_gb: float | None = None,
              trunk_ring: int = 2, streamed: bool | None = None, prompt_len: int = 16,
              gen: int = 8, hits: HitModel | None = None, available_bytes=0,
-             ultra: bool = False, expert_overlap: bool = False,
+             ultra: bool = False, expert_overlap: bool = True,
              baseline_bytes: int | None = None) -> Forecast:
     """The forecast of an incremental run of `gen` tokens after a `prompt_len` prompt.
-    `expert_overlap` models an engine that hides expert reads behind compute (the
-    reference's async per-expert pipeline, SYSTEM §4.5); this engine does not.
+    `expert_overlap` models the async per-expert pipeline of SYSTEM §4.5 (expert reads
+    behind compute), which this engine runs; False models K3_NO_EXPERT_PIPELINE=1.
     `baseline_bytes` replaces the measured interpreter baseline (the app's holds Qt)."""
     hits = hits or UniformRouting()
     streamed = model.streamed if streamed is None else streamed
@@ -848,8 +848,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"layer of each step waited for" if overlap else
         ("the trunk is resident: nothing streamed" if tp is None else
          "ring of 1 slot: trunk reads do not overlap compute"),
-        "expert reads hidden behind compute (reference pipeline)" if expert_overlap else
-        "expert misses read before the layer's experts compute (this engine: not overlapped)",
+        "expert reads hidden behind compute (the §4.5 pipeline)" if expert_overlap else
+        "expert misses read before the layer's experts compute (K3_NO_EXPERT_PIPELINE=1)",
         f"prefill: {prompt_len} positions computed, the whole trunk read once, "
         f"{prompt_union:.1f} distinct experts per layer read once; attention's quadratic "
         f"term ignored",

@@ -108,10 +108,10 @@ def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSourc
     last = (x_TE.shape[0] - 1) // PREFILL_CHUNK * PREFILL_CHUNK
     for c0 in range(0, x_TE.shape[0], PREFILL_CHUNK):
         x = x_TE[c0:c0 + PREFILL_CHUNK]
-        # the shared expert (original x) runs while the last chunk's expert reads are in
-        # flight; it is still added last, so the sum is the same
-        _routed_aggregate(w, x, mv(w.down_lat, x), layer, experts, cfg,
-                          acc_TL[c0:c0 + x.shape[0]], router,
+        # SYSTEM §4.5: the work that needs no routed expert (the latent down-projection;
+        # in the last chunk also the shared expert, on the original x) runs while the
+        # chunk's expert reads are in flight; the shared output is still added last
+        _routed_aggregate(w, x, layer, experts, cfg, acc_TL[c0:c0 + x.shape[0]], router,
                           (lambda: shared.append(situ_mlp(w.shared, x_TE, cfg)))
                           if c0 == last else None)
     if cfg.latent_norm:                                           # on the aggregate only
@@ -121,9 +121,9 @@ def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSourc
     return y_TE
 
 
-def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer: int,
-                      experts: ExpertSource, cfg: ModelConfig, acc_TL: np.ndarray,
-                      router=route, while_reading: Callable[[], None] | None = None) -> None:
+def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
+                      cfg: ModelConfig, acc_TL: np.ndarray, router=route,
+                      while_reading: Callable[[], None] | None = None) -> None:
     """acc[t] = sum_j w_j * expert_j(zl[t]) in selection order, for one chunk of tokens.
 
     Chunk union: each selected expert is fetched once and runs over all the chunk's tokens
@@ -137,11 +137,13 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer:
     for t, (idx, _) in enumerate(routes):
         for j, e in enumerate(idx):
             users.setdefault(int(e), []).append((t, j))
-    d_TkL = np.empty((T, k, zl_TL.shape[1]), dtype=np.float32)
+    d_TkL = np.empty((T, k, acc_TL.shape[1]), dtype=np.float32)
+    zl_TL = None
     for group in experts.batches(layer, sorted(users)):           # resident together
-        if while_reading is not None:          # the first group's reads were just issued
-            while_reading()
-            while_reading = None
+        if zl_TL is None:                      # the first group's reads were just issued
+            zl_TL = mv(w.down_lat, x_TE)
+            if while_reading is not None:
+                while_reading()
         for e, ex in group:
             rows = users[e]
             z = np.ascontiguousarray(zl_TL[[t for t, _ in rows]])
@@ -150,7 +152,7 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, zl_TL: np.ndarray, layer:
             d = mv(ex.w2, g)
             for r, (t, j) in enumerate(rows):
                 d_TkL[t, j] = d[r]
-    if while_reading is not None:              # nothing was requested
+    if zl_TL is None and while_reading is not None:               # nothing was requested
         while_reading()
     acc_TL.fill(0.0)
     for t, (_, wts) in enumerate(routes):

@@ -49,9 +49,10 @@ def parser() -> argparse.ArgumentParser:
                          "machine's published figure)")
     ap.add_argument("--bf16-gbs", type=float, metavar="X")
     ap.add_argument("--mxfp4-gbs", type=float, metavar="X")
-    ap.add_argument("--expert-overlap", action="store_true",
-                    help="model an engine that hides expert reads behind compute (the "
-                         "reference's async pipeline)")
+    ap.add_argument("--no-expert-pipeline", action="store_true",
+                    help="model K3_NO_EXPERT_PIPELINE=1: each layer's expert reads land "
+                         "before its experts compute (default: the SYSTEM 4.5 pipeline, "
+                         "reads behind compute, as the engine runs)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return ap
 
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
     fc = F.forecast(model, machine, preset=kw["preset"], trunk_gb=kw["trunk_gb"],
                     cache_gb=kw["cache_gb"], trunk_ring=a.trunk_ring, ultra=kw["ultra"],
                     prompt_len=a.prompt_len, gen=a.gen, hits=hits, available_bytes=probe,
-                    expert_overlap=a.expert_overlap)
+                    expert_overlap=not a.no_expert_pipeline)
     if a.json:
         print(json.dumps(fc.as_json()))
     else:
