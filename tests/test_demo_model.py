@@ -112,6 +112,17 @@ def test_a_half_packed_trunk_is_replaced(tmp_path):
     assert demo.ready_dir(SHIPPED, cache=str(tmp_path), in_place=False) == d and demo.is_ready(d)
 
 
+def test_a_trunk_of_older_weights_is_repacked(tmp_path):
+    d = demo.ready_dir(SHIPPED, cache=str(tmp_path), in_place=False)
+    stamp = os.path.join(d, "trunk", demo.MANIFEST)
+    with open(stamp, "ab") as f:                 # as a trunk packed from earlier weights
+        f.write(b"0" * 64 + b"  model.safetensors\n")
+    assert not demo.is_ready(d)
+    assert demo.ready_dir(d, in_place=True) == d and demo.is_ready(d)
+    with open(stamp, "rb") as a, open(os.path.join(d, demo.MANIFEST), "rb") as b:
+        assert a.read() == b.read()
+
+
 def test_k3_demo_path_prints_a_ready_directory(tmp_path):
     out = subprocess.run([sys.executable, "-m", "k3engine", "demo", "--path", "--cache-dir",
                           str(tmp_path)], capture_output=True, text=True)

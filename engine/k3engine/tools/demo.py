@@ -53,8 +53,23 @@ def manifest_files(model_dir: str) -> list[str]:
     return names
 
 
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def is_ready(model_dir: str) -> bool:
-    return os.path.isfile(os.path.join(model_dir, TRUNK, "trunk.json"))
+    """A complete trunk packed from the weights the manifest names now.  Trap: a trunk packed
+    in place before the shipped weights were retrained would otherwise pass (trunk.json
+    exists) and the engine would run the old trunk with the new experts; pack time copies
+    the manifest into the trunk directory and a mismatch means repack
+    (tests/test_demo_model.py::test_a_trunk_of_older_weights_is_repacked)."""
+    stamp = _read(os.path.join(model_dir, TRUNK, MANIFEST))
+    return (os.path.isfile(os.path.join(model_dir, TRUNK, "trunk.json")) and stamp is not None
+            and stamp == _read(os.path.join(model_dir, MANIFEST)))
 
 
 def _writable(d: str) -> bool:
@@ -70,6 +85,7 @@ def _pack_into(model_dir: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         pack_trunk(model_dir, tmp)
+        shutil.copyfile(os.path.join(model_dir, MANIFEST), os.path.join(tmp, MANIFEST))
         try:
             os.replace(tmp, final)
         except OSError:

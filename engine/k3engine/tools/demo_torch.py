@@ -40,8 +40,12 @@ def mxfp4_round(w: torch.Tensor) -> torch.Tensor:
     scale = torch.exp2(e)
     mag = g.abs() / scale
     table = torch.tensor(E2M1, dtype=torch.float64)
-    # nearest magnitude, lowest code on ties: argmin returns the first minimum
-    code = torch.argmin((mag.unsqueeze(-1) - table).abs(), dim=-1)
+    # nearest magnitude, lowest code on ties: the code is the number of midpoints strictly
+    # below the magnitude (bucketize, right=False, puts a value equal to a midpoint in the
+    # lower bucket).  Exact: the midpoints are dyadic and mag is an exact quotient by a power
+    # of two.  An argmin over |mag - table| gives the same codes at 8x the memory traffic.
+    mid = (table[1:] + table[:-1]) / 2
+    code = torch.bucketize(mag, mid, right=False)
     q = table[code] * scale * torch.sign(g)
     return q.reshape(shp).to(w.dtype)
 

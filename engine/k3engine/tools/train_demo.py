@@ -14,7 +14,9 @@ How: `demo_torch.K3Torch`, a PyTorch forward pass written from ARCHITECTURE §4 
 code), in float32 on ONE thread (`torch.set_num_threads(1)`, deterministic algorithms, a fixed
 seed for weights, corpus and batch order: the same seed on the same machine gives the same
 weights).  AdamW with warm-up and cosine decay; the loss counts every token the model generates
-in a chat turn (the reply through its `<|end_of_msg|>`) fully and the prompt tokens at 0.1.
+in a chat turn (the reply through its `<|end_of_msg|>`) at 1, those holding a digit (the
+operands restated from the question, the result) at `NUMBER_WEIGHT` = 4, and the prompt
+tokens at `PROMPT_WEIGHT` = 0.1.
 Routing is kept alive the K3 way, by the selection bias `e_score_correction_bias` nudged
 towards under-used experts after every step (it only selects, never weights, §4.7.1), plus a
 small switch-style load-balance loss.  The last `--qat-steps` run quantisation-aware: the
@@ -23,11 +25,9 @@ forward sees every BF16 matrix rounded to BF16 and every routed expert rounded b
 last.  Export goes through `make_checkpoint` (its shard plan, safetensors writer, `to_bf16`
 and `quantise_mxfp4`); `MANIFEST.sha256` lists every shipped file.
 
-Measured for the shipped model (`--seed 0`, the defaults; docs/demo-model.md): 360 steps,
-571,823 tokens, 1,839 s wall (30.6 min) on one thread of a 2-core machine whose load average
-other agents kept at 7-9, so well under one core; shipped size 6.58 MB (model.safetensors
-6.51 MB).  `training.json` in the output directory records each run's wall time, steps,
-tokens and loss log.
+Measured for the shipped model (`--seed 0`, the defaults): docs/demo-model.md gives its
+steps, tokens, wall and CPU time and the machine's load while it ran.  `training.json` in the
+output directory records each run's wall time, steps, tokens and loss log.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from ..names import LM_HEAD, PREFIX, TensorDef
 from .demo_corpus import Corpus, conversation_ids, make_corpus
 from .make_checkpoint import _TINY, make_checkpoint, quantise_mxfp4
 
-# Small enough to train in well under 30 minutes on one loaded core, every layer kind present.
+# Small enough to train in well under an hour on one core, every layer kind present.
 TRAINED_DIMS = dict(
     _TINY, hidden_size=128, num_hidden_layers=8, kda_num_heads=4, kda_head_dim=32,
     num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -60,6 +60,9 @@ TRAINED_DIMS = dict(
 MANIFEST = "MANIFEST.sha256"
 TRAINING_RECORD = "training.json"
 PROMPT_WEIGHT = 0.1            # loss weight of tokens the model reads but never generates
+# Generated tokens that hold a digit (operands restated from the question, results): a few
+# per reply among ~20 generated ones, yet the whole point of a one-answer question.
+NUMBER_WEIGHT = 4.0
 AUX_WEIGHT = 0.01
 BIAS_STEP = 1e-3
 
@@ -72,14 +75,27 @@ def trained_config() -> ModelConfig:
 
 # ---- data -------------------------------------------------------------------------------
 
-def training_sequences(tok, corpus: Corpus) -> list[tuple[list[int], list[float]]]:
+def digit_ids(tok) -> set[int]:
+    """The ids whose text holds a digit (numbers split into runs of up to three digits)."""
+    return {i for i in range(tok.vocab_size) if any(48 <= b <= 57 for b in tok.decode([i]))}
+
+
+def training_sequences(tok, corpus: Corpus, prompt_weight: float = PROMPT_WEIGHT,
+                       number_weight: float = NUMBER_WEIGHT) -> list[tuple[list[int], list[float]]]:
+    """(ids, per-token loss weight): prompt tokens `prompt_weight`, generated tokens 1, generated
+    tokens with a digit `number_weight`; plain text counts as generated."""
+    digits = digit_ids(tok)
+
+    def weights(ids, mask):
+        return [(number_weight if i in digits else 1.0) if m else prompt_weight
+                for i, m in zip(ids, mask)]
     out = []
     for conv in corpus.train:
         ids, mask = conversation_ids(tok, conv)
-        out.append((ids, [1.0 if m else PROMPT_WEIGHT for m in mask]))
+        out.append((ids, weights(ids, mask)))
     for text in corpus.plain:
         ids = tok.encode(text, False)
-        out.append((ids, [1.0] * len(ids)))
+        out.append((ids, weights(ids, [1] * len(ids))))
     return out
 
 
@@ -115,8 +131,9 @@ def collate(seqs, batch):
 
 # ---- training ---------------------------------------------------------------------------
 
-def train(out_dir: str, seed: int = 0, steps: int = 360, qat_steps: int = 60,
-          batch_tokens: int = 2048, lr: float = 3e-3, log=print) -> dict:
+def train(out_dir: str, seed: int = 0, steps: int = 900, qat_steps: int = 90,
+          batch_tokens: int = 2048, lr: float = 6e-3, prompt_weight: float = PROMPT_WEIGHT,
+          number_weight: float = NUMBER_WEIGHT, log=print) -> dict:
     import torch
     from .demo_torch import K3Torch
     from ..config import to_flat_dict
@@ -129,7 +146,7 @@ def train(out_dir: str, seed: int = 0, steps: int = 360, qat_steps: int = 60,
     cfg = trained_config()
     tok = Tokenizer.from_dir(default_tokenizer_dir())
     corpus = make_corpus(seed)
-    seqs = training_sequences(tok, corpus)
+    seqs = training_sequences(tok, corpus, prompt_weight, number_weight)
     model = K3Torch(to_flat_dict(cfg), seed)    # the flat field names of the spec
     decay = [p for n, p in model.p.items() if p.dim() >= 2]
     other = [p for n, p in model.p.items() if p.dim() < 2]
@@ -174,13 +191,14 @@ def train(out_dir: str, seed: int = 0, steps: int = 360, qat_steps: int = 60,
         tokens += int((wts[:, 1:] > 0).sum())
         if step % 10 == 0 or step == steps - 1:
             used = min(int((model.expert_counts[L] > 0).sum()) for L in moe_layers)
-            rec = dict(step=step, loss=round(float(loss_lm), 4), aux=round(float(aux), 4),
+            rec = dict(step=step, loss=round(float(loss_lm.detach()), 4), aux=round(float(aux.detach()), 4),
                        min_experts_used=used, tokens=tokens, seconds=round(time.time() - t0, 1),
                        qat=model.quant)
             history.append(rec)
             log(json.dumps(rec), flush=True)
     wall = time.time() - t0
     record = dict(seed=seed, steps=steps, qat_steps=qat_steps, batch_tokens=batch_tokens, lr=lr,
+                  prompt_weight=prompt_weight, number_weight=number_weight,
                   train_conversations=len(corpus.train), plain_texts=len(corpus.plain),
                   tokens_seen=tokens, wall_seconds=round(wall, 1), threads=1,
                   torch=torch.__version__, final_loss=history[-1]["loss"], log=history)
@@ -277,10 +295,10 @@ def main(argv: list[str]) -> int:
                                              "pip install -e '.[train]').")
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=360)
-    ap.add_argument("--qat-steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--qat-steps", type=int, default=90)
     ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=6e-3)
     a = ap.parse_args(argv)
     try:
         import torch  # noqa: F401
