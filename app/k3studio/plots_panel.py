@@ -236,6 +236,10 @@ class PlotsPanel(QWidget):
                 a.setTextPen(fg)
             p.titleLabel.setAttr("color", fg)
             p.titleLabel.setText(p.titleLabel.text)
+            if p.legend is not None:      # the labels keep their colour until re-rendered
+                p.legend.setLabelTextColor(fg)
+                for _, label in p.legend.items:
+                    label.setText(label.text)
         self.c_spt.setPen(_pen(fg))
         self.c_spt.setSymbolBrush(fg)
         self.c_ret.setPen(_pen(fg))

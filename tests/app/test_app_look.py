@@ -66,6 +66,10 @@ def test_the_theme_switch(window):
     window.actions_by_name["theme_dark"].trigger()
     assert window.dark and window.settings.theme == "dark"
     assert QApplication.instance().palette().color(QPalette.Window).lightness() < 80
+    # the plots' legend labels follow the theme (they stayed dark on dark, unreadable)
+    labels = [lab for p in window.plots._token_plots if p.legend is not None
+              for _, lab in p.legend.items]
+    assert labels and all(lab.opts["color"].lightness() > 150 for lab in labels)
     assert "#1e2128" in QApplication.instance().styleSheet()
     window.actions_by_name["theme_light"].trigger()
     assert not window.dark
