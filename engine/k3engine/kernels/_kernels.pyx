@@ -172,7 +172,7 @@ cdef _matvec_f32(const float[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="dynamic"):
             k3_mv_rows_f32(&W[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
                            &Xd[0, 0], T, NULL, &Y[0, 0], nout)
 
@@ -185,7 +185,7 @@ cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1]
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="dynamic"):
             k3_mv_rows_bf16(&W[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
                             &Xd[0, 0], T, NULL, &Y[0, 0], nout)
 
@@ -203,7 +203,7 @@ def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="dynamic"):
             k3_mv_rows_mxfp4(&P[0, 0], &S[0, 0], n, c * ROW_CHUNK,
                              min(nout, (c + 1) * ROW_CHUNK), &Xd[0, 0], T, &Y[0, 0], nout)
 
@@ -221,7 +221,7 @@ def i8r_matvec(const int8_t[:, ::1] Q, const float[::1] S, const float[:, ::1] X
         return
     cdef double[:, ::1] Xd = _widened(X)
     with nogil:
-        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="static"):
+        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="dynamic"):
             k3_mv_rows_i8(&Q[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
                           &Xd[0, 0], T, &S[0], &Y[0, 0], nout)
 
@@ -466,7 +466,7 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
         diff = u + 3 * D
         if u == NULL:
             oom[0] = 1                       # reported after the region (no raise in nogil)
-        for h in prange(H, schedule="static"):
+        for h in prange(H, schedule="dynamic"):
             if u == NULL:
                 continue
             base = h * D
@@ -555,7 +555,7 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
         accv = sc + npos
         if sc == NULL:
             oom[0] = 1                       # reported after the region (no raise in nogil)
-        for th in prange(T * H, schedule="static"):
+        for th in prange(T * H, schedule="dynamic"):
             if sc == NULL:
                 continue
             t = th // H
