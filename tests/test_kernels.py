@@ -1328,3 +1328,18 @@ def test_embed_and_attnres_refuse_a_wrong_output_shape():
     run = np.zeros((3, 4), np.float32)
     with pytest.raises(ValueError):
         K.attnres(stack, 1, run, np.zeros(4, np.float32), 1e-5, np.zeros((2, 4), np.float32))
+
+
+def test_openmp_workers_wait_passively():
+    """Importing the kernels sets OMP_WAIT_POLICY=passive before libgomp loads (a spinning
+    worker takes the core the readers need: kernels/__init__.py), unless the user set it."""
+    import subprocess
+    import sys
+    code = "import os, k3engine.kernels; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    mine = subprocess.run([sys.executable, "-c", code], env=dict(env, OMP_WAIT_POLICY="active"),
+                          capture_output=True, text=True, check=True).stdout.split()
+    print(f"[threads] OMP_WAIT_POLICY unset -> {got[-1]}; set by the user -> {mine[-1]}")
+    assert got[-1] == "passive" and mine[-1] == "active"

@@ -1,7 +1,25 @@
 """Numeric kernels (Cython, nogil, OpenMP).  See _kernels.pyx for the exactness rules."""
+import os
+
+# libgomp's default wait policy keeps a worker spinning after every parallel region.  A
+# decode step runs hundreds of regions with Python in between, so the spinning worker holds
+# a core the whole step: whatever else wants it (the trunk and expert reader threads, the
+# app, any other process) waits in the run queue.  On this project's 2-vCPU machine with
+# one other busy process, a 2-thread resident mid-checkpoint step took 3.2-3.5 s spinning
+# and 0.29-0.53 s passive (1 thread: 0.39-0.48; docs/benchmarks-engine.md, "Threads").
+# libgomp reads the variable when it is loaded, i.e. when _kernels is imported below; a
+# user's own setting wins.  tests/test_kernels.py::test_openmp_workers_wait_passively
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 from ._kernels import (  # noqa: F401
     add, argmax, attnres, axpy, embed, fnv_fold_words, get_num_threads, kda_decay, kda_q_scale,
     i8r_matvec, isa, isas_available, kda_recurrence, l2norm_heads, matvec, mla_attention, mul_sigmoid, mxfp4_dequant,
     mxfp4_matvec, par_min_work, rmsnorm, route_scores, router, set_isa, set_num_threads, set_simd, shortconv,
     sigmoid, simd_active, situ_glu,
+)
+
+# The entry points that compute (the forward calls these; the rest set or report how).
+KERNEL_ENTRY_POINTS = (
+    "add", "argmax", "attnres", "axpy", "embed", "i8r_matvec", "kda_decay", "kda_q_scale",
+    "kda_recurrence", "l2norm_heads", "matvec", "mla_attention", "mul_sigmoid", "mxfp4_matvec",
+    "rmsnorm", "router", "shortconv", "sigmoid", "situ_glu",
 )
