@@ -258,3 +258,84 @@ def test_reads_share_one_device():
             floor = sum(c.expert_io) + sum(c.ring_read)
             assert step >= floor - 1e-9, (c, slots, step, floor)
             assert io >= floor - 1e-9
+
+
+# the elements each small kernel works on, from its arguments (LayerWork's kinds)
+ELEMENTS = {"router": ("router", lambda a: a[0].size), "situ_glu": ("situ", lambda a: a[0].size),
+            "kda_recurrence": ("kda_state", lambda a: a[0].size * a[1].shape[0]),
+            "shortconv": ("conv", lambda a: a[0].size), "kda_decay": ("decay", lambda a: a[0].size),
+            "mul_sigmoid": ("gate", lambda a: a[0].size),
+            "attnres": ("attnres", lambda a: (a[1] + 1) * a[2].size)}
+
+
+def _counted_pass(lm, ids: list[int], st) -> list[dict]:
+    """Kernel calls per layer of one forward pass (every compute entry point counted), and
+    under "<kind>" the elements of each LayerWork kind."""
+    from k3engine import kernels as K
+    per_layer, now = [], {}
+
+    def counted(name, fn):
+        def call(*a):
+            now[name] = now.get(name, 0) + 1
+            if name in ELEMENTS:
+                kind, n = ELEMENTS[name]
+                now["<" + kind] = now.get("<" + kind, 0) + n(a)
+            return fn(*a)
+        return call
+
+    saved = {n: getattr(K, n) for n in K.KERNEL_ENTRY_POINTS}
+    for n, fn in saved.items():
+        setattr(K, n, counted(n, fn))
+    try:
+        def on_layer(L, T):
+            per_layer.append(dict(now))
+            now.clear()
+        lm.model.forward(ids, st, on_layer=on_layer)
+        per_layer[0].pop("embed")        # the model's, before layer 0
+    finally:
+        for n, fn in saved.items():
+            setattr(K, n, fn)
+    return per_layer
+
+
+def test_layer_work_counts_the_forwards_calls(tiny):
+    """The forecast prices each layer's kernel calls from the config (LayerWork); the
+    forward's own calls, counted per layer on the tiny model (KDA and MLA, dense and MoE
+    layers), must be what it counts: a decode step (one position, topk experts) and a
+    70-position prefill (two chunks, each running every expert its tokens chose).  A
+    change to the forward's structure that this misses fails here, not silently in the
+    forecast's seconds."""
+    from engine_helpers import load
+    lm = load(tiny[0])
+    cfg = lm.cfg
+    work = F.layer_work(cfg)
+    st = lm.model.new_state(80)
+    prompt = [int(i) for i in np.random.default_rng(5).integers(0, cfg.vocab, 70)]
+    rows = {}
+    for name, ids in (("prefill", prompt), ("decode", [7])):
+        used = []                       # distinct experts per chunk of each MoE layer
+        counted = _counted_pass(lm, ids, st)
+        for L, (w, got) in enumerate(zip(work, counted)):
+            chunks = -(-len(ids) // 64)
+            runs = 0
+            if w.calls_per_expert:
+                runs = got.get("mxfp4_matvec", 0) // 3   # each run: w1, w3, w2
+            want = (w.calls_fixed + len(ids) * w.calls_per_token + chunks * w.calls_per_chunk
+                    + runs * w.calls_per_expert)
+            elements = {k[1:]: v for k, v in got.items() if k.startswith("<")}
+            calls = sum(v for k, v in got.items() if not k.startswith("<"))
+            print(f"[counts] {name} layer {L} ({'K' if cfg.is_kda(L) else 'M'}"
+                  f"{'D' if cfg.is_dense(L) else 'E'}): forward {calls} calls, "
+                  f"LayerWork {want} ({runs} expert runs); elements {elements}")
+            assert calls == want, (name, L, got)
+            expect = {k: v * len(ids) for k, v in w.elements.items() if v and k != "mla"}
+            if name == "prefill":       # chunk unions: routed SiTU runs over chosen tokens
+                expect["situ"] = len(ids) * (cfg.topk * cfg.moe_inter if w.calls_per_expert
+                                             else 0) + len(ids) * (cfg.shared_inter
+                                             if w.calls_per_expert else cfg.dense_inter)
+            assert elements == expect, (name, L, elements, expect)
+            if name == "decode" and w.calls_per_expert:
+                assert runs == cfg.topk
+            used.append(runs)
+        rows[name] = used
+    assert any(r > cfg.topk for r in rows["prefill"])   # the prefill ran chunk unions

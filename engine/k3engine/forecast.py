@@ -35,6 +35,7 @@ import numpy as np
 from . import __version__
 from .diskio import align_up
 from .memory import ModelFigures, Plan, plan
+from .model import PREFILL_CHUNK
 
 __all__ = [
     "MachineFigures", "machine_identity", "machine_figures", "cached_machine_figures",
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 5          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 6          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -58,12 +59,9 @@ SMALL_BLOCK = 256 << 10          # the latency probe's read size
 RUN_OVERHEAD_BYTES = 6 * 10**6
 KERNEL_SECONDS = 0.6             # per kernel
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
-# The engine's Python-side cost per layer and step besides the matvecs (norms, gates,
-# convs, recurrence, AttnRes, router, temporaries), and per streamed layer bind (the
-# binder's views of a freshly read run), in units of one tiny kernel call as measured on
-# the machine.  Fitted, not derived: main-thread CPU seconds per step of the demo model's
-# runs here (docs/forecast.md), where this overhead dominates; stated in `assumptions`.
-OTHER_CALLS_PER_LAYER = 100
+# The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read
+# run), in units of one tiny kernel call as measured on the machine.  Fitted, not derived:
+# main-thread CPU seconds per step of the demo model's streamed runs (docs/forecast.md).
 BIND_CALLS = 360
 
 
@@ -85,6 +83,10 @@ class MachineFigures:
     other_load: float | None = None  # CPU share other processes used while calibrating
     read_latency_s: float = 0.0      # fixed seconds per read (one batch of parallel reads)
     source: str = "measured"       # "measured", "cache <path>", or "given"
+    # the layer's small kernels, seconds per element of each SMALL_KINDS kind (measured by
+    # calibrate_small), and the engine's Python around each kernel call (measure_glue)
+    small_s: dict = field(default_factory=dict)
+    glue_call_s: float = 0.0
 
     def read_rate(self, queue_depth: float) -> float:
         """The rate at the deepest measured depth not above `queue_depth` (reads in flight
@@ -280,6 +282,108 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
             "mxfp4_call_s": m_call, "call_seconds": small}
 
 
+# The kernels of a layer that stream no weights, by what their cost grows with (elements
+# per position, counted by `layer_work`): the router's logits (one sequential double chain
+# per expert, experts x hidden), SiTU-GLU, the KDA state (heads x D x D), the short conv,
+# the KDA decay gate, the output gates' sigmoid, AttnRes (sources x hidden) and MLA
+# attention (heads x (dn + dr + dv) per attended position).
+SMALL_KINDS = ("router", "situ", "kda_state", "conv", "decay", "gate", "attnres", "mla")
+
+
+def calibrate_small(seconds: float = KERNEL_SECONDS / 4) -> dict:
+    """Seconds per element of each SMALL_KINDS kernel: the engine's own kernels on inputs of
+    a middling size (their operands are activations, cache-resident at any model size)."""
+    from . import kernels as K
+    rng = np.random.default_rng(1)
+
+    def f32(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    H, D, E, P, S = 4, 128, 2048, 4096, 4
+    router_w, bias = f32(64, E), np.zeros(64, np.float32)
+    idx, wts = np.empty(8, np.int32), np.empty(8, np.float32)
+    x1, g, u, y = f32(E), f32(1, P), f32(1, P), f32(1, P)
+    one = np.full((1, P), 20.0, np.float32)
+    state = np.zeros((H, D, D), np.float32)
+    qkv = [f32(1, H * D) for _ in range(3)]
+    for a in qkv[:2]:                    # unit keys and queries per head, as the forward's
+        K.l2norm_heads(a, D)             # l2norm leaves them: the state stays bounded
+    alpha, beta = np.full((1, H * D), 0.9, np.float32), np.full((1, H), 0.5, np.float32)
+    o = np.empty((1, H * D), np.float32)
+    convw, hist = f32(P, 4), np.zeros((P, 3), np.float32)
+    out_p, out_q = np.empty((1, P), np.float32), np.empty((1, P), np.float32)
+    a_log, dt = np.zeros(P // D, np.float32), np.zeros(P, np.float32)
+    stack, run, phi = f32(S, 1, E), f32(1, E), f32(E)
+    out = np.empty((1, E), np.float32)
+    Hm, dn, dr, dv, ctx = 4, 128, 64, 128, 256
+    q, kv, rope = f32(1, Hm * (dn + dr)), f32(ctx, Hm * (dn + dv)), f32(ctx, dr)
+    om = np.empty((1, Hm * dv), np.float32)
+    work = {
+        "router": (lambda _: K.router(router_w, x1, bias, 8, True, 1.0, idx, wts), 64 * E),
+        "situ": (lambda _: K.situ_glu(g, u, 4.0, 25.0, out_p), P),
+        "kda_state": (lambda _: K.kda_recurrence(state, qkv[0], qkv[1], qkv[2], alpha, beta,
+                                                  0.1, o), H * D * D),
+        "conv": (lambda _: K.shortconv(g, convw, hist, out_p), P),
+        "decay": (lambda _: K.kda_decay(g, a_log, dt, -5.0, out_p, out_q), P),
+        "gate": (lambda _: K.mul_sigmoid(y, one), P),   # sigma = 1: y stays normal
+        "attnres": (lambda _: K.attnres(stack, S, run, phi, 1e-5, out), (S + 1) * E),
+        "mla": (lambda _: K.mla_attention(q, kv, rope, ctx - 1, Hm, dn, dv, om),
+                ctx * Hm * (dn + dr + dv)),
+    }
+    return {kind: _cold_seconds(fn, [None], seconds) / n for kind, (fn, n) in work.items()}
+
+
+def glue_probe(model_dir: str | None = None, tokens: int = 6) -> dict:
+    """The engine's Python around its kernels, per kernel call: an incremental greedy run
+    of the shipped demo model on one thread with every kernel entry point timed (thread
+    CPU time); the run's CPU time outside the kernels over the number of calls.  Run in
+    a child process (`measure_glue`): it rebinds the kernel module's functions."""
+    from . import kernels as K
+    from .run import Prompt, open_run, request_from
+    from .tools.demo import shipped_dir
+    clock = time.thread_time
+    spent, calls = [0.0], [0]
+
+    def timed(fn):
+        def call(*a):
+            t0 = clock()
+            try:
+                return fn(*a)
+            finally:
+                spent[0] += clock() - t0
+                calls[0] += 1
+        return call
+
+    req = request_from(model_dir or shipped_dir(), prompt=Prompt(ids=(1, 2, 3, 4, 5)),
+                       gen=tokens + 1, threads=1, incremental=True)
+    run = open_run(req)
+    try:
+        t0 = None
+        for ev in run.generate():
+            if type(ev).__name__ == "TokenOut" and t0 is None:   # prefill done: decode only
+                for name in K.KERNEL_ENTRY_POINTS:
+                    setattr(K, name, timed(getattr(K, name)))
+                t0 = clock()
+        cpu = clock() - t0
+    finally:
+        run.close()
+    return {"glue_call_s": max(cpu - spent[0], 0.0) / max(calls[0], 1),
+            "calls_per_token": calls[0] / tokens}
+
+
+def measure_glue() -> float:
+    """glue_probe in a fresh interpreter (0.0 when it cannot run: the forecast then says
+    its glue term is missing)."""
+    code = ("import json, k3engine.forecast as f; "
+            "print(json.dumps(f.glue_probe()))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+        return float(json.loads(out.strip().splitlines()[-1])["glue_call_s"])
+    except (OSError, ValueError, KeyError, IndexError, subprocess.SubprocessError):
+        return 0.0
+
+
 def _cpu_busy() -> tuple[float, float] | None:
     """(busy, total) jiffies of all CPUs (/proc/stat), None where there is none."""
     try:
@@ -346,6 +450,7 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
     before, own0 = _cpu_busy(), _own_cpu()
     try:
         kern = calibrate_kernels()
+        kern["small_s"] = calibrate_small()
     finally:
         K.set_num_threads(old)
     after, own1 = _cpu_busy(), _own_cpu()
@@ -358,7 +463,7 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
     return MachineFigures(machine_identity(device_dir, nt), read, direct, read_latency_s=lat,
                           baseline_bytes=measure_baseline(), threads=nt,
                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          other_load=other, **kern)
+                          other_load=other, glue_call_s=measure_glue(), **kern)
 
 
 def _read_cache(path: str) -> dict:
@@ -426,6 +531,7 @@ class ModelShape:
     lm_head_bytes: int
     streamed: bool                   # a packed trunk is available (or assumed, for K3)
     source: str                      # where the sizes came from
+    work: tuple = ()                 # per layer: LayerWork (the small kernels and calls)
 
 
 # The released checkpoint's config, from ARCHITECTURE §0.2 / §1.3 (flat shape).
@@ -458,6 +564,52 @@ def _layer_compute(cfg) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, .
     return tuple(mb), tuple(calls), tuple(moe)
 
 
+@dataclass(frozen=True)
+class LayerWork:
+    """What one layer computes besides the trunk and expert matvecs' weight streaming,
+    counted from the config the way model.py's forward does it (and checked against the
+    forward's own calls by tests/test_forecast.py::test_layer_work_counts_the_forwards_calls):
+    SMALL_KINDS elements per position ("mla" per attended position), and its kernel calls,
+    each of which costs the engine's Python glue around it."""
+    elements: dict
+    calls_fixed: int           # once per pass whatever the positions
+    calls_per_token: int       # the router, and the combine's axpys (one per chosen expert)
+    calls_per_chunk: int       # the latent down-projection, per PREFILL_CHUNK positions
+    calls_per_expert: int      # one expert's run over its tokens (three matvecs and SiTU)
+
+
+def layer_work(cfg) -> tuple[LayerWork, ...]:
+    out, n_snap = [], 0
+    for L in range(cfg.n_layers):
+        el = dict.fromkeys(SMALL_KINDS, 0)
+        # AttnRes before the attention (once a snapshot exists) and before the MLP
+        fixed = 4 + (n_snap > 0) + (not cfg.is_boundary(L))   # 2 norms, run += z, += y
+        el["attnres"] = (n_snap + 1) * cfg.hidden if n_snap else 0
+        n_snap += cfg.is_boundary(L)
+        el["attnres"] += (n_snap + 1) * cfg.hidden
+        if cfg.is_kda(L):
+            P = cfg.kda_heads * cfg.kda_head_dim
+            el["kda_state"] = cfg.kda_heads * cfg.kda_head_dim ** 2
+            el["conv"], el["decay"], el["gate"] = 3 * P, P, P
+            fixed += 8 + 11              # q k v b f_a f_b g o; 3 convs, 2 l2norms, sigmoid,
+        else:                            # decay, q scale, recurrence, o norm, gate
+            gate = bool(cfg.mla_out_gate)
+            el["mla"] = cfg.n_heads * (cfg.qk_nope + cfg.qk_rope + cfg.v_head)
+            el["gate"] = cfg.n_heads * cfg.v_head if gate else 0
+            fixed += 5 + 3 + 2 * gate    # q_a q_b kv_a kv_b o; 2 norms, attention; g, gate
+        per_token = per_chunk = per_expert = 0
+        if cfg.is_dense(L):
+            el["situ"] = cfg.dense_inter
+            fixed += 4                   # gate up down, SiTU
+        else:
+            el["router"] = cfg.n_experts * cfg.hidden
+            el["situ"] = cfg.topk * cfg.moe_inter + cfg.shared_inter
+            fixed += 4 + 2 + bool(cfg.latent_norm)   # shared gate up down SiTU; up_lat, add
+            per_token, per_chunk, per_expert = 1 + cfg.topk, 1, 4
+        out.append(LayerWork(el, fixed, per_token, per_chunk, per_expert))
+    return tuple(out)
+
+
 def _shape_of(cfg) -> dict:
     return {"hidden": cfg.hidden, "layers": cfg.n_layers, "vocab": cfg.vocab,
             "experts": cfg.n_experts, "topk": cfg.topk, "latent": cfg.latent,
@@ -479,7 +631,8 @@ def released_k3() -> ModelShape:
     mb, calls, moe = _layer_compute(cfg)
     return ModelShape("Kimi K3 (released)", _shape_of(cfg), figures, mb, calls, moe,
                       cfg.vocab * cfg.hidden * 2, True,
-                      "published shapes (ARCHITECTURE §0.2, §3; SYSTEM §1.6, §2)")
+                      "published shapes (ARCHITECTURE §0.2, §3; SYSTEM §1.6, §2)",
+                      layer_work(cfg))
 
 
 def shape_from(cfg, figures: ModelFigures, streamed: bool, source: str) -> ModelShape:
@@ -488,7 +641,7 @@ def shape_from(cfg, figures: ModelFigures, streamed: bool, source: str) -> Model
     mb, calls, moe = _layer_compute(cfg)
     label = f"checkpoint ({cfg.shape} config, hidden {cfg.hidden}, {cfg.n_layers} layers)"
     return ModelShape(label, _shape_of(cfg), figures, mb, calls, moe,
-                      cfg.vocab * cfg.hidden * 2, streamed, source)
+                      cfg.vocab * cfg.hidden * 2, streamed, source, layer_work(cfg))
 
 
 def local_model(model_dir: str, trunk_dir: str | None = None, config: str | None = None
@@ -661,20 +814,31 @@ def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
 
 def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
                  misses_per_layer: float, ring_layers: set, expert_tokens: float,
-                 first_touch: set = frozenset()) -> _Costs:
-    """Seconds per layer for one engine step over `positions` new positions."""
+                 first_touch: set = frozenset(), attended: float | None = None,
+                 expert_runs: float | None = None) -> _Costs:
+    """Seconds per layer for one engine step over `positions` new positions, attending to
+    `attended` (query, key) position pairs in all (decode: the context length), with
+    `expert_runs` expert invocations per MoE layer (decode: topk; a prefill: the union of
+    each chunk's experts, summed over its chunks)."""
     f = model.figures
     eb = f.expert_bytes
+    attended = positions if attended is None else attended
+    runs = min(expert_tokens, f.n_experts) if expert_runs is None else expert_runs
+    chunks = -(-positions // PREFILL_CHUNK)
     comp, eio, sync, ring = [], [], [], []
     for L in range(f.n_layers):
         # a matvec call costs its fixed part once and its bytes once per position
         c = (model.matvec_calls[L] * machine.bf16_call_s
-             + positions * (model.matvec_bytes[L] / machine.bf16_bps
-                            + OTHER_CALLS_PER_LAYER * machine.call_seconds))
+             + positions * model.matvec_bytes[L] / machine.bf16_bps)
+        if model.work:                  # the small kernels, and the Python around each call
+            w = model.work[L]
+            c += sum(n * machine.small_s.get(kind, 0.0) * (attended if kind == "mla" else positions)
+                     for kind, n in w.elements.items())
+            calls = w.calls_fixed + positions * w.calls_per_token + chunks * w.calls_per_chunk
+            c += (calls + (runs * w.calls_per_expert if model.moe[L] else 0)) * machine.glue_call_s
         e = 0.0
         if model.moe[L]:
-            calls = min(expert_tokens, f.n_experts) * 3
-            c += calls * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
+            c += runs * 3 * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
             if misses_per_layer > 0:
                 e = machine.read_latency_s + misses_per_layer * eb / machine.read_rate(
                     misses_per_layer)
@@ -781,7 +945,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         return _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.compute, c.expert_io)],
                       c.sync_read, c.ring_read)
 
-    c = _layer_costs(model, machine, 1, misses, unpinned, k)
+    c = _layer_costs(model, machine, 1, misses, unpinned, k, attended=prompt_len + gen // 2)
     head = model.lm_head_bytes / machine.bf16_bps + machine.bf16_call_s
     table_read = model.lm_head_bytes if p.ultra else 0
     if p.ultra:       # lm_head streamed in sequential 4 MiB reads for every position (§5.6)
@@ -794,8 +958,11 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     # of the prompt's experts read once per layer (chunk-union prefill, §4.6), every
     # position computed; logits for the last position only.
     prompt_union = f.n_experts * _seen_fraction(model, prompt_len)
+    chunk_union = f.n_experts * _seen_fraction(model, min(prompt_len, PREFILL_CHUNK))
     cp = _layer_costs(model, machine, prompt_len, 0.0, unpinned, prompt_len * k,
-                      set(tp.pinned) if tp is not None else set())
+                      set(tp.pinned) if tp is not None else set(),
+                      attended=prompt_len * (prompt_len + 1) / 2,
+                      expert_runs=-(-prompt_len // PREFILL_CHUNK) * chunk_union)
     cp.expert_io = [machine.read_latency_s
                     + prompt_union * f.expert_bytes / machine.read_rate(prompt_union)
                     if model.moe[L] else 0.0 for L in range(NL)]
@@ -805,7 +972,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     wall, decode, decode_io = ttft, [], []
     for t in range(1, gen):
         h = hits.decode_hit(slots, model, prompt_len + t - 1)
-        ct = _layer_costs(model, machine, 1, k * (1.0 - h), unpinned, k)
+        ct = _layer_costs(model, machine, 1, k * (1.0 - h), unpinned, k,
+                          attended=prompt_len + t)
         dt, dio = _step_seconds(hide(ct), ring)[0], _step_seconds(ct, ring)[2]
         wall += dt + head
         decode.append(dt + head)
@@ -838,11 +1006,11 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"{SMALL_BLOCK >> 10} KiB random reads; {m.source})",
         f"compute: BF16 matvec {m.bf16_bps / 1e9:.2f} GB/s + {m.bf16_call_s * 1e6:.0f} us/call, "
         f"MXFP4 {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us/call at "
-        f"{m.threads} thread(s); per layer the cost of {OTHER_CALLS_PER_LAYER} tiny kernel "
-        f"calls ({m.call_seconds * 1e6:.1f} us each) and {BIND_CALLS} per streamed bind "
-        f"(fitted on the demo model) ({m.source}"
+        f"{m.threads} thread(s); per streamed bind the cost of {BIND_CALLS} tiny kernel "
+        f"calls ({m.call_seconds * 1e6:.1f} us each, fitted on the demo model) ({m.source}"
         + (f"; other processes used {100 * m.other_load:.0f}% of the CPUs while it was "
            f"measured" if m.other_load is not None else "") + ")",
+        _small_assumption(model, m),
         f"trunk: a pinned layer read once on first touch (step 0), ring layers prefetched "
         f"{ring - 1} ahead by one reader in {TRUNK_CHUNK >> 20} MiB chunks, the first ring "
         f"layer of each step waited for" if overlap else
@@ -851,8 +1019,9 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         "expert reads hidden behind compute (the §4.5 pipeline)" if expert_overlap else
         "expert misses read before the layer's experts compute (K3_NO_EXPERT_PIPELINE=1)",
         f"prefill: {prompt_len} positions computed, the whole trunk read once, "
-        f"{prompt_union:.1f} distinct experts per layer read once; attention's quadratic "
-        f"term ignored",
+        f"{prompt_union:.1f} distinct experts per layer read once (each {PREFILL_CHUNK}-"
+        f"position chunk runs its own union), MLA over the prompt's {prompt_len * (prompt_len + 1) // 2} "
+        f"(query, key) pairs",
         "the machine is assumed otherwise idle; other load slows compute and I/O",
     ] + (["ultra: lm_head streamed (read once per token, counted with the trunk's reads)"]
          if p.ultra else [])
@@ -865,6 +1034,23 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
                     decode_s_run=float(np.median(decode)) if decode else s_tok,
                     decode_compute_s=comp + head,
                     decode_io_s=float(np.median(decode_io)) if decode_io else io)
+
+
+def _small_assumption(model: ModelShape, m: MachineFigures) -> str:
+    if not model.work:
+        return "the layers' small kernels and the engine's Python around them: not counted"
+    if not m.small_s or not m.glue_call_s:
+        return ("the layers' small kernels and the engine's Python around them: not "
+                "measured on this machine (figures from an older calibration; --refresh)")
+    calls = sum(w.calls_fixed + w.calls_per_token + w.calls_per_chunk
+                + (w.calls_per_expert * model.shape["topk"] if w.elements["router"] else 0)
+                for w in model.work)
+    per = ", ".join(f"{k} {v * 1e9:.2g}" for k, v in m.small_s.items())
+    return (f"small kernels counted per layer from the config (router, SiTU, KDA state, "
+            f"conv, gates, AttnRes, MLA over the context), ns per element measured here: "
+            f"{per}; the engine's Python around its {calls} kernel calls per decode token at "
+            f"{m.glue_call_s * 1e6:.1f} us per call (the shipped demo model's decode, "
+            f"measured here)")
 
 
 def splits(model: ModelShape, machine: MachineFigures, total_gb: float, steps: int = 12,
