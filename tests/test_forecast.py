@@ -339,3 +339,20 @@ def test_layer_work_counts_the_forwards_calls(tiny):
             used.append(runs)
         rows[name] = used
     assert any(r > cfg.topk for r in rows["prefill"])   # the prefill ran chunk unions
+
+
+def test_a_model_that_fits_in_the_cache_is_priced_hot(tiny):
+    """in_cache: the tiny model (a few MB) fits in half the last-level cache, so its matvecs
+    are priced at the hot figures; the released K3 never is."""
+    from dataclasses import replace
+    hot = replace(GIVEN, hot={"llc_bytes": 64 << 20, "bf16_bps": 40e9, "bf16_call_s": 5e-6,
+                              "mxfp4_bps": 12e9, "mxfp4_call_s": 3e-6})
+    small = F.local_model(tiny[0])
+    assert F.in_cache(small, hot).bf16_bps == 40e9 and F.in_cache(small, GIVEN) is GIVEN
+    assert F.in_cache(F.released_k3(), hot) is hot
+    cold_fc, hot_fc = (F.forecast(small, m, cache_gb=1.0) for m in (GIVEN, hot))
+    print(f"[forecast] tiny model: {cold_fc.s_per_token * 1e3:.3f} ms/token cold, "
+          f"{hot_fc.s_per_token * 1e3:.3f} hot")
+    assert hot_fc.s_per_token < cold_fc.s_per_token
+    assert any("last-level cache" in a for a in hot_fc.assumptions)
+    assert not any("last-level cache" in a for a in cold_fc.assumptions)
