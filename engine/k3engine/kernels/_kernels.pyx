@@ -37,6 +37,11 @@ cdef extern from "k3dot.h" nogil:
     void k3_e8m0_init()
     const double K3_E2M1[16]
 
+cdef extern from "k3route.h" nogil:
+    void k3_route_logits_f32(const float *W, long N, long n, const double *x, double *out)
+    void k3_route_logits_bf16(const uint16_t *W, long N, long n, const double *x,
+                              double *out)
+
 cdef extern from "k3mla.h" nogil:
     long k3_mla_block_work(long dq, long npos)
     void k3_mla_block_avx512(const float *Q, long ldq, const float *KV, long ldkv,
@@ -656,24 +661,22 @@ def router(W, const float[::1] x, const float[::1] bias, int k, bint renorm, flo
     cdef float[::1] s = scores
     cdef const uint16_t[:, ::1] Wb
     cdef const float[:, ::1] Wf
-    cdef Py_ssize_t e, i
-    cdef double l
-    if W.dtype == np.uint16:
+    cdef double[::1] xd = np.asarray(x, dtype=np.float64)
+    cdef double[::1] logit = np.zeros(N, dtype=np.float64)
+    cdef Py_ssize_t e
+    if E == 0:
+        pass
+    elif W.dtype == np.uint16:        # k3route.h: one sequential chain per expert, 8 per vector
         Wb = W
         with nogil:
-            for e in range(N):
-                l = 0.0
-                for i in range(E):
-                    l = l + <double>k3_bf16_to_f32(Wb[e, i]) * <double>x[i]
-                s[e] = sigm(<float>l)
+            k3_route_logits_bf16(&Wb[0, 0], N, E, &xd[0], &logit[0])
     else:
         Wf = W
         with nogil:
-            for e in range(N):
-                l = 0.0
-                for i in range(E):
-                    l = l + <double>Wf[e, i] * <double>x[i]
-                s[e] = sigm(<float>l)
+            k3_route_logits_f32(&Wf[0, 0], N, E, &xd[0], &logit[0])
+    with nogil:
+        for e in range(N):
+            s[e] = sigm(<float>logit[e])
     _select(s, bias, k, renorm, scale, idx, weights)
     return scores
 
