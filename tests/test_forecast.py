@@ -356,3 +356,15 @@ def test_a_model_that_fits_in_the_cache_is_priced_hot(tiny):
     assert hot_fc.s_per_token < cold_fc.s_per_token
     assert any("last-level cache" in a for a in hot_fc.assumptions)
     assert not any("last-level cache" in a for a in cold_fc.assumptions)
+
+
+def test_the_apps_session_trace_is_in_the_forecast_rss():
+    """The app's runs keep a What-if trace window (4 MiB, counted by the planner); the
+    forecast the Memory tab shows counts it too, exactly its bytes."""
+    from k3engine.memory import TRACE_PAIR_BYTES, trace_window
+    m = F.released_k3()
+    plain = F.forecast(m, GIVEN, trunk_gb=3.0, cache_gb=1.0)
+    kept = F.forecast(m, GIVEN, trunk_gb=3.0, cache_gb=1.0, trace_window=trace_window())
+    print(f"[forecast] peak RSS {plain.peak_rss_bytes:,} B, with the app's trace window "
+          f"{kept.peak_rss_bytes:,} B")
+    assert kept.peak_rss_bytes - plain.peak_rss_bytes == TRACE_PAIR_BYTES * trace_window()

@@ -11,7 +11,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QLabel, QPushButton, QVBoxLayout
 
 from k3engine import forecast as F
-from k3engine.memory import human
+from k3engine.memory import human, trace_window
 
 from .tasks import Task
 
@@ -100,7 +100,8 @@ class ForecastBox(QGroupBox):
         fc = self.forecast = F.forecast(
             self.shape, self.machine, trunk_gb=plan.trunk_gb, cache_gb=plan.cache_gb,
             trunk_ring=trunk_ring, streamed=plan.streamed, ultra=plan.ultra,
-            prompt_len=PROMPT_LEN, gen=GEN, hits=self.hits, baseline_bytes=self.baseline_bytes)
+            prompt_len=PROMPT_LEN, gen=GEN, hits=self.hits, baseline_bytes=self.baseline_bytes,
+            trace_window=trace_window())      # the session trace the app's runs keep
         self.figures.setText(
             f"<b>{fc.s_per_token:.2f} s/token</b> decoding · first token "
             f"<b>{fc.ttft_s:.1f} s</b> for a {PROMPT_LEN}-token prompt<br>"

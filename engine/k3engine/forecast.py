@@ -937,11 +937,12 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
              trunk_ring: int = 2, streamed: bool | None = None, prompt_len: int = 16,
              gen: int = 8, hits: HitModel | None = None, available_bytes=0,
              ultra: bool = False, expert_overlap: bool = True,
-             baseline_bytes: int | None = None) -> Forecast:
+             baseline_bytes: int | None = None, trace_window: int = 0) -> Forecast:
     """The forecast of an incremental run of `gen` tokens after a `prompt_len` prompt.
     `expert_overlap` models the async per-expert pipeline of SYSTEM §4.5 (expert reads
     behind compute), which this engine runs; False models K3_NO_EXPERT_PIPELINE=1.
-    `baseline_bytes` replaces the measured interpreter baseline (the app's holds Qt)."""
+    `baseline_bytes` replaces the measured interpreter baseline (the app's holds Qt);
+    `trace_window` > 0 counts the session trace a run keeps (the app's What-if window)."""
     hits = hits or UniformRouting()
     hot = in_cache(model, machine)
     cached, machine = hot is not machine, hot
@@ -950,7 +951,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     positions = prompt_len + gen + 1
     p = plan(f, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb, trunk_ring=trunk_ring,
              ultra=ultra, streamed=streamed, incremental=True, positions=positions,
-             available_bytes=available_bytes,
+             available_bytes=available_bytes, keep_trace=trace_window > 0,
+             trace_window=trace_window,
              baseline_bytes=machine.baseline_bytes if baseline_bytes is None else baseline_bytes)
     tp = p.trunk_plan
     NL = f.n_layers
