@@ -16,6 +16,7 @@ import pytest
 from engine_helpers import GOLDEN_SEED, make_tiny
 from test_cli import k3
 from test_trunk import GOLDEN, N, run_streamed
+from k3engine.diskio import ALIGN, align_up
 from k3engine.kernels import _k3z as Z
 from k3engine.trunk import TRUNK_BIN, TRUNK_JSON, TrunkManifest, pack_trunk
 from k3engine.trunk_compress import (K3Z_BIN, K3Z_JSON, MODE_ENV, CompressedTrunk, K3zError,
@@ -378,3 +379,28 @@ def test_stale_partials_are_removed_and_listed(packed, tmp_path):
     assert len(stale_files(d)) == 2
     ct = compress_trunk(d, block_bytes=SMALL_BLOCK)
     assert len(ct.notes) == 2 and stale_files(d) == []
+
+
+def test_the_plan_counts_the_compressed_readers_scratch(tiny, packed, monkeypatch):
+    """With a trunk.k3z that may be read, each trunk reader thread holds a decode scratch
+    of the largest block: the planner counts it (session.open_model -> figures), and with
+    compression off or without a k3z it counts nothing."""
+    from k3engine.memory import plan
+    from k3engine.session import open_model, read_config
+    from k3engine.trunk import IO_THREADS
+    got = {}
+    cfg, _ = read_config(tiny)
+    for mode in ("auto", "off"):
+        monkeypatch.setenv(MODE_ENV, mode)
+        setup = open_model(tiny, cfg, None, packed)
+        try:
+            f = setup.figures
+        finally:
+            setup.ck.close()
+        got[mode] = (f.stream_scratch_bytes, plan(f, trunk_gb=0.0, cache_gb=0.01).buffer_bytes)
+    m = TrunkManifest.load(packed)
+    want = IO_THREADS * align_up(max(CompressedTrunk.load(packed, m).scratch_bytes, ALIGN))
+    print(f"[gate] planned decode scratch: auto {got['auto'][0]:,} B (want {want:,}), "
+          f"off {got['off'][0]} B; buffers {got['auto'][1]:,} vs {got['off'][1]:,} B")
+    assert got["auto"][0] == want > 0 and got["off"][0] == 0
+    assert got["auto"][1] - got["off"][1] == want

@@ -36,6 +36,7 @@ from . import __version__
 from .diskio import align_up
 from .memory import ModelFigures, Plan, plan
 from .model import PREFILL_CHUNK
+from .trunk import IO_THREADS as TRUNK_IO_THREADS   # a layer's reads run on this many threads
 
 __all__ = [
     "MachineFigures", "machine_identity", "machine_figures", "cached_machine_figures",
@@ -806,7 +807,6 @@ class Forecast:
 
 
 TRUNK_CHUNK = 64 << 20           # the trunk reads a layer in parallel 64 MiB chunks (§2.5)
-TRUNK_IO_THREADS = 4             # ... on this many reader threads (trunk.StreamedTrunk)
 
 
 @dataclass

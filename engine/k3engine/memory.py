@@ -162,6 +162,8 @@ class ModelFigures:
     scratch_subs: tuple[tuple[int, int], ...] = ()
     sweep_log_floats: int = 0         # per position fed in a speculative sweep: the logged
                                       # recurrent inputs of every KDA layer (7 P + H each)
+    stream_scratch_bytes: int = 0     # the compressed trunk's decode scratch, one per trunk
+                                      # reader thread (trunk_compress), when it may be read
 
     def trace_bytes(self, positions: int, keep_pairs: bool, window: int = 0) -> int:
         """The expert request trace kept for the whole run (--dump-cache-trace): every
@@ -847,7 +849,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
         model_table_bytes=figures.model_table_bytes(ultra),
         expert_cache_bytes=min(int(c_gb * 1e9), figures.expert_pool * figures.expert_slot_bytes),
         recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
-        buffer_bytes=figures.buffer_bytes(positions) + trace,
+        buffer_bytes=figures.buffer_bytes(positions) + trace
+        + (figures.stream_scratch_bytes if streamed else 0),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
         baseline_bytes=int(baseline_bytes),
         draft_bytes=w_draft,

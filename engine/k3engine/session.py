@@ -148,6 +148,12 @@ def open_model(model_dir: str, cfg: ModelConfig, n_layers: int | None = None,
             sum(ck.info(t.name).nbytes for t in expert_tensors(cfg, moe, 0))
         tables = sum(ck.info(t.name).nbytes for t in model_tensors(cfg) if t.kind == "M")
         figures = ModelFigures.for_config(cfg, sizes, expert_bytes, table_bytes=tables)
+        if trunk_dir:                   # the compressed copy's decode scratch (its readers)
+            from dataclasses import replace
+            from .trunk import IO_THREADS
+            from .trunk_compress import planned_scratch
+            figures = replace(figures, stream_scratch_bytes=planned_scratch(
+                trunk_dir, manifest, IO_THREADS))
     except BaseException:
         ck.close()
         raise

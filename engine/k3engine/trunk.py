@@ -573,12 +573,16 @@ class TrunkLayerSource:
         return a.astype(np.float32)
 
 
+
+IO_THREADS = 4                  # reader threads of a layer's parallel chunk reads (§2.5)
+
+
 class StreamedTrunk:
     """WeightProvider over a packed trunk: pinned layers (read on first touch, kept) and a
     ring of `ring_slots` uniform slots read ahead in layer order (SYSTEM §3.5)."""
 
     def __init__(self, manifest: TrunkManifest, binder: Binder, tables: ModelTables,
-                 n_layers: int, pinned: set[int], ring_slots: int, io_threads: int = 4,
+                 n_layers: int, pinned: set[int], ring_slots: int, io_threads: int = IO_THREADS,
                  on_read: Callable[[int, int, float], None] | None = None,
                  compressed: str | None = None):
         self.m, self.binder, self.tables, self.n_layers = manifest, binder, tables, n_layers

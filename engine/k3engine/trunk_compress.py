@@ -439,6 +439,20 @@ def requested_mode(mode: str | None) -> str:
     return m
 
 
+def planned_scratch(trunk_dir: str, manifest, threads: int, mode: str | None = None) -> int:
+    """What the compressed copy's readers will allocate (CompressedReader: one scratch per
+    reader thread, even when `auto` then measures plain reads faster): for the planner.  0
+    without a usable trunk.k3z or with compression off (a damaged one is reported when the
+    trunk opens; the plain reads then need no scratch)."""
+    try:
+        if requested_mode(mode) == "off" or not CompressedTrunk.present(trunk_dir):
+            return 0
+        ct = CompressedTrunk.load(trunk_dir, manifest)
+    except (K3zError, OSError):
+        return 0
+    return threads * align_up(max(ct.scratch_bytes, ALIGN))
+
+
 def measure_decode(reader: CompressedReader, pool, threads: int,
                    seconds: float = 0.05) -> float:
     """Raw bytes/s `threads` reader threads decode at once, wall clock, on the file's
