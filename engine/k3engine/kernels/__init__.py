@@ -20,7 +20,8 @@ from ._kernels import (  # noqa: F401
 
 # The entry points that compute (the forward calls these; the rest set or report how).
 KERNEL_ENTRY_POINTS = (
-    "add", "argmax", "attnres", "axpy", "embed", "i8r_matvec", "kda_decay", "kda_q_scale",
-    "kda_recurrence", "l2norm_heads", "matvec", "mla_attention", "mul_sigmoid", "mxfp4_matvec",
-    "rmsnorm", "router", "shortconv", "sigmoid", "situ_glu",
+    "add", "argmax", "attnres", "axpy", "embed", "gather_rows", "i8r_matvec", "kda_decay",
+    "kda_q_scale", "kda_recurrence", "l2norm_heads", "matvec", "mla_attention", "moe_combine",
+    "moe_groups", "mul_sigmoid", "mxfp4_matvec", "rmsnorm", "route_tokens", "router",
+    "shortconv", "sigmoid", "situ_glu",
 )
