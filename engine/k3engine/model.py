@@ -10,7 +10,6 @@ from typing import Callable
 
 import numpy as np
 
-from . import collector
 from . import kernels as K
 from .config import ModelConfig
 from .errors import StateUnusable
@@ -255,11 +254,6 @@ class Model:
         `on_layer(L, T)` is called after each layer (prefill progress)."""
         if state.poisoned:
             raise StateUnusable(f"sequence state is unusable: {state.poisoned}")
-        with collector.paused():                                  # no cyclic GC mid-pass
-            return self._forward(ids, state, all_logits, cancel, on_layer)
-
-    def _forward(self, ids, state: SequenceState, all_logits: bool, cancel,
-                 on_layer) -> np.ndarray:
         cfg = self.cfg
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         T = ids.shape[0]
