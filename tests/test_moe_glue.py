@@ -237,7 +237,7 @@ def test_latent_moe_equals_the_old_python_path(dtype, router):
 # ---- elementwise kernels: raw pointers, threaded when large, libm per element -------------
 
 def test_elementwise_kernels_threads_and_libm():
-    """situ_glu, sigmoid, mul_sigmoid, add and kda_decay on arrays above the parallel
+    """situ_glu, sigmoid, mul_sigmoid, add, kda_decay and shortconv on arrays above the parallel
     threshold: 2 threads equal 1 thread bitwise, and a sample of elements equals the
     ctypes-libm reference."""
     r = rng(54)
@@ -259,11 +259,13 @@ def test_elementwise_kernels_threads_and_libm():
             K.add(a, U)
             dg, da = np.empty_like(G), np.empty_like(G)
             K.kda_decay(G, A_log, X[0], np.float32(-5.0), dg, da)
-            out[nt] = (y, s, ms, a, dg, da)
-    for name, a1, a2 in zip(("situ_glu", "sigmoid", "mul_sigmoid", "add", "kda g", "kda alpha"),
-                            out[1], out[2]):
+            hist, conv = np.zeros((n, 3), np.float32), np.empty_like(G)
+            K.shortconv(X, rng(9).standard_normal((n, 4)).astype(np.float32), hist, conv)
+            out[nt] = (y, s, ms, a, dg, da, conv, hist)
+    for name, a1, a2 in zip(("situ_glu", "sigmoid", "mul_sigmoid", "add", "kda g", "kda alpha",
+                             "shortconv", "shortconv history"), out[1], out[2]):
         assert_bitwise(f"{name} 2 threads vs 1", a2, a1)
-    y, s, ms, a, dg, da = out[1]
+    y, s, ms, a, dg, da = out[1][:6]
     sample = [(t, i) for t in range(T) for i in range(0, n, 97)]
     # the product order of the kernel: a = f32(b1*tanhf) * sigma, then a * c
     want = np.array([np.float32(np.float32(b1 * c_tanhf(G[t, i] / b1)) * c_sigmoid(G[t, i]))

@@ -422,10 +422,12 @@ def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
     X [T, C] raw projections; w [C, K]; hist [C, K-1] oldest first (updated); Y [T, C]."""
     cdef Py_ssize_t c, t, j, T = X.shape[0], C = X.shape[1], K = w.shape[1]
     cdef float acc, xt
-    if w.shape[0] != C or hist.shape[0] != C or hist.shape[1] != K - 1 or Y.shape[0] != T:
+    if w.shape[0] != C or hist.shape[0] != C or hist.shape[1] != K - 1 or Y.shape[0] != T \
+            or Y.shape[1] != C:
         raise ValueError("shortconv shapes do not match")
-    with nogil:
-        for c in range(C):
+    with nogil:                          # channels are independent: any thread, same bits
+        for c in prange(C, num_threads=_threads_for(C * T * (K + TRANSCENDENTAL_WORK)),
+                        schedule="static"):
             for t in range(T):
                 xt = X[t, c]
                 acc = w[c, K - 1] * xt                  # current input first
