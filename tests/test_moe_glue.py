@@ -216,8 +216,14 @@ def draft_like(w, x_E, cfg, layer):
     return idx, wts
 
 
+def nothing_resident(w, x_E, cfg, layer):
+    """The cache-only draft router with no expert resident: the shared experts only."""
+    return np.empty(0, np.int32), np.empty(0, np.float32)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("router", [M.route, draft_like], ids=["exact", "draft-like"])
+@pytest.mark.parametrize("router", [M.route, draft_like, nothing_resident],
+                         ids=["exact", "draft-like", "nothing-resident"])
 def test_latent_moe_equals_the_old_python_path(dtype, router):
     """latent_moe (route_tokens + moe_groups + gather_rows + moe_combine) equals the old
     per-token path bitwise for every T = 1..70 (64-position chunks crossed), with tied router
