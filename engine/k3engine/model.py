@@ -153,7 +153,6 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: Expe
     the per-token MoE bit for bit.  An expert's outputs land in its own contiguous slots of
     d_SL (moe_groups), and the combine sums each token's slots in rank order afterwards
     (the accumulation order is part of the contract, trap #41)."""
-    T = x_TE.shape[0]
     idx, wts, count = route_chunk(w, x_TE, cfg, layer, router)    # full-width x (trap #23)
     n_experts = w.router.shape[0]
     starts = np.empty(n_experts + 1, dtype=np.int32)
@@ -162,17 +161,18 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: Expe
     d_SL = np.empty((K.moe_groups(idx, count, n_experts, starts, token, pos),
                      acc_TL.shape[1]), dtype=np.float32)
     s = starts.tolist()
+    rows = max(b - a for a, b in zip(s, s[1:]))                 # an expert's most tokens
     zl_TL = z_buf = g_buf = u_buf = None
     for group in experts.batches(layer, [e for e in range(n_experts) if s[e + 1] > s[e]]):
         if zl_TL is None:                      # the first group's reads were just issued
             zl_TL = mv(w.down_lat, x_TE)
-            z_buf = np.empty_like(zl_TL)
+            z_buf = _f32(rows, zl_TL.shape[1])
             if while_reading is not None:
                 while_reading()
         for e, ex in group:
             n = s[e + 1] - s[e]
             if g_buf is None or g_buf.shape[1] != ex.w1.shape[0]:
-                g_buf, u_buf = _f32(T, ex.w1.shape[0]), _f32(T, ex.w1.shape[0])
+                g_buf, u_buf = _f32(rows, ex.w1.shape[0]), _f32(rows, ex.w1.shape[0])
             z, g, u = z_buf[:n], g_buf[:n], u_buf[:n]
             K.gather_rows(zl_TL, token[s[e]:s[e + 1]], z)         # the tokens that chose e
             K.situ_glu(mv(ex.w1, z, g), mv(ex.w3, z, u), cfg.situ_b1, cfg.situ_b2, g)
