@@ -97,21 +97,42 @@ def vocab_of(model: str) -> int:
     return int(cfg.get("text_config", cfg)["vocab_size"])
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads (/proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def run_once(model: str, args: list[str], gen: int, tmp: str, ids: str) -> dict:
     out, ev = os.path.join(tmp, "o.json"), os.path.join(tmp, "events.jsonl")
     with open(os.path.join(tmp, "ids.txt"), "w") as f:
         f.write(ids)
     cmd = [sys.executable, "-m", "k3engine", model, "--ids-file", os.path.join(tmp, "ids.txt"),
-           "--gen", str(gen), "--incremental", "--out", out, "--events", ev, *args]
+           "--gen", str(gen), "--incremental", "--stream-tokens", "--out", out, "--events", ev,
+           *args]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.monotonic() - t0
+    cpu_marks, lines = [], []
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in p.stdout:      # the process's CPU seconds (all threads) at each token
+            lines.append(line)
+            if line.startswith("@K3TOKEN"):
+                cpu_marks.append(process_cpu_s(p.pid))
+        p.wait()
+        wall = time.monotonic() - t0
+        err.seek(0)
+        stderr = err.read()
+    stdout = "".join(lines)
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} -> {p.returncode}\n{p.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} -> {p.returncode}\n{stderr[-2000:]}")
     j = json.loads(open(out, "rb").read().decode("utf-8", "replace"))
-    total = re.search(r"TOTAL\s+([\d.]+) (GB|MB)", p.stdout)
+    total = re.search(r"TOTAL\s+([\d.]+) (GB|MB)", stdout)
     plan = float(total.group(1)) * (1e9 if total.group(2) == "GB" else 1e6) if total else 0.0
-    io = re.search(r"I/O share of wall clock: ([\d.]+)%", p.stdout)
+    io = re.search(r"I/O share of wall clock: ([\d.]+)%", stdout)
     steps = [e for e in map(json.loads, open(ev)) if e.get("ev") == "step"]
     step_s = [e["seconds"] for e in steps]
     dec = steps[1:] or steps
@@ -123,6 +144,8 @@ def run_once(model: str, args: list[str], gen: int, tmp: str, ids: str) -> dict:
                 steady_read_gb=statistics.median(e["trunk_bytes"] + e["expert_bytes"]
                                                  for e in dec) / 1e9,
                 steady_io_s=statistics.median(e["trunk_read_s"] + e["expert_read_s"] for e in dec),
+                steady_cpu=statistics.median(b - a for a, b in zip(cpu_marks, cpu_marks[1:]))
+                if len(cpu_marks) > 1 else float("nan"),
                 ttft=s0["seconds"], ttft_trunk_s=s0["trunk_read_s"],
                 ttft_expert_s=s0["expert_read_s"],
                 ttft_read_gb=(s0["trunk_bytes"] + s0["expert_bytes"]) / 1e9,
@@ -240,7 +263,8 @@ def print_profile(name: str, prof: dict, top: int = 14) -> None:
 
 
 # a row's figure -> the run_once key it is the median of
-ROW_MEDIANS = {"s_per_token": "spt", "steady_s_per_token": "steady", "gb_read_per_step": "read_gb",
+ROW_MEDIANS = {"s_per_token": "spt", "steady_s_per_token": "steady",
+               "steady_cpu_s_per_token": "steady_cpu", "gb_read_per_step": "read_gb",
                "steady_gb_read": "steady_read_gb", "steady_io_s": "steady_io_s", "io_share": "io",
                "ttft_s": "ttft", "ttft_trunk_read_s": "ttft_trunk_s",
                "ttft_expert_read_s": "ttft_expert_s", "ttft_read_gb": "ttft_read_gb",
@@ -379,7 +403,7 @@ def main() -> int:
                            plan_gb=runs[0]["plan"] / 1e9, ids=list(next(iter(ids))),
                            drafted=runs[0]["drafted"], accepted=runs[0]["accepted"],
                            ids_identical_across_runs=len(ids) == 1,
-                           each_run={k: [r[k] for r in runs] for k in ("ttft", "steady", "spt")},
+                           each_run={k: [r[k] for r in runs] for k in ("ttft", "steady", "steady_cpu", "spt")},
                            other_load=fl.fraction, load_average=fl.load)
                 rows.append(row)
                 load = (f"other load {100 * (fl.fraction or 0):.0f}%, load avg {fl.load}")
@@ -393,7 +417,8 @@ def main() -> int:
                           f"{row['steady_s_per_token']:.3f} s ({row['steady_s_per_token'] / row['s_per_position']:.1f}x"
                           f" a position) | peak {row['peak_rss_gb']:.2f} GB | {load}", flush=True)
                     continue
-                print(f"{name:40s} {row['s_per_token']:7.3f} s/tok (steady {row['steady_s_per_token']:.3f})"
+                print(f"{name:40s} {row['s_per_token']:7.3f} s/tok (steady {row['steady_s_per_token']:.3f}"
+                      f", CPU {row['steady_cpu_s_per_token']:.3f})"
                       f"  {row['steady_gb_read']:6.3f} GB/step, I/O floor {row['io_floor_s']:.3f} s"
                       f"  I/O {row['io_share']:5.1f}%  "
                       f"peak {row['peak_rss_gb']:5.2f} GB (plan {row['plan_gb']:5.2f})"

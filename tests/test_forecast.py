@@ -261,7 +261,9 @@ def test_reads_share_one_device():
 
 
 # the elements each small kernel works on, from its arguments (LayerWork's kinds)
-ELEMENTS = {"router": ("router", lambda a: a[0].size), "situ_glu": ("situ", lambda a: a[0].size),
+ELEMENTS = {"router": ("router", lambda a: a[0].size),
+            "route_tokens": ("router", lambda a: a[0].size * a[1].shape[0]),
+            "situ_glu": ("situ", lambda a: a[0].size),
             "kda_recurrence": ("kda_state", lambda a: a[0].size * a[1].shape[0]),
             "shortconv": ("conv", lambda a: a[0].size), "kda_decay": ("decay", lambda a: a[0].size),
             "mul_sigmoid": ("gate", lambda a: a[0].size),

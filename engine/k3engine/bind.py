@@ -7,6 +7,7 @@ vectors are widened to float32, `A_log` is sliced to its first H_k entries (trap
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
@@ -24,7 +25,9 @@ class BindError(CheckpointError):
 
 
 def _numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    # math.prod, not np.prod: this runs for every tensor of every streamed bind, where
+    # NumPy's reduction setup was half the bind's time (and Python ints cannot overflow)
+    return math.prod(int(d) for d in shape)
 
 
 class TensorSource(Protocol):
@@ -43,6 +46,15 @@ class Binder:
 
     def __init__(self, ck: Checkpoint, cfg: ModelConfig):
         self.ck, self.cfg = ck, cfg
+        self._defs: dict[int, dict[str, TensorDef]] = {}    # per layer: the config's names
+
+    def _layer_defs(self, L: int) -> dict[str, TensorDef]:
+        """layer_tensors(cfg, L) by key, built once per layer (a streamed layer is bound
+        again on every pass)."""
+        d = self._defs.get(L)
+        if d is None:
+            d = self._defs[L] = {t.key: t for t in layer_tensors(self.cfg, L)}
+        return d
 
     def _checked(self, t: TensorDef, src: TensorSource):
         info = src.info(t.name)
@@ -86,7 +98,7 @@ class Binder:
     def layer(self, L: int, src: TensorSource | None = None) -> LayerWeights:
         """Layer L's weights from `src` (default: the checkpoint's shards)."""
         cfg, src = self.cfg, src or self.ck
-        defs = {t.key: t for t in layer_tensors(cfg, L)}
+        defs = self._layer_defs(L)
         M = lambda key: self.matrix(defs[key], src)                # noqa: E731
         v = lambda key: self.vector(defs[key], src)                # noqa: E731
         if cfg.is_kda(L):

@@ -584,9 +584,10 @@ class LayerWork:
     each of which costs the engine's Python glue around it."""
     elements: dict
     calls_fixed: int           # once per pass whatever the positions
-    calls_per_token: int       # the router, and the combine's axpys (one per chosen expert)
-    calls_per_chunk: int       # the latent down-projection, per PREFILL_CHUNK positions
-    calls_per_expert: int      # one expert's run over its tokens (three matvecs and SiTU)
+    calls_per_token: int       # calls made once per position (none since issue 13)
+    calls_per_chunk: int       # per PREFILL_CHUNK positions: the router, the expert grouping,
+                               # the latent down-projection and the combine
+    calls_per_expert: int      # one expert's run over its tokens (gather, three matvecs, SiTU)
 
 
 def layer_work(cfg) -> tuple[LayerWork, ...]:
@@ -616,7 +617,7 @@ def layer_work(cfg) -> tuple[LayerWork, ...]:
             el["router"] = cfg.n_experts * cfg.hidden
             el["situ"] = cfg.topk * cfg.moe_inter + cfg.shared_inter
             fixed += 4 + 2 + bool(cfg.latent_norm)   # shared gate up down SiTU; up_lat, add
-            per_token, per_chunk, per_expert = 1 + cfg.topk, 1, 4
+            per_token, per_chunk, per_expert = 0, 4, 5
         out.append(LayerWork(el, fixed, per_token, per_chunk, per_expert))
     return tuple(out)
 

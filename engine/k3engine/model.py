@@ -121,6 +121,28 @@ def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSourc
     return y_TE
 
 
+def route_chunk(w: MoEWeights, x_TE: np.ndarray, cfg: ModelConfig, layer: int = -1,
+                router=route) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every token's selection: (idx [T, k] int32, weights [T, k], count [T] int32), ranks
+    j < count[t] valid.  The exact router runs over the whole chunk in one call (the same
+    per-token kernel order as `route`); another router (a draft's) is asked per token."""
+    T = x_TE.shape[0]
+    if router is route:
+        idx = np.empty((T, cfg.topk), dtype=np.int32)
+        wts = np.empty((T, cfg.topk), dtype=np.float32)
+        K.route_tokens(w.router, x_TE, w.bias, cfg.topk, cfg.moe_renorm, cfg.routed_scale,
+                       idx, wts)
+        return idx, wts, np.full(T, cfg.topk, dtype=np.int32)
+    routes = [router(w, x_TE[t], cfg, layer) for t in range(T)]
+    k = max(len(i) for i, _ in routes)                            # topk (a draft: fewer)
+    idx, wts = np.zeros((T, k), dtype=np.int32), np.zeros((T, k), dtype=np.float32)
+    count = np.empty(T, dtype=np.int32)
+    for t, (i, wt) in enumerate(routes):
+        count[t] = len(i)
+        idx[t, :len(i)], wts[t, :len(i)] = i, wt
+    return idx, wts, count
+
+
 def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
                       cfg: ModelConfig, acc_TL: np.ndarray, router=route,
                       while_reading: Callable[[], None] | None = None) -> None:
@@ -128,36 +150,36 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: Expe
 
     Chunk union: each selected expert is fetched once and runs over all the chunk's tokens
     that chose it; the per-token matvec order does not depend on that count, so this equals
-    the per-token MoE bit for bit.  Outputs are kept per (token, rank) and summed in rank
-    order afterwards (the accumulation order is part of the contract, trap #41)."""
-    T = x_TE.shape[0]
-    routes = [router(w, x_TE[t], cfg, layer) for t in range(T)]   # full-width x (trap #23)
-    k = max(len(idx) for idx, _ in routes)                        # topk (a draft: fewer)
-    users: dict[int, list[tuple[int, int]]] = {}
-    for t, (idx, _) in enumerate(routes):
-        for j, e in enumerate(idx):
-            users.setdefault(int(e), []).append((t, j))
-    d_TkL = np.empty((T, k, acc_TL.shape[1]), dtype=np.float32)
-    zl_TL = None
-    for group in experts.batches(layer, sorted(users)):           # resident together
+    the per-token MoE bit for bit.  An expert's outputs land in its own contiguous slots of
+    d_SL (moe_groups), and the combine sums each token's slots in rank order afterwards
+    (the accumulation order is part of the contract, trap #41)."""
+    idx, wts, count = route_chunk(w, x_TE, cfg, layer, router)    # full-width x (trap #23)
+    n_experts = w.router.shape[0]
+    starts = np.empty(n_experts + 1, dtype=np.int32)
+    token = np.empty(idx.size, dtype=np.int32)
+    pos = np.empty(idx.shape, dtype=np.int32)
+    d_SL = np.empty((K.moe_groups(idx, count, n_experts, starts, token, pos),
+                     acc_TL.shape[1]), dtype=np.float32)
+    s = starts.tolist()
+    rows = max(b - a for a, b in zip(s, s[1:]))                 # an expert's most tokens
+    zl_TL = z_buf = g_buf = u_buf = None
+    for group in experts.batches(layer, [e for e in range(n_experts) if s[e + 1] > s[e]]):
         if zl_TL is None:                      # the first group's reads were just issued
             zl_TL = mv(w.down_lat, x_TE)
+            z_buf = _f32(rows, zl_TL.shape[1])
             if while_reading is not None:
                 while_reading()
         for e, ex in group:
-            rows = users[e]
-            z = np.ascontiguousarray(zl_TL[[t for t, _ in rows]])
-            g = mv(ex.w1, z)
-            K.situ_glu(g, mv(ex.w3, z), cfg.situ_b1, cfg.situ_b2, g)
-            d = mv(ex.w2, g)
-            for r, (t, j) in enumerate(rows):
-                d_TkL[t, j] = d[r]
+            n = s[e + 1] - s[e]
+            if g_buf is None or g_buf.shape[1] != ex.w1.shape[0]:
+                g_buf, u_buf = _f32(rows, ex.w1.shape[0]), _f32(rows, ex.w1.shape[0])
+            z, g, u = z_buf[:n], g_buf[:n], u_buf[:n]
+            K.gather_rows(zl_TL, token[s[e]:s[e + 1]], z)         # the tokens that chose e
+            K.situ_glu(mv(ex.w1, z, g), mv(ex.w3, z, u), cfg.situ_b1, cfg.situ_b2, g)
+            mv(ex.w2, g, d_SL[s[e]:s[e + 1]])
     if zl_TL is None and while_reading is not None:               # nothing was requested
         while_reading()
-    acc_TL.fill(0.0)
-    for t, (_, wts) in enumerate(routes):
-        for j in range(len(wts)):                                 # selection order
-            K.axpy(acc_TL[t], wts[j], d_TkL[t, j])
+    K.moe_combine(d_SL, pos, wts, count, acc_TL)                  # selection order
 
 
 # ---- decoder layer with Block Attention Residuals (§4.3, §4.8) -------------------------

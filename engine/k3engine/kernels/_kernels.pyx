@@ -302,46 +302,68 @@ cdef inline float _situ(float g, float u, float b1, float b2) noexcept nogil:
     return a * c
 
 
+# The elementwise kernels below walk raw pointers over the whole C-contiguous array (no
+# per-element memoryview indexing) and split the elements over threads when there are
+# enough: each element is computed alone with libm's expf/tanhf (§5.4: vectorised exp/tanh
+# are not bit-identical), so no bit depends on the thread.
+DEF TRANSCENDENTAL_WORK = 16      # one libm expf/tanhf counted as this many multiply-adds
+
+
 def situ_glu(const float[:, ::1] G, const float[:, ::1] U, float b1, float b2,
              float[:, ::1] Y):
-    cdef Py_ssize_t t, i, T = G.shape[0], n = G.shape[1]
+    """Y = SiTU(G) * capped U elementwise; Y may be G (in place)."""
+    cdef Py_ssize_t i, T = G.shape[0], n = G.shape[1]
     if U.shape[0] != T or U.shape[1] != n or Y.shape[0] != T or Y.shape[1] != n:
         raise ValueError("situ_glu shapes do not match")
+    if T * n == 0:
+        return
+    cdef const float *g = &G[0, 0]
+    cdef const float *u = &U[0, 0]
+    cdef float *y = &Y[0, 0]
     with nogil:
-        for t in range(T):
-            for i in range(n):
-                Y[t, i] = _situ(G[t, i], U[t, i], b1, b2)
+        for i in prange(T * n, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
+                        schedule="static"):
+            y[i] = _situ(g[i], u[i], b1, b2)
 
 
 def sigmoid(float[:, ::1] X):
     """In place X = sigma(X), float32 (KDA beta)."""
-    cdef Py_ssize_t t, i
+    cdef Py_ssize_t i, n = X.shape[0] * X.shape[1]
+    if n == 0:
+        return
+    cdef float *x = &X[0, 0]
     with nogil:
-        for t in range(X.shape[0]):
-            for i in range(X.shape[1]):
-                X[t, i] = sigm(X[t, i])
+        for i in prange(n, num_threads=_threads_for(n * TRANSCENDENTAL_WORK), schedule="static"):
+            x[i] = sigm(x[i])
 
 
 def mul_sigmoid(float[:, ::1] X, const float[:, ::1] G):
     """In place X = f32(X * sigma(G)) (output gates)."""
-    cdef Py_ssize_t t, i, T = X.shape[0], n = X.shape[1]
+    cdef Py_ssize_t i, T = X.shape[0], n = X.shape[1]
     if G.shape[0] != T or G.shape[1] != n:
         raise ValueError("mul_sigmoid shapes do not match")
+    if T * n == 0:
+        return
+    cdef float *x = &X[0, 0]
+    cdef const float *g = &G[0, 0]
     with nogil:
-        for t in range(T):
-            for i in range(n):
-                X[t, i] = X[t, i] * sigm(G[t, i])
+        for i in prange(T * n, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
+                        schedule="static"):
+            x[i] = x[i] * sigm(g[i])
 
 
 def add(float[:, ::1] A, const float[:, ::1] B):
     """In place A = f32(A + B)."""
-    cdef Py_ssize_t t, i, T = A.shape[0], n = A.shape[1]
+    cdef Py_ssize_t i, T = A.shape[0], n = A.shape[1]
     if B.shape[0] != T or B.shape[1] != n:
         raise ValueError("add shapes do not match")
+    if T * n == 0:
+        return
+    cdef float *a = &A[0, 0]
+    cdef const float *b = &B[0, 0]
     with nogil:
-        for t in range(T):
-            for i in range(n):
-                A[t, i] = A[t, i] + B[t, i]
+        for i in range(T * n):
+            a[i] = a[i] + b[i]
 
 
 def axpy(float[::1] acc, float w, const float[::1] d):
@@ -400,10 +422,12 @@ def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
     X [T, C] raw projections; w [C, K]; hist [C, K-1] oldest first (updated); Y [T, C]."""
     cdef Py_ssize_t c, t, j, T = X.shape[0], C = X.shape[1], K = w.shape[1]
     cdef float acc, xt
-    if w.shape[0] != C or hist.shape[0] != C or hist.shape[1] != K - 1 or Y.shape[0] != T:
+    if w.shape[0] != C or hist.shape[0] != C or hist.shape[1] != K - 1 or Y.shape[0] != T \
+            or Y.shape[1] != C:
         raise ValueError("shortconv shapes do not match")
-    with nogil:
-        for c in range(C):
+    with nogil:                          # channels are independent: any thread, same bits
+        for c in prange(C, num_threads=_threads_for(C * T * (K + TRANSCENDENTAL_WORK)),
+                        schedule="static"):
             for t in range(T):
                 xt = X[t, c]
                 acc = w[c, K - 1] * xt                  # current input first
@@ -419,21 +443,32 @@ def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
 def kda_decay(const float[:, ::1] Z, const float[::1] A_log, const float[::1] dt_bias,
               float g_min, float[:, ::1] G, float[:, ::1] alpha):
     """g = g_min * sigma(exp(A_log[h]) * (z + dt_bias)); alpha = exp(g).
-    A_log is indexed by HEAD (trap #5), dt_bias by channel, added before scaling (#7)."""
-    cdef Py_ssize_t t, c, T = Z.shape[0], P = Z.shape[1], H = A_log.shape[0]
-    cdef Py_ssize_t D = P // H
-    cdef float e, u, g
-    if H * D != P or dt_bias.shape[0] != P:
+    A_log is indexed by HEAD (trap #5), dt_bias by channel, added before scaling (#7).
+    exp(A_log[h]) is taken once per head (the same expf of the same float per element)."""
+    cdef Py_ssize_t i, c, T = Z.shape[0], P = Z.shape[1], H = A_log.shape[0]
+    cdef Py_ssize_t D = P // H if H else 0
+    cdef float u, g
+    if H == 0 or H * D != P or dt_bias.shape[0] != P or G.shape[0] != T or G.shape[1] != P \
+            or alpha.shape[0] != T or alpha.shape[1] != P:
         raise ValueError("kda_decay shapes do not match")
+    if T * P == 0:
+        return
+    eA_arr = np.empty(H, dtype=np.float32)
+    cdef float[::1] eA = eA_arr
+    cdef const float *z = &Z[0, 0]
+    cdef float *gp = &G[0, 0]
+    cdef float *ap = &alpha[0, 0]
     with nogil:
-        for t in range(T):
-            for c in range(P):
-                e = expf(A_log[c // D])
-                u = Z[t, c] + dt_bias[c]
-                u = e * u
-                g = g_min * sigm(u)
-                G[t, c] = g
-                alpha[t, c] = expf(g)      # exactly 1.0 is legal saturation (trap #8)
+        for c in range(H):
+            eA[c] = expf(A_log[c])
+        for i in prange(T * P, num_threads=_threads_for(T * P * 2 * TRANSCENDENTAL_WORK),
+                        schedule="static"):
+            c = i % P
+            u = z[i] + dt_bias[c]
+            u = eA[c // D] * u
+            g = g_min * sigm(u)
+            gp[i] = g
+            ap[i] = expf(g)            # exactly 1.0 is legal saturation (trap #8)
 
 
 def kda_q_scale(Py_ssize_t D):
@@ -659,24 +694,12 @@ def router(W, const float[::1] x, const float[::1] bias, int k, bint renorm, flo
         raise ValueError("router shapes do not match")
     scores = np.empty(N, dtype=np.float32)
     cdef float[::1] s = scores
-    cdef const uint16_t[:, ::1] Wb
-    cdef const float[:, ::1] Wf
-    cdef double[::1] xd = np.asarray(x, dtype=np.float64)
-    cdef double[::1] logit = np.zeros(N, dtype=np.float64)
-    cdef Py_ssize_t e
-    if E == 0:
-        pass
-    elif W.dtype == np.uint16:        # k3route.h: one sequential chain per expert, 8 per vector
-        Wb = W
-        with nogil:
-            k3_route_logits_bf16(&Wb[0, 0], N, E, &xd[0], &logit[0])
-    else:
-        Wf = W
-        with nogil:
-            k3_route_logits_f32(&Wf[0, 0], N, E, &xd[0], &logit[0])
+    cdef bint bf16 = W.dtype == np.uint16
+    cdef const void *wp = _router_weights(W)
+    work = np.empty(E + N, dtype=np.float64)
+    cdef double[::1] wk = work
     with nogil:
-        for e in range(N):
-            s[e] = sigm(<float>logit[e])
+        _router_scores_raw(wp, bf16, &x[0], N, E, &wk[0], &wk[E], &s[0])
     _select(s, bias, k, renorm, scale, idx, weights)
     return scores
 
@@ -691,32 +714,12 @@ def route_scores(const float[::1] s, const float[::1] bias, int k, bint renorm, 
 
 cdef _select(const float[::1] s, const float[::1] bias, int k, bint renorm, float scale,
              int32_t[::1] idx, float[::1] weights):
-    cdef Py_ssize_t N = s.shape[0], e, j, best
+    cdef Py_ssize_t N = s.shape[0]
     sel_arr = np.empty(N, dtype=np.float32)
-    taken_arr = np.zeros(N, dtype=np.uint8)
+    taken_arr = np.empty(N, dtype=np.uint8)
     cdef float[::1] sel = sel_arr
     cdef uint8_t[::1] taken = taken_arr
-    cdef double tot
-    cdef float inv
-    for e in range(N):
-        sel[e] = s[e] + bias[e]          # biased score: selection only
-    for j in range(k):
-        best = -1
-        for e in range(N):               # strictly greater: ties go to the lowest index
-            if not taken[e] and (best < 0 or sel[e] > sel[best]):
-                best = e
-        taken[best] = 1
-        idx[j] = <int32_t>best
-        weights[j] = s[best]
-    if renorm and k > 1:                 # SF skips renormalisation for k = 1 (trap #42)
-        tot = 0.0
-        for j in range(k):
-            tot = tot + <double>weights[j]
-        inv = <float>(1.0 / (tot + 1e-20))
-        for j in range(k):
-            weights[j] = weights[j] * inv
-    for j in range(k):
-        weights[j] = weights[j] * scale
+    _select_raw(&s[0], &bias[0], N, k, renorm, scale, &sel[0], &taken[0], &idx[0], &weights[0])
 
 
 # ---- AttnRes (§4.8) ------------------------------------------------------------------
@@ -781,3 +784,186 @@ def fnv_fold_words(uint64_t h, const uint64_t[::1] words):
         for i in range(words.shape[0]):
             h = (h ^ words[i]) * prime
     return h
+
+
+# ---- the per-token glue in one call each (issue 13) -----------------------------------
+# Routing of a whole chunk, the expert grouping and the MoE combine: what model.py did per
+# token and per expert in Python, now one nogil call each.  Same orders as the per-token
+# kernels above (router: ONE sequential double accumulator per logit, strictly-greater
+# top-k, renorm; combine: acc[t] = F0 + w_j * d_j in selection order), so same bits.
+
+cdef float _no_weights = 0.0       # what an empty router matrix points at (never read)
+
+
+cdef const void *_router_weights(W) except NULL:
+    """The router matrix's first element (BF16 bits or float32, C-contiguous [N, E]); W
+    itself keeps the buffer alive while the pointer is used."""
+    cdef const uint16_t[:, ::1] Wb
+    cdef const float[:, ::1] Wf
+    if W.dtype == np.uint16:
+        Wb = W
+        return &Wb[0, 0] if Wb.shape[0] * Wb.shape[1] else &_no_weights
+    Wf = W
+    return &Wf[0, 0] if Wf.shape[0] * Wf.shape[1] else &_no_weights
+
+
+cdef void _router_scores_raw(const void *W, bint bf16, const float *x, Py_ssize_t N,
+                             Py_ssize_t E, double *xd, double *logit, float *s) noexcept nogil:
+    """s[e] = sigma(f32(logit e)); the logits by k3route.h (ONE sequential double chain per
+    expert); xd [E] and logit [N] are the caller's scratch."""
+    cdef Py_ssize_t e, i
+    for i in range(E):
+        xd[i] = <double>x[i]
+    for e in range(N):
+        logit[e] = 0.0
+    if E > 0 and bf16:
+        k3_route_logits_bf16(<const uint16_t *>W, N, E, xd, logit)
+    elif E > 0:
+        k3_route_logits_f32(<const float *>W, N, E, xd, logit)
+    for e in range(N):
+        s[e] = sigm(<float>logit[e])
+
+
+cdef void _select_raw(const float *s, const float *bias, Py_ssize_t N, int k, bint renorm,
+                      float scale, float *sel, uint8_t *taken, int32_t *idx,
+                      float *weights) noexcept nogil:
+    """Top-k of s + bias (ties to the lowest index), weights from the UNBIASED s."""
+    cdef Py_ssize_t e, j, best
+    cdef double tot
+    cdef float inv
+    for e in range(N):
+        sel[e] = s[e] + bias[e]          # biased score: selection only
+        taken[e] = 0
+    for j in range(k):
+        best = -1
+        for e in range(N):               # strictly greater: ties go to the lowest index
+            if not taken[e] and (best < 0 or sel[e] > sel[best]):
+                best = e
+        taken[best] = 1
+        idx[j] = <int32_t>best
+        weights[j] = s[best]
+    if renorm and k > 1:                 # SF skips renormalisation for k = 1 (trap #42)
+        tot = 0.0
+        for j in range(k):
+            tot = tot + <double>weights[j]
+        inv = <float>(1.0 / (tot + 1e-20))
+        for j in range(k):
+            weights[j] = weights[j] * inv
+    for j in range(k):
+        weights[j] = weights[j] * scale
+
+
+def route_tokens(W, const float[:, ::1] X, const float[::1] bias, int k, bint renorm,
+                 float scale, int32_t[:, ::1] idx, float[:, ::1] weights):
+    """`router` for every row of X [T, E] in one call: idx/weights [T, k].  Tokens are
+    independent, so they may run on any thread (each token's bits are those of `router`)."""
+    cdef Py_ssize_t N = W.shape[0], E = W.shape[1], T = X.shape[0], t
+    if X.shape[1] != E or bias.shape[0] != N or k < 1 or k > N or k > MAX_TOPK:
+        raise ValueError("route_tokens shapes do not match")
+    if idx.shape[0] != T or weights.shape[0] != T or idx.shape[1] != k or weights.shape[1] != k:
+        raise ValueError("route_tokens outputs must be [T, k]")
+    if T == 0 or N == 0:
+        return
+    cdef bint bf16 = W.dtype == np.uint16
+    cdef const void *wp = _router_weights(W)
+    cdef double *buf
+    cdef float *sc
+    cdef int oom[1]
+    oom[0] = 0
+    with nogil, parallel(num_threads=_threads_for(T * N * E)):
+        # per thread: x widened [E], logits [N], then scores [N], sel [N], taken [N] bytes
+        buf = <double *>malloc((E + N + N + 1) * sizeof(double) + N)
+        sc = <float *>(buf + E + N)
+        if buf == NULL:
+            oom[0] = 1
+        for t in prange(T, schedule="dynamic"):
+            if buf == NULL:
+                continue
+            _router_scores_raw(wp, bf16, &X[t, 0], N, E, buf, buf + E, sc)
+            _select_raw(sc, &bias[0], N, k, renorm, scale, sc + N, <uint8_t *>(sc + 2 * N),
+                        &idx[t, 0], &weights[t, 0])
+        free(buf)
+    if oom[0]:
+        raise MemoryError("route_tokens: no memory for its per-thread scores")
+
+
+def moe_groups(const int32_t[:, ::1] idx, const int32_t[::1] count, Py_ssize_t n_experts,
+               int32_t[::1] starts, int32_t[::1] token, int32_t[:, ::1] pos):
+    """Group a chunk's (token, rank) selections by expert (a counting sort): the slots of
+    expert e are starts[e] .. starts[e+1]-1, tokens ascending; token[s] is slot s's token
+    and pos[t, j] the slot of token t's rank-j expert.  Only ranks j < count[t] are used (a
+    draft router may pick fewer).  Returns the number of slots."""
+    cdef Py_ssize_t T = idx.shape[0], k = idx.shape[1], t, j, e, s, n = 0
+    if count.shape[0] != T or starts.shape[0] != n_experts + 1 or pos.shape[0] != T \
+            or pos.shape[1] != k or token.shape[0] < T * k:
+        raise ValueError("moe_groups shapes do not match")
+    for t in range(T):
+        if count[t] < 0 or count[t] > k:
+            raise ValueError(f"moe_groups: token {t} has {count[t]} selections of {k}")
+        for j in range(count[t]):
+            if idx[t, j] < 0 or idx[t, j] >= n_experts:
+                raise ValueError(f"moe_groups: expert {idx[t, j]} is outside 0..{n_experts - 1}")
+    with nogil:
+        for e in range(n_experts + 1):
+            starts[e] = 0
+        for t in range(T):
+            for j in range(count[t]):
+                starts[idx[t, j] + 1] += 1
+                n += 1
+        for e in range(n_experts):
+            starts[e + 1] += starts[e]
+        for t in range(T):               # tokens ascending within each expert's slots
+            for j in range(count[t]):
+                e = idx[t, j]
+                s = starts[e]
+                starts[e] += 1
+                token[s] = <int32_t>t
+                pos[t, j] = <int32_t>s
+        for e in range(n_experts, 0, -1):  # undo the shift the placement made
+            starts[e] = starts[e - 1]
+        starts[0] = 0
+    return n
+
+
+def gather_rows(const float[:, ::1] X, const int32_t[::1] rows, float[:, ::1] Y):
+    """Y[r] = X[rows[r]] (an expert's tokens, contiguous for its matvec)."""
+    cdef Py_ssize_t r, i, n = rows.shape[0], w = X.shape[1]
+    if Y.shape[0] < n or Y.shape[1] != w:
+        raise ValueError("gather_rows shapes do not match")
+    for r in range(n):
+        if rows[r] < 0 or rows[r] >= X.shape[0]:
+            raise ValueError(f"gather_rows: row {rows[r]} is outside 0..{X.shape[0] - 1}")
+    with nogil:
+        for r in range(n):
+            for i in range(w):
+                Y[r, i] = X[rows[r], i]
+
+
+def moe_combine(const float[:, ::1] D, const int32_t[:, ::1] pos, const float[:, ::1] weights,
+                const int32_t[::1] count, float[:, ::1] acc):
+    """acc[t] = sum over j < count[t] of f32(weights[t, j] * D[pos[t, j]]), from 0.0 and in
+    selection order (ARCHITECTURE §4.7.2, trap #41): `axpy` per rank, one call per chunk."""
+    cdef Py_ssize_t T = acc.shape[0], L = acc.shape[1], k = pos.shape[1], t, j, i
+    cdef float wj, p
+    cdef const float *d
+    cdef float *a
+    if pos.shape[0] != T or weights.shape[0] != T or weights.shape[1] < k or count.shape[0] != T \
+            or D.shape[1] != L:
+        raise ValueError("moe_combine shapes do not match")
+    for t in range(T):
+        if count[t] < 0 or count[t] > k:
+            raise ValueError(f"moe_combine: token {t} has {count[t]} selections of {k}")
+        for j in range(count[t]):
+            if pos[t, j] < 0 or pos[t, j] >= D.shape[0]:
+                raise ValueError(f"moe_combine: slot {pos[t, j]} is outside the outputs")
+    with nogil:
+        for t in prange(T, num_threads=_threads_for(T * k * L), schedule="static"):
+            a = &acc[t, 0]
+            for i in range(L):
+                a[i] = F0
+            for j in range(count[t]):
+                wj = weights[t, j]
+                d = &D[pos[t, j], 0]
+                for i in range(L):
+                    p = wj * d[i]
+                    a[i] = a[i] + p

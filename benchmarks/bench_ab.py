@@ -1,0 +1,72 @@
+"""A/B of two engine source trees on one budget, runs alternated (a script, not a test).
+
+    python benchmarks/bench_ab.py MODEL_DIR TRUNK_DIR BASE_ENGINE_DIR [--budget 0]
+                                  [--pairs 3] [--gen 8] [--prompt 5] [--threads 1]
+
+BASE_ENGINE_DIR is the `engine` directory of another checkout with its extensions built in
+place (e.g. `git archive main | tar -x -C /tmp/base && cd /tmp/base && python setup.py
+build_ext --inplace`); it is put first on PYTHONPATH for the A runs, the installed engine
+runs the B runs.  Each pair runs A then B (page cache dropped before each run when
+/proc/sys/vm/drop_caches is writable) with bench_engine's `run_once`, so a shared machine's
+load hits both sides alike.  Reports the medians of the steady decode step's wall and
+process CPU seconds, the prefill's s/position (--prompt N > 5), and whether the ids agree.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+from bench_engine import BUDGETS, drop_caches, prompt_ids, run_once, vocab_of
+from bench_kernels import loadavg
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("trunk")
+    ap.add_argument("base_engine")
+    ap.add_argument("--budget", type=int, default=0, help="row of bench_engine's budget table")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=5, help="prompt length (5 = the tables' ids)")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    name, args = BUDGETS[a.budget]
+    args = [x.format(trunk=a.trunk) for x in args] + ["--threads", str(a.threads)]
+    ids = prompt_ids(a.prompt, vocab_of(a.model))
+    keep = os.environ.get("PYTHONPATH")
+    res: dict[str, list[dict]] = {"A": [], "B": []}
+    print(f"{name}, prompt {a.prompt}, gen {a.gen}, threads {a.threads}; A = "
+          f"{a.base_engine}, B = the installed engine; load average {loadavg()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.pairs):
+            for side in ("A", "B"):
+                if side == "A":
+                    os.environ["PYTHONPATH"] = os.path.abspath(a.base_engine) + (
+                        os.pathsep + keep if keep else "")
+                elif keep is None:
+                    os.environ.pop("PYTHONPATH", None)
+                else:
+                    os.environ["PYTHONPATH"] = keep
+                drop_caches()
+                r = run_once(a.model, args, a.gen, tmp, ids)
+                res[side].append(r)
+                print(f"  pair {i} {side}: steady {r['steady']:.3f} s (CPU {r['steady_cpu']:.3f})"
+                      f", ttft {r['ttft']:.2f} s, load {loadavg()}", flush=True)
+    med = {s: {k: statistics.median(r[k] for r in rs) for k in ("steady", "steady_cpu", "ttft")}
+           for s, rs in res.items()}
+    same = len({tuple(r["ids"]) for rs in res.values() for r in rs}) == 1
+    for s in ("A", "B"):
+        m = med[s]
+        print(f"{s}: steady decode step {m['steady']:.3f} s wall, {m['steady_cpu']:.3f} s CPU; "
+              f"ttft {m['ttft']:.2f} s ({m['ttft'] / a.prompt:.4f} s/position)")
+    print(f"B/A: steady wall {med['B']['steady'] / med['A']['steady']:.3f}, CPU "
+          f"{med['B']['steady_cpu'] / med['A']['steady_cpu']:.3f}, ttft "
+          f"{med['B']['ttft'] / med['A']['ttft']:.3f}; ids identical across all runs: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
