@@ -693,15 +693,15 @@ def test_isa_paths_bitwise_identical_odd_sizes_and_specials(rows, n):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 35])
 def test_isa_paths_bitwise_identical_one_token_every_row_tile(rows):
-    """T = 1 runs other tiles than T > 1 (AVX-512: 4 rows per pass, AVX2: 2; MXFP4 its own
-    row blocks), so every row remainder 1..3 (and fewer rows than a tile) is compared with
-    the scalar path one token at a time, with the special weights and inputs of the test
-    above (BF16 exponent 0xFF, +-inf, NaN, -0.0, denormals; MXFP4 scale bytes 0, 254 and
-    255), widths 16..47 and a long 1027 (64 blocks + tail 3).  (Thread splits: the
-    token-blocked test below, above the parallel threshold.)"""
+    """T = 1 runs other tiles than T > 1 (AVX-512: 4 rows per pass, AVX2: 2; MXFP4 blocks
+    of 8 rows in lanes), so every row remainder (and fewer rows than a tile) is compared
+    with the scalar path one token at a time, with the special weights and inputs of the
+    test above (BF16 exponent 0xFF, +-inf, NaN, -0.0, denormals; MXFP4 scale bytes 0, 254,
+    255), widths 16..47, 450 (14 MXFP4 groups: ragged 8- and 4-group blocks) and 1027.
+    (Thread splits: the token-blocked test below, above the parallel threshold.)"""
     _need_simd()
     r = rng(7000 + rows)
-    for n in (16, 31, 47, 1027):
+    for n in (16, 31, 47, 450, 1027):
         W = special_f32(r, (rows, n))
         Wb = random_bf16(r, (rows, n))
         Wb[1::4] = r.integers(0, 1 << 16, Wb[1::4].shape, dtype=np.uint32)  # inf/NaN patterns
