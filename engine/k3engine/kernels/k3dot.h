@@ -13,11 +13,13 @@
  * multiply then add), avx2 (AVX2 + FMA, 4 doubles per vector) and avx512 (F/BW/VL/DQ,
  * 8 doubles per vector).  K3_KERNEL_ISA or k3_set_isa() forces one, so tests compare them.
  *
- * Tiles: a SIMD kernel computes R rows x B tokens at once (R <= 4, B <= 4): each weight
- * block is widened (or its nibbles decoded) once and applied to every token of the tile
- * while it is in registers, and each x block is loaded once for both rows.  Every (row,
- * token) pair keeps its own accumulators in its own order, so the tile shape never changes
- * a bit (tests/test_kernels.py proves it for T = 1..9 at 1 and 2 threads).
+ * Tiles: a SIMD kernel computes R rows x B tokens at once (matvec R <= 4, B <= 2 on
+ * AVX-512; MXFP4 on AVX-512 8 rows in lanes x B <= 4): each weight block is widened (or its
+ * nibbles decoded) once and applied to every token of the tile while it is in registers,
+ * and each x block is loaded once for all rows of the tile.  Every (row, token) pair keeps
+ * its own accumulators in its own order, so the tile shape never changes a bit
+ * (tests/test_kernels.py proves it for T = 1..9 at 1 and 2 threads, and for every row
+ * remainder at T = 1).
  */
 #ifndef K3DOT_H
 #define K3DOT_H
