@@ -8,8 +8,8 @@ For each weight-streaming kernel (BF16, MXFP4, float32 and I8R matvec at real Ki
 shapes) it reports, per instruction-set path (scalar / AVX2 / AVX-512, forced through
 K.set_isa), per thread count and per batch size T (T = 1 is decode; T = 4 is one full
 token tile, the prefill case, reported per token), the median time per call, the GB/s of
-weight bytes streamed, the bandwidth-floor time (weight bytes / measured read bandwidth)
-and the percentage of that floor achieved.  --callgrind adds instructions per weight
+weight bytes streamed, the bandwidth-floor time (weight bytes / the read bandwidth measured
+at the same thread count) and the percentage of that floor achieved.  --callgrind adds instructions per weight
 element for every kernel and path from `valgrind --tool=callgrind` (one call of a
 256-row slice, 1 thread): a figure other processes on a shared machine cannot disturb.  The memory bandwidth is measured in the same
 run: a pure read (sum of a 1 GiB uint64 array) and a copy (np.copyto of 1 GiB: read +
@@ -418,9 +418,16 @@ def main(argv=None) -> int:
             bw["foreign_cpu"] = fl_bw.fraction
             Path(a.json).write_text(json.dumps({"machine": info, "bandwidth": bw}, indent=2))
         return 0
-    read_bw = a.floor_gbs or bw["read_gbs_best"]
-    print(f"  floor uses {'the given' if a.floor_gbs else 'the best measured'} read bandwidth: "
-          f"{read_bw:.2f} GB/s")
+    def floor_gbs(nt: int) -> float:
+        """The read floor for a cell at nt threads: the given figure, else the best read
+        measured at nt threads (a 1-thread kernel cannot use the 2-thread bandwidth)."""
+        if a.floor_gbs:
+            return a.floor_gbs
+        return max(bw[f"read_gbs_{nt}t"], bw.get(f"c_read_gbs_{nt}t_best", 0.0))
+
+    print("  floor uses " + ("the given read bandwidth" if a.floor_gbs else
+                             "the best read measured at each thread count") + ": "
+          + ", ".join(f"{nt}t {floor_gbs(nt):.2f} GB/s" for nt in thread_counts))
     if fl_bw.fraction is not None:
         print(f"  other processes used {100 * fl_bw.fraction:.0f}% of the CPUs meanwhile")
 
@@ -431,11 +438,11 @@ def main(argv=None) -> int:
         # enough copies that no call of a cell meets weights a recent call left in L3
         copies = max(a.repeat + 2, -(-target // weight_bytes(kind, rows, cols)))
         calls, r, nbytes = build(kind, rows, cols, copies, seed=rows * 31 + cols)
-        floor_ms = nbytes / (read_bw * 1e9) * 1e3
         for isa in isas:
             K.set_isa(isa)
             for nt in thread_counts:
                 K.set_num_threads(nt)
+                floor_ms = nbytes / (floor_gbs(nt) * 1e9) * 1e3
                 for T in token_counts:
                     X, Y = io_for(r, rows, cols, T)
                     res = measure_cell(a, calls, X, Y, copies)
@@ -464,8 +471,9 @@ def main(argv=None) -> int:
     print_table(results, counts)
     print()
     print(f"machine: {info['cpu']} | cores {info['usable_cpus']} | numpy {info['numpy']} | "
-          f"paths {info['isas']} | read BW {read_bw:.2f} GB/s "
-          f"(1t {bw[f'read_gbs_{thread_counts[0]}t']:.2f}) | repeat {a.repeat}")
+          f"paths {info['isas']} | read floor "
+          + ", ".join(f"{nt}t {floor_gbs(nt):.2f}" for nt in thread_counts)
+          + f" GB/s | repeat {a.repeat}")
     if a.json:
         bw["foreign_cpu"] = fl_bw.fraction
         Path(a.json).write_text(json.dumps({

@@ -691,6 +691,42 @@ def test_isa_paths_bitwise_identical_odd_sizes_and_specials(rows, n):
                        mv(W[finite], X[:1])[0], ref_matvec(W[finite], X[0]))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 35])
+def test_isa_paths_bitwise_identical_one_token_every_row_tile(rows):
+    """T = 1 runs other tiles than T > 1 (AVX-512: 4 rows per pass, AVX2: 2; MXFP4 blocks
+    of 8 rows in lanes), so every row remainder (and fewer rows than a tile) is compared
+    with the scalar path one token at a time, with the special weights and inputs of the
+    test above (BF16 exponent 0xFF, +-inf, NaN, -0.0, denormals; MXFP4 scale bytes 0, 254,
+    255), widths 16..47, 450 (14 MXFP4 groups: ragged 8- and 4-group blocks) and 1027.
+    (Thread splits: the token-blocked test below, above the parallel threshold.)"""
+    _need_simd()
+    r = rng(7000 + rows)
+    for n in (16, 31, 47, 450, 1027):
+        W = special_f32(r, (rows, n))
+        Wb = random_bf16(r, (rows, n))
+        Wb[1::4] = r.integers(0, 1 << 16, Wb[1::4].shape, dtype=np.uint32)  # inf/NaN patterns
+        Wb[0, : min(n, 8)] = [0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7FC1, 0x0080, 0x8001][
+            : min(n, 8)]                                   # -0, subnormals, +-inf, NaN, min normal
+        Q = r.integers(-128, 128, (rows, n)).astype(np.int8)
+        qs = (r.random(rows) + 0.01).astype(np.float32)
+        n4 = 32 * max(1, n // 32)
+        P = r.integers(0, 256, (rows, n4 // 2), dtype=np.uint16).astype(np.uint8)
+        S = r.integers(110, 130, (rows, n4 // 32), dtype=np.uint16).astype(np.uint8)
+        S.reshape(-1)[::3] = 255
+        S.reshape(-1)[1::5] = 0
+        S.reshape(-1)[2::7] = 254
+        for t in range(2):                                 # a finite token, a special one
+            X = rand_f32(r, (1, n)) if t == 0 else special_f32(r, (1, n))
+            X4 = rand_f32(r, (1, n4)) if t == 0 else special_f32(r, (1, n4))
+            for label, kind, WW, XX in (("f32", "f32", W, X), ("bf16", "bf16", Wb, X),
+                                        ("i8r", "i8r", (Q, qs), X),
+                                        ("mxfp4", "mxfp4", (P, S), X4)):
+                out = all_isas_mv(kind, WW, XX)
+                for name in simd_isas():
+                    assert_same_values(f"{name} vs scalar {label} {rows}x{n} T=1 token {t}",
+                                       out[name], out["scalar"])
+
+
 KINDS = ("f32", "bf16", "i8r", "mxfp4")
 
 
