@@ -207,10 +207,20 @@ def test_cli_refuses_bad_input(tmp_path, monkeypatch, capsys):
 
 
 def test_expert_overlap_hides_expert_reads_behind_compute():
-    """The §4.5 pipeline the engine runs (the default): a layer costs the larger of its
-    compute and its expert reads, never more than the sum K3_NO_EXPERT_PIPELINE=1 gives
-    (--no-expert-pipeline)."""
+    """The §4.5 pipeline the engine runs (the default): a layer waits only for the expert
+    reads its latent down-projection, shared expert and hit experts do not cover (not the
+    whole layer's compute: attention and the missed experts cannot run meanwhile), never
+    more than the sum K3_NO_EXPERT_PIPELINE=1 gives (--no-expert-pipeline)."""
     m = F.released_k3()
+    c = F._layer_costs(m, GIVEN, 1, 8.0, set(), 16)
+    for L in (0, 5):
+        print(f"[forecast] K3 layer {L}: compute {c.compute[L] * 1e3:.1f} ms, of it "
+              f"{c.overlap[L] * 1e3:.1f} ms beside 8 of 16 experts' reads")
+    assert c.overlap[0] == 0.0                             # dense: nothing to overlap
+    assert 0 < c.overlap[5] < c.compute[5]
+    down_shared = m.overlap_bytes[5] / GIVEN.bf16_bps
+    half_experts = 8 * 3 * GIVEN.mxfp4_call_s + 8 * m.figures.expert_bytes / GIVEN.mxfp4_bps
+    assert abs(c.overlap[5] - (down_shared + half_experts)) < 1e-12
     kw = dict(trunk_gb=16, cache_gb=60, streamed=False, prompt_len=8, gen=4)
     serial = F.forecast(m, GIVEN, expert_overlap=False, **kw)
     hidden = F.forecast(m, GIVEN, **kw)

@@ -46,12 +46,13 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 6          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 7          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
 READ_SECONDS = 1.5               # per queue depth
 SMALL_BLOCK = 256 << 10          # the latency probe's read size
+TRUNK_BLOCK = 32 << 20           # the large-read probe's size (a trunk layer's chunks)
 # What a run holds beyond the import baseline and the planner's terms: the shard index,
 # reader threads' stacks, per-step temporaries.  Fitted, not derived: peak RSS less the
 # planner's terms and the baseline, on the demo model's runs here (docs/forecast.md): 4.5-6.5
@@ -62,8 +63,9 @@ KERNEL_SECONDS = 0.6             # per kernel
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
 # The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read
 # run), in units of one tiny kernel call as measured on the machine.  Fitted, not derived:
-# main-thread CPU seconds per step of the demo model's streamed runs (docs/forecast.md).
-BIND_CALLS = 360
+# benchmarks/bench_bind.py measured 0.33-0.41 ms per mid layer (0.80-0.96 before the bind
+# bookkeeping was cached), ~60 calls of ~6 us; it was 360, fitted on the demo's runs then.
+BIND_CALLS = 60
 
 
 # ---- the machine -----------------------------------------------------------------------
@@ -91,6 +93,8 @@ class MachineFigures:
     # the matvecs with their weights in the last-level cache (its size under "llc_bytes"):
     # what a model small enough to stay there runs at (in_cache)
     hot: dict = field(default_factory=dict)
+    trunk_read_bps: float = 0.0      # TRUNK_BLOCK reads on the trunk's reader threads (0: the
+                                     # 4 MiB rate at that depth stands in)
 
     def read_rate(self, queue_depth: float) -> float:
         """The rate at the deepest measured depth not above `queue_depth` (reads in flight
@@ -111,7 +115,7 @@ class MachineFigures:
         given = []
         if read_gbs is not None:           # (its latency unknown: taken as 0)
             m = replace(m, read_bps={str(q): read_gbs * 1e9 for q in READ_DEPTHS},
-                        read_latency_s=0.0)
+                        read_latency_s=0.0, trunk_read_bps=read_gbs * 1e9)
             given.append(f"read {read_gbs:g} GB/s")
         if bf16_gbs is not None:
             m = replace(m, bf16_bps=bf16_gbs * 1e9)
@@ -412,11 +416,13 @@ def _own_cpu() -> float:
 
 
 def measure_read(device_dir: str, seconds: float = READ_SECONDS
-                 ) -> tuple[dict, bool, float]:
-    """(bytes/s per queue depth, O_DIRECT, seconds of latency per read) with `k3 devbw`'s
-    own measuring code on one scratch file in `device_dir`: READ_BLOCK reads at each depth,
-    then SMALL_BLOCK reads at depth 1, so a read costs latency + bytes / rate (small reads
-    -- a small model's layers and experts -- are latency-bound)."""
+                 ) -> tuple[dict, bool, float, float]:
+    """(bytes/s per queue depth, O_DIRECT, seconds of latency per read, bytes/s of large
+    reads) with `k3 devbw`'s own measuring code on one scratch file in `device_dir`:
+    READ_BLOCK reads at each depth, then SMALL_BLOCK reads at depth 1, so a read costs
+    latency + bytes / rate (small reads -- a small model's layers and experts -- are
+    latency-bound); and TRUNK_BLOCK reads on the trunk's reader count, the shape of a
+    layer's chunked reads (the engine's trunk reads ran above the 4 MiB QD16 rate)."""
     from .tools import devbw
     free = devbw.free_bytes(device_dir)
     if free is not None and free < 2 * READ_SCRATCH_BYTES:
@@ -427,6 +433,9 @@ def measure_read(device_dir: str, seconds: float = READ_SECONDS
                                  seconds=seconds)
         small = devbw.measure_file(path, block=SMALL_BLOCK, depths=(1,), reads=200,
                                    seconds=seconds / 2)
+        large = devbw.measure_file(path, block=TRUNK_BLOCK, depths=(TRUNK_IO_THREADS,),
+                                   reads=2 * READ_SCRATCH_BYTES // TRUNK_BLOCK,
+                                   seconds=seconds).results[0]
     finally:
         os.unlink(path)
     rates = {str(q.qd): q.nbytes / q.seconds for q in big.results if q.seconds > 0}
@@ -434,7 +443,7 @@ def measure_read(device_dir: str, seconds: float = READ_SECONDS
     t_big = q1.seconds / max(q1.reads, 1)
     t_small = s1.seconds / max(s1.reads, 1)
     rate, lat = _fit((SMALL_BLOCK, t_small), (big.block, t_big))
-    return rates, big.direct, lat
+    return rates, big.direct, lat, (large.nbytes / large.seconds if large.seconds > 0 else 0.0)
 
 
 def measure_baseline() -> int:
@@ -470,11 +479,12 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
         hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         busy = (after[0] - before[0]) - (own1 - own0) * hz
         other = max(0.0, busy / (after[1] - before[1]))
-    read, direct, lat = measure_read(device_dir)
+    read, direct, lat, large = measure_read(device_dir)
     return MachineFigures(machine_identity(device_dir, nt), read, direct, read_latency_s=lat,
                           baseline_bytes=measure_baseline(), threads=nt,
                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          other_load=other, glue_call_s=measure_glue(), **kern)
+                          other_load=other, glue_call_s=measure_glue(),
+                          trunk_read_bps=large, **kern)
 
 
 def _read_cache(path: str) -> dict:
@@ -543,6 +553,8 @@ class ModelShape:
     streamed: bool                   # a packed trunk is available (or assumed, for K3)
     source: str                      # where the sizes came from
     work: tuple = ()                 # per layer: LayerWork (the small kernels and calls)
+    overlap_bytes: tuple = ()        # per layer: the BF16 matrices a layer computes while its
+                                     # expert reads are in flight (latent down, shared expert)
 
 
 # The released checkpoint's config, from ARCHITECTURE §0.2 / §1.3 (flat shape).
@@ -564,15 +576,22 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _layer_compute(cfg) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+# what model.latent_moe runs while a layer's expert reads are in flight (SYSTEM §4.5)
+WHILE_READING = ("routed_expert_down_proj", "shared_experts")
+
+
+def _layer_compute(cfg) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...],
+                                 tuple[int, ...]]:
     from .names import layer_tensors
-    mb, calls, moe = [], [], []
+    mb, calls, moe, over = [], [], [], []
     for L in range(cfg.n_layers):
         mats = [t for t in layer_tensors(cfg, L) if t.kind in MATRIX_KINDS]
         mb.append(sum(_numel(t.shape) * 2 for t in mats))
         calls.append(len(mats))
         moe.append(not cfg.is_dense(L))
-    return tuple(mb), tuple(calls), tuple(moe)
+        over.append(sum(_numel(t.shape) * 2 for t in mats
+                        if any(k in t.name for k in WHILE_READING)))
+    return tuple(mb), tuple(calls), tuple(moe), tuple(over)
 
 
 @dataclass(frozen=True)
@@ -640,20 +659,20 @@ def released_k3() -> ModelShape:
     expert = sum(_numel(t.shape) for t in expert_tensors(cfg, 1, 0))
     tables = sum(_numel(t.shape) * 2 for t in model_tensors(cfg) if t.kind == "M")
     figures = ModelFigures.for_config(cfg, sizes, expert, table_bytes=tables)
-    mb, calls, moe = _layer_compute(cfg)
+    mb, calls, moe, over = _layer_compute(cfg)
     return ModelShape("Kimi K3 (released)", _shape_of(cfg), figures, mb, calls, moe,
                       cfg.vocab * cfg.hidden * 2, True,
                       "published shapes (ARCHITECTURE §0.2, §3; SYSTEM §1.6, §2)",
-                      layer_work(cfg))
+                      layer_work(cfg), over)
 
 
 def shape_from(cfg, figures: ModelFigures, streamed: bool, source: str) -> ModelShape:
     """A ModelShape from a config and the planner's figures (what the app's Setup
     inspection already holds), without opening anything."""
-    mb, calls, moe = _layer_compute(cfg)
+    mb, calls, moe, over = _layer_compute(cfg)
     label = f"checkpoint ({cfg.shape} config, hidden {cfg.hidden}, {cfg.n_layers} layers)"
     return ModelShape(label, _shape_of(cfg), figures, mb, calls, moe,
-                      cfg.vocab * cfg.hidden * 2, streamed, source, layer_work(cfg))
+                      cfg.vocab * cfg.hidden * 2, streamed, source, layer_work(cfg), over)
 
 
 def local_model(model_dir: str, trunk_dir: str | None = None, config: str | None = None
@@ -816,11 +835,19 @@ class _Costs:
     expert_io: list      # per layer seconds of expert misses (batch read, synchronous)
     sync_read: list      # per layer seconds of a synchronous read (a pinned layer's first touch)
     ring_read: list      # per layer seconds of a read through the ring (prefetchable)
+    overlap: list = field(default_factory=list)   # per layer compute that runs while its
+                                                  # expert reads are in flight (§4.5)
 
 
 def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
-    depth = min(TRUNK_IO_THREADS, max(1, -(-nbytes // TRUNK_CHUNK)))
-    return machine.read_latency_s + nbytes / machine.read_rate(depth)
+    """A layer's read: chunks of up to TRUNK_CHUNK on the reader threads.  The block layer
+    splits each large read into many device requests, so even one chunk keeps the device
+    busy: its rate is the large-read probe's (else the deepest 4 MiB figure), never the
+    queue-depth-1 rate the chunk count alone would suggest."""
+    if nbytes < TRUNK_BLOCK:
+        depth = min(TRUNK_IO_THREADS, max(1, -(-nbytes // TRUNK_CHUNK)))
+        return machine.read_latency_s + nbytes / machine.read_rate(depth)
+    return machine.read_latency_s + nbytes / (machine.trunk_read_bps or machine.read_rate(16))
 
 
 def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
@@ -836,7 +863,7 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
     attended = positions if attended is None else attended
     runs = min(expert_tokens, f.n_experts) if expert_runs is None else expert_runs
     chunks = -(-positions // PREFILL_CHUNK)
-    comp, eio, sync, ring = [], [], [], []
+    comp, eio, sync, ring, over = [], [], [], [], []
     for L in range(f.n_layers):
         # a matvec call costs its fixed part once and its bytes once per position
         c = (model.matvec_calls[L] * machine.bf16_call_s
@@ -847,20 +874,26 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
                      for kind, n in w.elements.items())
             calls = w.calls_fixed + positions * w.calls_per_token + chunks * w.calls_per_chunk
             c += (calls + (runs * w.calls_per_expert if model.moe[L] else 0)) * machine.glue_call_s
-        e = 0.0
+        e = o = 0.0
         if model.moe[L]:
-            c += runs * 3 * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
+            experts = runs * 3 * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
+            c += experts
+            # while the misses are read: the latent down-projection, the shared expert
+            # and the experts that hit (each served as soon as it is there)
+            o = (positions * (model.overlap_bytes[L] if model.overlap_bytes else 0)
+                 / machine.bf16_bps + experts * max(runs - misses_per_layer, 0.0) / max(runs, 1))
             if misses_per_layer > 0:
                 e = machine.read_latency_s + misses_per_layer * eb / machine.read_rate(
                     misses_per_layer)
         comp.append(c)
         eio.append(e)
+        over.append(o)
         read = _trunk_read_s(machine, f.layer_sizes[L])
         sync.append(read if L in first_touch else 0.0)
         ring.append(read if L in ring_layers else 0.0)
         if L in ring_layers or L in first_touch:
             comp[-1] += BIND_CALLS * machine.call_seconds
-    return _Costs(comp, eio, sync, ring)
+    return _Costs(comp, eio, sync, ring, over)
 
 
 def _step_seconds(c: _Costs, ring_slots: int) -> tuple[float, float, float]:
@@ -967,11 +1000,12 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     hit = hits.steady_hit(slots, model)
     misses = k * (1.0 - hit)
     def hide(c: _Costs) -> _Costs:
-        """With the reference's pipeline only the expert reads compute cannot cover wait."""
+        """With the §4.5 pipeline a layer waits only for the expert reads that the work
+        it can do meanwhile (`overlap`) does not cover."""
         if not expert_overlap:
             return c
-        return _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.compute, c.expert_io)],
-                      c.sync_read, c.ring_read)
+        return _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.overlap, c.expert_io)],
+                      c.sync_read, c.ring_read, c.overlap)
 
     c = _layer_costs(model, machine, 1, misses, unpinned, k, attended=prompt_len + gen // 2)
     head = model.lm_head_bytes / machine.bf16_bps + machine.bf16_call_s
@@ -987,7 +1021,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     # position computed; logits for the last position only.
     prompt_union = f.n_experts * _seen_fraction(model, prompt_len)
     chunk_union = f.n_experts * _seen_fraction(model, min(prompt_len, PREFILL_CHUNK))
-    cp = _layer_costs(model, machine, prompt_len, 0.0, unpinned, prompt_len * k,
+    cp = _layer_costs(model, machine, prompt_len, prompt_union, unpinned, prompt_len * k,
                       set(tp.pinned) if tp is not None else set(),
                       attended=prompt_len * (prompt_len + 1) / 2,
                       expert_runs=-(-prompt_len // PREFILL_CHUNK) * chunk_union)
@@ -1031,7 +1065,10 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"device read: {m.read_rate(16) / 1e9:.2f} GB/s at 16 in flight, "
         f"{m.read_rate(1) / 1e9:.2f} GB/s at 1, {m.read_latency_s * 1e3:.2f} ms per read "
         f"({'O_DIRECT' if m.direct else 'buffered'}, {READ_BLOCK >> 20} MiB and "
-        f"{SMALL_BLOCK >> 10} KiB random reads; {m.source})",
+        f"{SMALL_BLOCK >> 10} KiB random reads"
+        + (f"; trunk layers at {m.trunk_read_bps / 1e9:.2f} GB/s, {TRUNK_BLOCK >> 20} MiB "
+           f"reads {TRUNK_IO_THREADS} in flight" if m.trunk_read_bps else "")
+        + f"; {m.source})",
         f"compute: BF16 matvec {m.bf16_bps / 1e9:.2f} GB/s + {m.bf16_call_s * 1e6:.0f} us/call, "
         f"MXFP4 {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us/call at "
         f"{m.threads} thread(s)"
@@ -1047,7 +1084,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"layer of each step waited for" if overlap else
         ("the trunk is resident: nothing streamed" if tp is None else
          "ring of 1 slot: trunk reads do not overlap compute"),
-        "expert reads hidden behind compute (the §4.5 pipeline)" if expert_overlap else
+        "a layer's expert reads overlap its latent down-projection, shared expert and the "
+        "experts that hit (the §4.5 pipeline)" if expert_overlap else
         "expert misses read before the layer's experts compute (K3_NO_EXPERT_PIPELINE=1)",
         f"prefill: {prompt_len} positions computed, the whole trunk read once, "
         f"{prompt_union:.1f} distinct experts per layer read once (each {PREFILL_CHUNK}-"
