@@ -579,14 +579,16 @@ static inline int k3_isa(void) {
     return k3_isa_active;
 }
 
-/* Tile shape per path and batch.  AVX-512: 4 rows per pass (8 independent FMA chains and
- * 4 rows' prefetch streams at T = 1; 4 rows x 2 tokens = 16 accumulators + 8 widened
- * vectors at T > 1, which measured ~20 % faster than 2 x 4 for BF16 at T = 4: the x
- * vectors of 2 tokens are shared by 4 rows).  AVX2: 2 rows at T = 1 (8 chains in 16
- * registers), 1 row x 2 tokens otherwise.  BF16 12288x7168 at 1 thread, T = 1, with the
- * prefetch: 24.4 -> ~15 ms (AVX-512) and 31.6 -> ~21 ms (AVX2), under load. */
+/* Tile shape per path and batch.  AVX-512: 4 rows per pass at T = 1 (8 independent FMA
+ * chains and 4 rows' prefetch streams), 2 rows x 4 tokens at T > 1 (16 accumulators + the
+ * widened weights in 32 registers).  A 4 x 2 tile measured ~20 % faster at T = 4 under
+ * load but, quiet (2026-12-01 13:37, bench_kernels.py), BF16 12288x7168 T = 4 took 43.4 ms
+ * at 1 thread as 4 x 2 and 32.3 ms as 2 x 4 (17.9 / 17.1 at 2 threads).  AVX2: 2 rows at
+ * T = 1 (8 chains in 16 registers), 1 row x 2 tokens otherwise (the 3 x 2 and 4 x 2
+ * instances stay compiled and tested: one edit here selects them).  BF16 12288x7168 at 1
+ * thread, T = 1, with the prefetch: 24.4 -> ~15 ms (AVX-512), 31.6 -> ~21 ms (AVX2). */
 static inline void k3_tile_shape(int isa, long ntok, int *rmax, int *bmax) {
-    if (isa == K3_ISA_AVX512) { *rmax = 4; *bmax = ntok == 1 ? 1 : 2; }
+    if (isa == K3_ISA_AVX512) { *rmax = ntok == 1 ? 4 : 2; *bmax = ntok == 1 ? 1 : 4; }
     else if (isa == K3_ISA_AVX2) { *rmax = ntok == 1 ? 2 : 1; *bmax = ntok == 1 ? 1 : 2; }
     else { *rmax = 1; *bmax = 1; }
 }
