@@ -128,12 +128,11 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
     case 16 + 3: PREFIX##_2_3 ARGS; break; case 16 + 4: PREFIX##_2_4 ARGS; break;
 #define K3_TILE_SWITCH(PREFIX, R, B, ARGS)                                                  \
     switch ((R) * 8 + (B)) { K3_TILE_CASES(PREFIX, ARGS) default: abort(); }
-/* the matvec tiles also come 3 x 1/2 and 4 x 1/2 (AVX-512: 4 rows per pass) */
+/* the matvec tiles also come 3 x 1 and 4 x 1 (T = 1 on AVX-512: 4 rows per pass) */
 #define K3_TILE_SWITCH_MV(PREFIX, R, B, ARGS)                                               \
     switch ((R) * 8 + (B)) {                                                                \
     K3_TILE_CASES(PREFIX, ARGS)                                                             \
     case 24 + 1: PREFIX##_3_1 ARGS; break; case 32 + 1: PREFIX##_4_1 ARGS; break;           \
-    case 24 + 2: PREFIX##_3_2 ARGS; break; case 32 + 2: PREFIX##_4_2 ARGS; break;           \
     default: abort();                                                                       \
     }
 #define K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, R, B)                                      \
@@ -146,8 +145,7 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
     K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 1, 3) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 1, 4) \
     K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 1) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 2) \
     K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 3) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 2, 4) \
-    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 3, 1) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 4, 1) \
-    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 3, 2) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 4, 2)
+    K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 3, 1) K3_TILE_INSTANCE(PREFIX, ATTR, BODY, T, 4, 1)
 
 #if K3_HAVE_SIMD_PATHS
 
@@ -584,8 +582,7 @@ static inline int k3_isa(void) {
  * widened weights in 32 registers).  A 4 x 2 tile measured ~20 % faster at T = 4 under
  * load but, quiet (2026-12-01 13:37, bench_kernels.py), BF16 12288x7168 T = 4 took 43.4 ms
  * at 1 thread as 4 x 2 and 32.3 ms as 2 x 4 (17.9 / 17.1 at 2 threads).  AVX2: 2 rows at
- * T = 1 (8 chains in 16 registers), 1 row x 2 tokens otherwise (the 3 x 2 and 4 x 2
- * instances stay compiled and tested: one edit here selects them).  BF16 12288x7168 at 1
+ * T = 1 (8 chains in 16 registers), 1 row x 2 tokens otherwise.  BF16 12288x7168 at 1
  * thread, T = 1, with the prefetch: 24.4 -> ~15 ms (AVX-512), 31.6 -> ~21 ms (AVX2). */
 static inline void k3_tile_shape(int isa, long ntok, int *rmax, int *bmax) {
     if (isa == K3_ISA_AVX512) { *rmax = ntok == 1 ? 4 : 2; *bmax = ntok == 1 ? 1 : 4; }
