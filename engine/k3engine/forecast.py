@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 7          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 8          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -62,9 +62,9 @@ RUN_OVERHEAD_BYTES = 6 * 10**6
 KERNEL_SECONDS = 0.6             # per kernel
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
 # The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read
-# run), in units of one tiny kernel call as measured on the machine.  Fitted, not derived:
-# benchmarks/bench_bind.py measured 0.33-0.41 ms per mid layer (0.80-0.96 before the bind
-# bookkeeping was cached), ~60 calls of ~6 us; it was 360, fitted on the demo's runs then.
+# run) when the calibration could not measure it (glue_probe's bind_s), in units of one tiny
+# kernel call: benchmarks/bench_bind.py measured 0.33-0.41 ms per mid layer (0.80-0.96
+# before the bind bookkeeping was cached), ~60 calls of ~6 us.
 BIND_CALLS = 60
 
 
@@ -95,6 +95,8 @@ class MachineFigures:
     hot: dict = field(default_factory=dict)
     trunk_read_bps: float = 0.0      # TRUNK_BLOCK reads on the trunk's reader threads (0: the
                                      # 4 MiB rate at that depth stands in)
+    bind_s: float = 0.0              # main-thread seconds streaming adds per layer bound
+                                     # (glue_probe; 0: BIND_CALLS tiny calls stand in)
 
     def read_rate(self, queue_depth: float) -> float:
         """The rate at the deepest measured depth not above `queue_depth` (reads in flight
@@ -349,13 +351,17 @@ def calibrate_small(seconds: float = KERNEL_SECONDS / 4) -> dict:
 
 
 def glue_probe(model_dir: str | None = None, tokens: int = 6) -> dict:
-    """The engine's Python around its kernels, per kernel call: an incremental greedy run
-    of the shipped demo model on one thread with every kernel entry point timed (thread
-    CPU time); the run's CPU time outside the kernels over the number of calls.  Run in
-    a child process (`measure_glue`): it rebinds the kernel module's functions."""
+    """The engine's Python around its kernels, measured on the shipped demo model: two
+    incremental greedy runs on one thread with every kernel entry point timed (thread CPU
+    time), decode steps only: resident, and streamed with nothing pinned (every layer
+    bound every step), every expert cached in both.  `glue_call_s`: the first run's CPU
+    time outside the kernels over its kernel calls; `bind_s`: what the second adds per
+    layer bound (the bind's views, the ring's bookkeeping; the reads run on the reader
+    threads).  Run in a child process (`measure_glue`): it rebinds the kernel module's
+    functions."""
     from . import kernels as K
     from .run import Prompt, open_run, request_from
-    from .tools.demo import shipped_dir
+    from .tools.demo import ready_dir
     clock = time.thread_time
     spent, calls = [0.0], [0]
 
@@ -369,34 +375,43 @@ def glue_probe(model_dir: str | None = None, tokens: int = 6) -> dict:
                 calls[0] += 1
         return call
 
-    req = request_from(model_dir or shipped_dir(), prompt=Prompt(ids=(1, 2, 3, 4, 5)),
-                       gen=tokens + 1, threads=1, incremental=True)
-    run = open_run(req)
-    try:
-        t0 = None
-        for ev in run.generate():
-            if type(ev).__name__ == "TokenOut" and t0 is None:   # prefill done: decode only
-                for name in K.KERNEL_ENTRY_POINTS:
-                    setattr(K, name, timed(getattr(K, name)))
-                t0 = clock()
-        cpu = clock() - t0
-    finally:
-        run.close()
-    return {"glue_call_s": max(cpu - spent[0], 0.0) / max(calls[0], 1),
-            "calls_per_token": calls[0] / tokens}
+    def decode(req) -> tuple[float, int, int]:
+        """(CPU outside the kernels, kernel calls, layers) over the run's decode steps."""
+        run = open_run(req)
+        try:
+            mark = None
+            for ev in run.generate():
+                if type(ev).__name__ == "TokenOut" and mark is None:   # prefill done
+                    mark = (clock(), spent[0], calls[0])
+            return ((clock() - mark[0]) - (spent[0] - mark[1]), calls[0] - mark[2],
+                    run.cfg.n_layers)
+        finally:
+            run.close()
+
+    d = model_dir or ready_dir()
+    for name in K.KERNEL_ENTRY_POINTS:
+        setattr(K, name, timed(getattr(K, name)))
+    base = dict(prompt=Prompt(ids=(1, 2, 3, 4, 5)), gen=tokens + 1, threads=1,
+                incremental=True)
+    glue, n, layers = decode(request_from(d, [("--cache-gb", 1.0)], **base))
+    streamed = decode(request_from(d, [("--trunk-gb", 0.0), ("--cache-gb", 1.0)],
+                                   trunk_dir=os.path.join(d, "trunk"), **base))[0]
+    return {"glue_call_s": max(glue, 0.0) / max(n, 1), "calls_per_token": n / tokens,
+            "bind_s": max(streamed - glue, 0.0) / (tokens * layers)}
 
 
-def measure_glue() -> float:
-    """glue_probe in a fresh interpreter (0.0 when it cannot run: the forecast then says
-    its glue term is missing)."""
+def measure_glue() -> dict:
+    """glue_probe in a fresh interpreter ({} when it cannot run: the forecast then says its
+    glue term is missing and prices binds in fitted units)."""
     code = ("import json, k3engine.forecast as f; "
             "print(json.dumps(f.glue_probe()))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=300, check=True).stdout
-        return float(json.loads(out.strip().splitlines()[-1])["glue_call_s"])
-    except (OSError, ValueError, KeyError, IndexError, subprocess.SubprocessError):
-        return 0.0
+        got = json.loads(out.strip().splitlines()[-1])
+        return {k: float(got[k]) for k in ("glue_call_s", "bind_s")}
+    except (OSError, ValueError, KeyError, IndexError, TypeError, subprocess.SubprocessError):
+        return {}
 
 
 def _cpu_busy() -> tuple[float, float] | None:
@@ -483,8 +498,8 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
     return MachineFigures(machine_identity(device_dir, nt), read, direct, read_latency_s=lat,
                           baseline_bytes=measure_baseline(), threads=nt,
                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                          other_load=other, glue_call_s=measure_glue(),
-                          trunk_read_bps=large, **kern)
+                          other_load=other, trunk_read_bps=large, **measure_glue(),
+                          **kern)
 
 
 def _read_cache(path: str) -> dict:
@@ -892,7 +907,7 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
         sync.append(read if L in first_touch else 0.0)
         ring.append(read if L in ring_layers else 0.0)
         if L in ring_layers or L in first_touch:
-            comp[-1] += BIND_CALLS * machine.call_seconds
+            comp[-1] += machine.bind_s or BIND_CALLS * machine.call_seconds
     return _Costs(comp, eio, sync, ring, over)
 
 
@@ -1074,8 +1089,10 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"{m.threads} thread(s)"
         + (f", weights in the last-level cache (the whole model fits in half its "
            f"{m.hot['llc_bytes'] >> 20} MiB)" if cached else ", weights streamed from memory")
-        + f"; per streamed bind the cost of {BIND_CALLS} tiny kernel "
-        f"calls ({m.call_seconds * 1e6:.1f} us each, fitted on the demo model) ({m.source}"
+        + (f"; per streamed layer bind {m.bind_s * 1e3:.3f} ms on the main thread (the demo "
+           f"model's decode, measured here)" if m.bind_s else
+           f"; per streamed bind the cost of {BIND_CALLS} tiny kernel calls "
+           f"({m.call_seconds * 1e6:.1f} us each, fitted)") + f" ({m.source}"
         + (f"; other processes used {100 * m.other_load:.0f}% of the CPUs while it was "
            f"measured" if m.other_load is not None else "") + ")",
         _small_assumption(model, m),
