@@ -8,7 +8,8 @@ thread (a few seconds) and caches them, as `k3 forecast` does on its first run.
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QGroupBox, QHBoxLayout, QLabel, QPushButton, QVBoxLayout
+from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QPushButton,
+                               QScrollArea, QVBoxLayout)
 
 from k3engine import forecast as F
 from k3engine.memory import human, trace_window
@@ -51,7 +52,13 @@ class ForecastBox(QGroupBox):
         self.assumptions = QLabel()
         self.assumptions.setObjectName("hint")
         self.assumptions.setWordWrap(True)
-        lay.addWidget(self.assumptions)
+        self.assumptions.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        # the list is long (each figure says what it came from): it scrolls, never clips
+        self.assumptions_view = QScrollArea()
+        self.assumptions_view.setWidget(self.assumptions)
+        self.assumptions_view.setWidgetResizable(True)
+        self.assumptions_view.setFrameShape(QFrame.NoFrame)
+        lay.addWidget(self.assumptions_view, 1)
         row = QHBoxLayout()
         self.measure = QPushButton("Measure this machine")
         self.measure.setToolTip("A short read test on the model's disk and a calibration of "
