@@ -437,9 +437,9 @@ KILL_POINTS = ["mid_bin", "bin_complete", "json_written", "bin_renamed", "json_r
 def _repack_killed_at(model: Path, trunk: Path, point: str) -> subprocess.CompletedProcess:
     code = f"""
 import os, sys
-from k3engine import trunk as T
+from k3engine import atomic as A, trunk as T
 point = {point!r}
-real_replace, real_dump = os.replace, T.json.dump
+real_replace, real_dump = os.replace, A.json.dump     # the publish (atomic.publish_with_manifest)
 def replace(a, b):
     real_replace(a, b)
     if point == "bin_renamed" and b.endswith("trunk.bin"): os._exit(9)
@@ -450,8 +450,8 @@ def dump(obj, f):
     if point == "json_written": os._exit(9)
 def progress(L, done, total):
     if point == "mid_bin" and L == 3: os._exit(9)
-T.os.replace = replace
-T.json.dump = dump
+A.os.replace = replace
+A.json.dump = dump
 T.pack_trunk(sys.argv[1], sys.argv[2], progress=progress)
 """
     return subprocess.run([sys.executable, "-c", code, str(model), str(trunk)],

@@ -10,6 +10,7 @@ the same file, so kill -9 mid-save does not leave litter that grows.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import stat
@@ -143,3 +144,22 @@ def write_atomic(path: str, data: bytes, mode: int = PRIVATE) -> None:
         if os.path.lexists(tmp):
             os.unlink(tmp)
     fsync_dir(d)
+
+
+def publish_with_manifest(tmp_data: str, data_path: str, manifest: dict, tmp_manifest: str,
+                          manifest_path: str, keep_old_manifest: bool = False) -> None:
+    """Publish a complete data file (written and fsynced at `tmp_data`) with its JSON
+    manifest: the manifest is written and fsynced at `tmp_manifest`, then two renames, data
+    first.  A kill between them leaves the old manifest beside the new data, so the old
+    manifest is removed first unless `keep_old_manifest` (the caller checked it describes
+    the new bytes exactly); then a kill leaves data without a manifest, never an old
+    manifest over new data (trunk.pack_trunk, trunk_compress.compress_trunk)."""
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if not keep_old_manifest and os.path.exists(manifest_path):
+        os.unlink(manifest_path)
+    os.replace(tmp_data, data_path)
+    os.replace(tmp_manifest, manifest_path)
+    fsync_dir(os.path.dirname(os.path.abspath(data_path)))

@@ -19,7 +19,6 @@ Silent-failure traps handled here (each has a test in tests/test_trunk.py):
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import stat
@@ -31,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .atomic import fsync_dir, remove_stale
+from .atomic import publish_with_manifest, remove_stale
 from .bind import Binder
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, to_bf16, widen_bf16
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
@@ -239,20 +238,13 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
                         progress(L + 1, done, total)
                 out.flush()
                 os.fsync(out.fileno())
-            with open(tmp_json, "w") as f:
-                json.dump(manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
-            # Both files are complete.  The publish is two renames; a kill between them
-            # leaves the old trunk.json beside the new trunk.bin, which is a usable trunk
-            # only if the old manifest describes the new bytes exactly: same runs, same
-            # tensors, same per-layer digests (a re-pack of the same model).  Otherwise the
-            # old manifest goes first, so a kill leaves no trunk rather than a wrong one.
-            if old is not None and not _describes(old, manifest):
-                os.unlink(json_path)
-            os.replace(tmp_bin, bin_path)
-            os.replace(tmp_json, json_path)
-            fsync_dir(trunk_dir)
+            # A kill between the publish's two renames leaves the old trunk.json beside the
+            # new trunk.bin: a usable trunk only if the old manifest describes the new bytes
+            # exactly (same runs, tensors and per-layer digests: a re-pack of the same
+            # model), so only then may it stay; otherwise a kill leaves no trunk, never a
+            # wrong one.
+            publish_with_manifest(tmp_bin, bin_path, manifest, tmp_json, json_path,
+                                  keep_old_manifest=old is None or _describes(old, manifest))
         finally:
             for p in (tmp_bin, tmp_json):
                 if os.path.exists(p):

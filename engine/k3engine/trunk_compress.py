@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import os
 import re
 import stat
@@ -36,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from .atomic import fsync_dir, remove_stale
+from .atomic import publish_with_manifest, remove_stale
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
 from .inputfile import InputFileError, read_regular_file
 from .kernels import _k3z as Z
@@ -199,17 +198,8 @@ def compress_trunk(trunk_dir: str, block_bytes: int = BLOCK_BYTES,
                 os.fsync(out.fileno())
         finally:
             os.close(fd)
-        with open(tmp_j, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        # The old manifest goes first: a kill between the renames leaves a trunk.k3z with
-        # no manifest (plain reads), never an old manifest over new blocks.
-        if os.path.exists(jpath):
-            os.unlink(jpath)
-        os.replace(tmp_z, zpath)
-        os.replace(tmp_j, jpath)
-        fsync_dir(trunk_dir)
+        # a kill between the renames leaves a trunk.k3z with no manifest (plain reads)
+        publish_with_manifest(tmp_z, zpath, doc, tmp_j, jpath)
     finally:
         for p in (tmp_z, tmp_j):
             if os.path.exists(p):
