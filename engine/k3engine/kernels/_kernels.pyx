@@ -870,7 +870,8 @@ def route_tokens(W, const float[:, ::1] X, const float[::1] bias, int k, bint re
     cdef float *sc
     cdef int oom[1]
     oom[0] = 0
-    with nogil, parallel(num_threads=_threads_for(T * N * E)):
+    # threads split tokens only: one token (every decode step) opens no parallel region
+    with nogil, parallel(num_threads=_threads_for(T * N * E) if T > 1 else 1):
         # per thread: x widened [E], logits [N], then scores [N], sel [N], taken [N] bytes
         buf = <double *>malloc((E + N + N + 1) * sizeof(double) + N)
         sc = <float *>(buf + E + N)
