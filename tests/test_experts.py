@@ -394,6 +394,33 @@ def test_an_expert_is_served_while_the_groups_other_reads_are_in_flight(fix):
     cache.close()
 
 
+def test_next_ready_says_whether_serving_would_wait_for_a_read(fix):
+    """The MoE runs the experts it was served as one batch as soon as the next one would
+    wait (model._routed_aggregate): next_ready() is False while the next expert's read is
+    in flight (expert 3's read is held until the check), True once everything is served,
+    and True at every step of a group whose experts are all resident."""
+    import threading
+    ck, src = fix
+    release = threading.Event()
+    cache = fixture_cache(ck, 8, fail_reads=lambda L, e: e == 3 and not release.wait(30))
+    seen = []
+    for group in cache.batches(0, [1, 2, 3]):
+        for e, ew in group:
+            if e == 2:
+                seen.append(("before 3 lands", group.next_ready()))
+                release.set()
+        seen.append(("all served", group.next_ready()))
+    for group in cache.batches(0, [1, 2, 3]):            # all hits now
+        for e, ew in group:
+            seen.append((f"resident after {e}", group.next_ready()))
+    print(f"[gate] next_ready: {seen}")
+    assert seen == [("before 3 lands", False), ("all served", True),
+                    ("resident after 1", True), ("resident after 2", True),
+                    ("resident after 3", True)]
+    assert_consistent(cache)
+    cache.close()
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_short_read_leaves_slot_empty_then_drop(fix, direct):
     ck, src = fix

@@ -1,5 +1,5 @@
 """Tier 0: the per-chunk MoE glue kernels (route_tokens, moe_groups, gather_rows,
-moe_combine) and the threaded elementwise kernels, bit for bit against the per-token Python
+moe_combine, moe_experts) and the threaded elementwise kernels, bit for bit against the per-token Python
 path they replaced (issue 13).
 
 The reference `old_routed_aggregate` below is the Python path model.py ran before: one
@@ -18,8 +18,8 @@ import pytest
 
 from k3engine import kernels as K
 from k3engine import model as M
-from k3engine.weights import DenseWeights, ExpertWeights, MoEWeights, mv
-from test_kernels import (PAR_MIN_WORK, assert_bitwise, c_sigmoid, c_tanhf, rand_f32,
+from k3engine.weights import MXFP4, DenseWeights, ExpertWeights, MoEWeights, mv
+from test_kernels import (PAR_MIN_WORK, assert_bitwise, c_sigmoid, c_tanhf, isa, rand_f32,
                           ref_kda_decay, rng, threads)
 
 
@@ -179,27 +179,54 @@ def old_latent_moe(w, x_TE, layer, experts, cfg, router):
     return y_TE
 
 
-class GroupedExperts:
-    """Experts served in groups of 3 (a bounded cache's batches), float32 or BF16."""
+class ReadingGroup(list):
+    """A group whose next expert is sometimes "still being read" (ExpertCache's _Group):
+    the MoE then runs what it was served so far as a batch of its own."""
 
-    def __init__(self, ex):
-        self.ex = ex
+    def __init__(self, pairs, r):
+        super().__init__(pairs)
+        self.r = r
+
+    def next_ready(self) -> bool:
+        return bool(self.r.random() < 0.5)
+
+
+class GroupedExperts:
+    """Experts served in groups of 3 (a bounded cache's batches), float32, BF16 or MXFP4;
+    with `reading`, groups that split their batches at random."""
+
+    def __init__(self, ex, reading=None):
+        self.ex, self.reading = ex, reading
 
     def batches(self, layer, experts):
         for i in range(0, len(experts), 3):
-            yield [(e, self.ex[e]) for e in experts[i:i + 3]]
+            pairs = [(e, self.ex[e]) for e in experts[i:i + 3]]
+            yield ReadingGroup(pairs, self.reading) if self.reading else pairs
+
+
+def rand_mxfp4(r, rows: int, n: int) -> MXFP4:
+    """Random MXFP4 bytes, about 5 % of the groups skipped (scale byte 255)."""
+    S = r.integers(118, 130, (rows, n // 32), dtype=np.uint16).astype(np.uint8)
+    S[r.random(S.shape) < 0.05] = 255
+    return MXFP4(r.integers(0, 256, (rows, n // 2), dtype=np.uint16).astype(np.uint8), S)
 
 
 def tiny_moe(r, dtype):
     N, E, Lt, I, Is = 18, 48, 24, 40, 32
+    if dtype == "mxfp4":                   # routed experts MXFP4 (groups of 32), trunk f32
+        Lt, I = 32, 64
     m = (lambda a: bf16_bits(a)) if dtype == "bf16" else (lambda a: a)
     W, bias = tied_router(r, N, E, "f32")
     w = MoEWeights(router=m(W), bias=bias, down_lat=m(rand_f32(r, (Lt, E), 0.2)),
                    up_lat=m(rand_f32(r, (E, Lt), 0.2)), lat_norm=rand_f32(r, (Lt,)),
                    shared=DenseWeights(m(rand_f32(r, (Is, E), 0.2)), m(rand_f32(r, (Is, E), 0.2)),
                                        m(rand_f32(r, (E, Is), 0.2))))
-    ex = {e: ExpertWeights(w1=m(rand_f32(r, (I, Lt), 0.3)), w3=m(rand_f32(r, (I, Lt), 0.3)),
-                           w2=m(rand_f32(r, (Lt, I), 0.3))) for e in range(N)}
+    if dtype == "mxfp4":
+        ex = {e: ExpertWeights(w1=rand_mxfp4(r, I, Lt), w3=rand_mxfp4(r, I, Lt),
+                               w2=rand_mxfp4(r, Lt, I)) for e in range(N)}
+    else:
+        ex = {e: ExpertWeights(w1=m(rand_f32(r, (I, Lt), 0.3)), w3=m(rand_f32(r, (I, Lt), 0.3)),
+                               w2=m(rand_f32(r, (Lt, I), 0.3))) for e in range(N)}
     cfg = SimpleNamespace(topk=4, moe_renorm=True, routed_scale=np.float32(2.5), situ_b1=4.0,
                           situ_b2=25.0, latent_norm=True, rms_eps=1e-5)
     return w, GroupedExperts(ex), cfg
@@ -221,15 +248,18 @@ def nothing_resident(w, x_E, cfg, layer):
     return np.empty(0, np.int32), np.empty(0, np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "mxfp4", "mxfp4-reading"])
 @pytest.mark.parametrize("router", [M.route, draft_like, nothing_resident],
                          ids=["exact", "draft-like", "nothing-resident"])
 def test_latent_moe_equals_the_old_python_path(dtype, router):
-    """latent_moe (route_tokens + moe_groups + gather_rows + moe_combine) equals the old
-    per-token path bitwise for every T = 1..70 (64-position chunks crossed), with tied router
-    scores, experts served in groups of 3, and a router that picks 0..3 experts."""
+    """latent_moe (route_tokens + moe_groups + gather_rows or moe_experts + moe_combine)
+    equals the old per-token path bitwise for every T = 1..70 (64-position chunks crossed),
+    with tied router scores, experts served in groups of 3 (MXFP4: run as batches, split at
+    random where a read would still be in flight), and a router that picks 0..3 experts."""
     r = rng(70)
-    w, experts, cfg = tiny_moe(r, dtype)
+    w, experts, cfg = tiny_moe(r, dtype.split("-")[0])
+    if dtype.endswith("reading"):
+        experts.reading = rng(71)
     X = rand_f32(r, (70, w.router.shape[1]))
     X[5] = 0.0                             # all scores tied
     for T in range(1, 71):
@@ -238,6 +268,69 @@ def test_latent_moe_equals_the_old_python_path(dtype, router):
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"T={T} differs"
     print(f"[gate] latent_moe {dtype} router={router.__name__}: T = 1..70 bit-identical to the "
           f"per-token Python path")
+
+
+def _expert_batch(r, T: int, N: int = 12, L: int = 64, inter: int = 160, Lout: int = 40,
+                  k: int = 4):
+    """N MXFP4 experts (inter = 10 row chunks of 16, Lout = 2.5: a row tail), T tokens
+    choosing k each: (group, Z, token, starts, slots)."""
+    ex = {e: ExpertWeights(rand_mxfp4(r, inter, L), rand_mxfp4(r, inter, L),
+                           rand_mxfp4(r, Lout, inter)) for e in range(N)}
+    Z = rand_f32(r, (T, L))
+    idx = np.array([r.choice(N, k, replace=False) for _ in range(T)], np.int32)
+    starts, token = np.empty(N + 1, np.int32), np.empty(T * k, np.int32)
+    S = K.moe_groups(idx, np.full(T, k, np.int32), N, starts, token, np.empty((T, k), np.int32))
+    s = starts.tolist()
+    return [(e, ex[e]) for e in range(N) if s[e + 1] > s[e]], Z, token, starts, S
+
+
+@pytest.mark.parametrize("T", [1, 5, 70])
+def test_moe_experts_equals_the_per_expert_calls(T):
+    """moe_experts (one thread region for a batch of experts) equals gather_rows, three
+    mxfp4_matvec and situ_glu per expert, bitwise, on every ISA at 1 and 2 threads (T = 70
+    crosses the parallel threshold), with row tails and skipped groups."""
+    group, Z, token, starts, S = _expert_batch(rng(90), T)
+    s = starts.tolist()
+    Lout = group[0][1].w2.shape[0]
+    want = np.empty((S, Lout), np.float32)
+    for e, ex in group:
+        z = np.empty((s[e + 1] - s[e], Z.shape[1]), np.float32)
+        K.gather_rows(Z, token[s[e]:s[e + 1]], z)
+        g = mv(ex.w1, z)
+        K.situ_glu(g, mv(ex.w3, z), np.float32(4.0), np.float32(25.0), g)
+        mv(ex.w2, g, want[s[e]:s[e + 1]])
+    work = sum((s[e + 1] - s[e]) * ex.w1.shape[0] * (2 * Z.shape[1] + Lout) for e, ex in group)
+    print(f"[moe_experts] T={T}: {len(group)} experts, {S} slots, {work} multiply-adds "
+          f"({'parallel' if work >= PAR_MIN_WORK else 'one thread'})")
+    for name in K.isas_available():
+        for nt in (1, 2):
+            with isa(name), threads(nt):
+                got = np.full((S, Lout), np.nan, np.float32)
+                K.moe_experts(group, Z, token, starts, np.float32(4.0), np.float32(25.0), got)
+            assert_bitwise(f"moe_experts T={T} {name} {nt} threads vs per-expert calls",
+                           got, want)
+
+
+def test_moe_experts_refuses_what_does_not_fit():
+    """Shapes that do not fit, a slot naming a row past Z and an expert without slots are
+    refused with a message naming the expert, before anything is computed."""
+    group, Z, token, starts, S = _expert_batch(rng(91), 3)
+    D = np.zeros((S, 40), np.float32)
+    e0, ex0 = group[0]
+    cases = {
+        "w2": [(e0, ExpertWeights(ex0.w1, ex0.w3, rand_mxfp4(rng(1), 40, 64)))] + group[1:],
+        "w3": [(e0, ExpertWeights(ex0.w1, rand_mxfp4(rng(1), 128, 64), ex0.w2))] + group[1:],
+        "no valid slots": group + [(99, ex0)],
+    }
+    for problem, bad in cases.items():
+        with pytest.raises(ValueError, match=problem):
+            K.moe_experts(bad, Z, token, starts, np.float32(4.0), np.float32(25.0), D)
+    bad_token = token.copy()
+    bad_token[0] = 3
+    with pytest.raises(ValueError, match="names row 3 of 3"):
+        K.moe_experts(group, Z, bad_token, starts, np.float32(4.0), np.float32(25.0), D)
+    assert not D.any()                     # refused before the region ran
+    print(f"[gate] moe_experts refused {len(cases) + 1} bad batches, D untouched")
 
 
 # ---- elementwise kernels: raw pointers, threaded when large, libm per element -------------

@@ -545,6 +545,20 @@ class _Group:
             elif not self._serve_next():
                 return
 
+    def next_ready(self) -> bool:
+        """Whether serving the next expert would not wait for a read: it is resident, or
+        its read has finished (the MoE runs what it was served so far as one batch before
+        it would wait)."""
+        c = self.cache
+        if len(self.pairs) == len(self.experts) or self.broken:
+            return True
+        k = c.key(self.layer, self.experts[len(self.pairs)])
+        if k in self.pending:
+            fut = self.pending[k][1]
+            return fut is not None and fut.done()
+        with c._cv:
+            return k not in self.failed and (k in self.fresh or c.policy.lookup(k) >= 0)
+
     def _land(self, key: int, join: bool = False) -> None:
         """Wait for one pending read and publish it (or release its slot)."""
         c = self.cache

@@ -618,10 +618,11 @@ class LayerWork:
     each of which costs the engine's Python glue around it."""
     elements: dict
     calls_fixed: int           # once per pass whatever the positions
-    calls_per_token: int       # calls made once per position (none since issue 13)
     calls_per_chunk: int       # per PREFILL_CHUNK positions: the router, the expert grouping,
-                               # the latent down-projection and the combine
-    calls_per_expert: int      # one expert's run over its tokens (gather, three matvecs, SiTU)
+                               # the latent down-projection, the routed experts (one batch
+                               # when they are resident; a step that reads splits it where
+                               # a read is still in flight: < topk more calls, not counted)
+                               # and the combine
 
 
 def layer_work(cfg) -> tuple[LayerWork, ...]:
@@ -643,7 +644,7 @@ def layer_work(cfg) -> tuple[LayerWork, ...]:
             el["mla"] = cfg.n_heads * (cfg.qk_nope + cfg.qk_rope + cfg.v_head)
             el["gate"] = cfg.n_heads * cfg.v_head if gate else 0
             fixed += 5 + 3 + 2 * gate    # q_a q_b kv_a kv_b o; 2 norms, attention; g, gate
-        per_token = per_chunk = per_expert = 0
+        per_chunk = 0
         if cfg.is_dense(L):
             el["situ"] = cfg.dense_inter
             fixed += 4                   # gate up down, SiTU
@@ -651,8 +652,8 @@ def layer_work(cfg) -> tuple[LayerWork, ...]:
             el["router"] = cfg.n_experts * cfg.hidden
             el["situ"] = cfg.topk * cfg.moe_inter + cfg.shared_inter
             fixed += 4 + 2 + bool(cfg.latent_norm)   # shared gate up down SiTU; up_lat, add
-            per_token, per_chunk, per_expert = 0, 4, 5
-        out.append(LayerWork(el, fixed, per_token, per_chunk, per_expert))
+            per_chunk = 5
+        out.append(LayerWork(el, fixed, per_chunk))
     return tuple(out)
 
 
@@ -887,8 +888,7 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
             w = model.work[L]
             c += sum(n * machine.small_s.get(kind, 0.0) * (attended if kind == "mla" else positions)
                      for kind, n in w.elements.items())
-            calls = w.calls_fixed + positions * w.calls_per_token + chunks * w.calls_per_chunk
-            c += (calls + (runs * w.calls_per_expert if model.moe[L] else 0)) * machine.glue_call_s
+            c += (w.calls_fixed + chunks * w.calls_per_chunk) * machine.glue_call_s
         e = o = 0.0
         if model.moe[L]:
             experts = runs * 3 * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
@@ -1128,9 +1128,7 @@ def _small_assumption(model: ModelShape, m: MachineFigures) -> str:
     if not m.small_s or not m.glue_call_s:
         return ("the layers' small kernels and the engine's Python around them: not "
                 "measured on this machine (figures from an older calibration; --refresh)")
-    calls = sum(w.calls_fixed + w.calls_per_token + w.calls_per_chunk
-                + (w.calls_per_expert * model.shape["topk"] if w.elements["router"] else 0)
-                for w in model.work)
+    calls = sum(w.calls_fixed + w.calls_per_chunk for w in model.work)
     per = ", ".join(f"{k} {v * 1e9:.2g}" for k, v in m.small_s.items())
     return (f"small kernels counted per layer from the config (router, SiTU, KDA state, "
             f"conv, gates, AttnRes, MLA over the context), ns per element measured here: "

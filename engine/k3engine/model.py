@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import StateUnusable
 from .state import KDAState, MLAState, SequenceState
 from .weights import (DenseWeights, ExpertSource, KDAWeights, LayerWeights, MLAWeights,
-                      MoEWeights, WeightProvider, mv)
+                      MoEWeights, MXFP4, WeightProvider, mv)
 
 
 def _f32(*shape: int) -> np.ndarray:
@@ -166,17 +166,33 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: Expe
     for group in experts.batches(layer, [e for e in range(n_experts) if s[e + 1] > s[e]]):
         if zl_TL is None:                      # the first group's reads were just issued
             zl_TL = mv(w.down_lat, x_TE)
-            z_buf = _f32(rows, zl_TL.shape[1])
             if while_reading is not None:
                 while_reading()
+        # MXFP4 experts (the engine's) run in batches, one thread region each: all that
+        # are served before the next one would wait for its read (SYSTEM §4.5: what has
+        # landed computes while the rest is read; a list group is resident as a whole)
+        next_ready = getattr(group, "next_ready", lambda: True)
+        batch: list = []
         for e, ex in group:
-            n = s[e + 1] - s[e]
+            packed = all(isinstance(m, MXFP4) for m in (ex.w1, ex.w3, ex.w2))
+            if packed:
+                batch.append((e, ex))
+            if batch and not (packed and next_ready()):
+                K.moe_experts(batch, zl_TL, token, starts, cfg.situ_b1, cfg.situ_b2, d_SL)
+                batch = []
+            if packed:
+                continue
+            n = s[e + 1] - s[e]                 # float experts (the op fixtures'): per call
+            if z_buf is None:
+                z_buf = _f32(rows, zl_TL.shape[1])
             if g_buf is None or g_buf.shape[1] != ex.w1.shape[0]:
                 g_buf, u_buf = _f32(rows, ex.w1.shape[0]), _f32(rows, ex.w1.shape[0])
             z, g, u = z_buf[:n], g_buf[:n], u_buf[:n]
             K.gather_rows(zl_TL, token[s[e]:s[e + 1]], z)         # the tokens that chose e
             K.situ_glu(mv(ex.w1, z, g), mv(ex.w3, z, u), cfg.situ_b1, cfg.situ_b2, g)
             mv(ex.w2, g, d_SL[s[e]:s[e + 1]])
+        if batch:                              # before the group is let go
+            K.moe_experts(batch, zl_TL, token, starts, cfg.situ_b1, cfg.situ_b2, d_SL)
     if zl_TL is None and while_reading is not None:               # nothing was requested
         while_reading()
     K.moe_combine(d_SL, pos, wts, count, acc_TL)                  # selection order

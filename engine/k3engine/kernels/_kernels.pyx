@@ -926,6 +926,128 @@ def moe_groups(const int32_t[:, ::1] idx, const int32_t[::1] count, Py_ssize_t n
     return n
 
 
+cdef struct _Expert:              # one routed expert of a moe_experts batch
+    const uint8_t *p[3]              # packed nibbles of w1 (gate) and w3 (up) [inter, L],
+    const uint8_t *s[3]              # w2 (down) [Lout, inter]; and their scales
+    long inter
+    long slot0                       # its first slot (row of D)
+    long ntok                        # its slots
+    long zrow                        # its first row of the batch's widened inputs
+    long hoff                        # its first element of the batch's hidden buffers
+
+
+cdef void _expert_hidden(const _Expert *x, long r0, long r1, long L, const double *zd,
+                         float *g, float *u, double *hd, float b1, float b2) noexcept nogil:
+    """Hidden rows [r0, r1) of one expert for all its tokens: SiTU-GLU of the gate and up
+    matvecs, widened (exactly) for the down matvec."""
+    cdef long t, o, i
+    k3_mv_rows_mxfp4(x.p[0], x.s[0], L, r0, r1, zd + x.zrow * L, x.ntok, g + x.hoff, x.inter)
+    k3_mv_rows_mxfp4(x.p[1], x.s[1], L, r0, r1, zd + x.zrow * L, x.ntok, u + x.hoff, x.inter)
+    for t in range(x.ntok):
+        for o in range(r0, r1):
+            i = x.hoff + t * x.inter + o
+            hd[i] = <double>_situ(g[i], u[i], b1, b2)
+
+
+cdef _mxfp4_view(M, long rows, long cols, str what):
+    """M's packed nibbles and scales as memoryviews, checked against [rows, cols]."""
+    cdef const uint8_t[:, ::1] P = M.packed
+    cdef const uint8_t[:, ::1] S = M.scales
+    if P.shape[0] != rows or P.shape[1] * 2 != cols or S.shape[0] != rows \
+            or S.shape[1] * 32 != cols:
+        raise ValueError(f"moe_experts: {what} is packed [{P.shape[0]},{P.shape[1]}] scales "
+                         f"[{S.shape[0]},{S.shape[1]}], expected [{rows},{cols}] in groups "
+                         f"of 32")
+    return P, S
+
+
+def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
+                const int32_t[::1] starts, float b1, float b2, float[:, ::1] D):
+    """One batch of routed MXFP4 experts: for each (e, ExpertWeights) of `group` and each of
+    e's slots s (starts[e] .. starts[e+1]-1), D[s] = w2 @ SiTU-GLU(w1 @ Z[token[s]],
+    w3 @ Z[token[s]]).  The per-token kernels, order and float32 roundings of the
+    per-expert calls (gather_rows, mxfp4_matvec x 3, situ_glu); only the thread regions are
+    merged, one for the whole batch: every expert's hidden rows, then every expert's output
+    rows.  (A decode step otherwise opened 4 small regions per expert, and with 2 threads
+    the joins cost about as much as the matvecs.)"""
+    cdef Py_ssize_t G = len(group), L = Z.shape[1], Lout = D.shape[1], nS = starts.shape[0]
+    cdef Py_ssize_t gi, e, s, t, i, c, k, na = 0, nb = 0, nrows = 0, nh = 0, it
+    cdef long work = 0
+    if G == 0:
+        return
+    cdef _Expert *xs = <_Expert *>malloc(G * sizeof(_Expert))
+    if xs == NULL:
+        raise MemoryError("moe_experts: no memory for the batch")
+    cdef double *zd = NULL
+    cdef double *hd = NULL
+    cdef float *g = NULL
+    cdef float *u = NULL
+    cdef int32_t *items = NULL
+    cdef const uint8_t[:, ::1] P
+    cdef const uint8_t[:, ::1] S
+    try:
+        for gi in range(G):
+            e, ex = group[gi]
+            if e < 0 or e + 1 >= nS or starts[e] > starts[e + 1] or starts[e + 1] > D.shape[0]:
+                raise ValueError(f"moe_experts: expert {e} has no valid slots")
+            inter = ex.w1.packed.shape[0]
+            if inter <= 0 or inter % 32 or L == 0 or Lout == 0:
+                raise ValueError(f"moe_experts: expert {e} is [{inter}, {L}] -> {Lout}: "
+                                 f"hidden rows must be a positive multiple of 32")
+            for k, (M, what) in enumerate(((ex.w1, "w1"), (ex.w3, "w3"), (ex.w2, "w2"))):
+                P, S = _mxfp4_view(M, Lout if k == 2 else inter, inter if k == 2 else L,
+                                   f"expert {e} {what}")
+                xs[gi].p[k], xs[gi].s[k] = &P[0, 0], &S[0, 0]   # group keeps the arrays
+            xs[gi].inter, xs[gi].slot0 = inter, starts[e]
+            xs[gi].ntok, xs[gi].zrow, xs[gi].hoff = starts[e + 1] - starts[e], nrows, nh
+            for s in range(starts[e], starts[e + 1]):
+                if token[s] < 0 or token[s] >= Z.shape[0]:
+                    raise ValueError(f"moe_experts: slot {s} names row {token[s]} of "
+                                     f"{Z.shape[0]}")
+            nrows += xs[gi].ntok
+            nh += xs[gi].ntok * inter
+            na += (inter + ROW_CHUNK - 1) // ROW_CHUNK
+            nb += (Lout + ROW_CHUNK - 1) // ROW_CHUNK
+            work += xs[gi].ntok * inter * (2 * L + Lout)
+        zd = <double *>malloc(max(nrows * L, 1) * sizeof(double))
+        hd = <double *>malloc(max(nh, 1) * sizeof(double))
+        g = <float *>malloc(max(nh, 1) * sizeof(float))
+        u = <float *>malloc(max(nh, 1) * sizeof(float))
+        items = <int32_t *>malloc(2 * (na + nb) * sizeof(int32_t))
+        if zd == NULL or hd == NULL or g == NULL or u == NULL or items == NULL:
+            raise MemoryError("moe_experts: no memory for the batch's inputs")
+        it = 0                                  # (expert, row chunk): hidden, then output
+        for gi in range(G):
+            for c in range((xs[gi].inter + ROW_CHUNK - 1) // ROW_CHUNK):
+                items[2 * it], items[2 * it + 1], it = gi, c, it + 1
+        for gi in range(G):
+            for c in range((Lout + ROW_CHUNK - 1) // ROW_CHUNK):
+                items[2 * it], items[2 * it + 1], it = gi, c, it + 1
+        with nogil:
+            for gi in range(G):                 # each slot's input row, widened once
+                for t in range(xs[gi].ntok):
+                    for i in range(L):
+                        zd[(xs[gi].zrow + t) * L + i] = Z[token[xs[gi].slot0 + t], i]
+            with parallel(num_threads=_threads_for(work)):
+                for it in prange(na, schedule="dynamic"):
+                    gi, c = items[2 * it], items[2 * it + 1]
+                    _expert_hidden(&xs[gi], c * ROW_CHUNK,
+                                   min(xs[gi].inter, (c + 1) * ROW_CHUNK), L, zd, g, u, hd,
+                                   b1, b2)
+                for it in prange(na, na + nb, schedule="dynamic"):
+                    gi, c = items[2 * it], items[2 * it + 1]
+                    k3_mv_rows_mxfp4(xs[gi].p[2], xs[gi].s[2], xs[gi].inter, c * ROW_CHUNK,
+                                     min(Lout, (c + 1) * ROW_CHUNK), hd + xs[gi].hoff,
+                                     xs[gi].ntok, &D[xs[gi].slot0, 0], Lout)
+    finally:
+        free(xs)
+        free(zd)
+        free(hd)
+        free(g)
+        free(u)
+        free(items)
+
+
 def gather_rows(const float[:, ::1] X, const int32_t[::1] rows, float[:, ::1] Y):
     """Y[r] = X[rows[r]] (an expert's tokens, contiguous for its matvec)."""
     cdef Py_ssize_t r, i, n = rows.shape[0], w = X.shape[1]
