@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 8          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 9          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -77,8 +77,8 @@ class MachineFigures:
     direct: bool                   # whether the device test used O_DIRECT
     bf16_bps: float                # BF16 matvec, weight bytes/s (cold, engine threads, T = 1)
     bf16_call_s: float             # its fixed cost per call (parallel region start + join)
-    mxfp4_bps: float               # MXFP4 matvec, packed bytes/s (cold, T = 1)
-    mxfp4_call_s: float
+    mxfp4_bps: float               # routed experts (moe_experts), packed bytes/s (cold, T = 1)
+    mxfp4_call_s: float            # its fixed cost per batch of experts (one thread region)
     call_seconds: float            # one tiny single-threaded kernel call from Python
     baseline_bytes: int            # RSS of a fresh interpreter that imported the engine
     threads: int
@@ -274,22 +274,30 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
         y = np.empty((1, rows), np.float32)
         return nbytes, _cold_seconds(lambda w: K.matvec(w, x, y), ws, seconds)
 
-    def mxfp4(rows: int, cols: int, hot: bool = False) -> tuple[int, float]:
-        nbytes = rows * cols // 2 + rows * cols // 32
-        base = (rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
-                rng.integers(120, 130, (rows, cols // 32), dtype=np.uint8))
-        ps = [(base[0].copy(), base[1].copy()) for _ in range(copies(nbytes, hot))]
-        x = rng.standard_normal((1, cols)).astype(np.float32)
-        y = np.empty((1, rows), np.float32)
-        return nbytes, _cold_seconds(lambda p: K.mxfp4_matvec(p[0], p[1], x, y), ps, seconds)
+    def experts(n: int, inter: int, cols: int, hot: bool = False) -> tuple[int, float]:
+        """One moe_experts batch of n experts (w1, w3 [inter, cols], w2 [cols, inter]),
+        one token each: what a decode step runs per MoE layer."""
+        from .weights import MXFP4, ExpertWeights
+
+        def mat(rows, n_in):
+            return MXFP4(rng.integers(0, 256, (rows, n_in // 2), dtype=np.uint8),
+                         rng.integers(120, 130, (rows, n_in // 32), dtype=np.uint8))
+        nbytes = n * 3 * (inter * cols // 2 + inter * cols // 32)
+        groups = [[(e, ExpertWeights(mat(inter, cols), mat(inter, cols), mat(cols, inter)))
+                   for e in range(n)] for _ in range(copies(nbytes, hot))]
+        z = rng.standard_normal((1, cols)).astype(np.float32)
+        token, starts = np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int32)
+        d = np.empty((n, cols), np.float32)
+        return nbytes, _cold_seconds(
+            lambda g: K.moe_experts(g, z, token, starts, 4.0, 25.0, d), groups, seconds)
 
     # Sizes: a small matrix (its time is mostly the fixed cost; one just above the
     # parallel threshold measured too noisily under load) and a released-K3 matrix; and,
     # for a model that lives in the last-level cache (the demo), the same kernels hot.
     b_rate, b_call = _fit(bf16(256, 1024), bf16(7168, 7168))
-    m_rate, m_call = _fit(mxfp4(256, 1024), mxfp4(3072, 3584))
+    m_rate, m_call = _fit(experts(1, 256, 1024), experts(8, 3072, 3584))
     bh_rate, bh_call = _fit(bf16(256, 1024, True), bf16(1024, 2048, True))
-    mh_rate, mh_call = _fit(mxfp4(256, 1024, True), mxfp4(1024, 2048, True))
+    mh_rate, mh_call = _fit(experts(1, 256, 1024, True), experts(2, 512, 2048, True))
     wt = rng.integers(0x3c00, 0x4000, (16, 64), dtype=np.uint16)
     xt, yt = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 16), np.float32)
     small = _cold_seconds(lambda w: K.matvec(w, xt, yt), [wt], seconds / 3)
@@ -891,7 +899,9 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
             c += (w.calls_fixed + chunks * w.calls_per_chunk) * machine.glue_call_s
         e = o = 0.0
         if model.moe[L]:
-            experts = runs * 3 * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
+            # one batch per chunk, cut where a miss is still being read (model.py)
+            batches = min(runs, chunks + misses_per_layer)
+            experts = batches * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
             c += experts
             # while the misses are read: the latent down-projection, the shared expert
             # and the experts that hit (each served as soon as it is there)
@@ -1085,7 +1095,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
            f"reads {TRUNK_IO_THREADS} in flight" if m.trunk_read_bps else "")
         + f"; {m.source})",
         f"compute: BF16 matvec {m.bf16_bps / 1e9:.2f} GB/s + {m.bf16_call_s * 1e6:.0f} us/call, "
-        f"MXFP4 {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us/call at "
+        f"MXFP4 experts {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us per "
+        f"batch at "
         f"{m.threads} thread(s)"
         + (f", weights in the last-level cache (the whole model fits in half its "
            f"{m.hot['llc_bytes'] >> 20} MiB)" if cached else ", weights streamed from memory")
