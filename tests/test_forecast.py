@@ -169,6 +169,26 @@ def _given_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(F, "machine_figures", lambda *a, **k: GIVEN)
 
 
+def test_bf16_rate_follows_the_models_row_width():
+    """Short rows stream slower, so the BF16 rate a model is priced at is the one measured
+    at its hidden width: interpolated in log2(width) between measured widths, clamped at
+    the ends; a given rate (another machine's) applies to every width; figures without
+    widths (an older calibration) are used as they are."""
+    from dataclasses import replace
+    m = replace(GIVEN, bf16_width_bps={"1024": 5e9, "4096": 9e9, "7168": 10e9})
+    got = {w: m.at_width(w).bf16_bps for w in (256, 1024, 2048, 4096, 7168, 16384)}
+    print(f"[forecast] BF16 rate by width: { {w: r / 1e9 for w, r in got.items()} } GB/s")
+    assert got == {256: 5e9, 1024: 5e9, 2048: 7e9, 4096: 9e9, 7168: 10e9, 16384: 10e9}
+    assert GIVEN.at_width(2048) is GIVEN
+    assert m.with_overrides(bf16_gbs=20).at_width(2048).bf16_bps == 20e9
+    k3 = F.released_k3()                                   # hidden 7168
+    kw = dict(preset="desktop", prompt_len=16, gen=8)
+    assert F.forecast(k3, m, **kw).s_per_token == \
+        F.forecast(k3, replace(m, bf16_width_bps={}), **kw).s_per_token
+    narrow = replace(m, bf16_width_bps={"1024": 5e9, "7168": 5e9})
+    assert F.forecast(k3, narrow, **kw).s_per_token > F.forecast(k3, m, **kw).s_per_token
+
+
 def test_cli_json_for_the_released_model(tmp_path, monkeypatch, capsys):
     _given_cache(tmp_path, monkeypatch)
     assert k3_main(["forecast", "k3", "--preset", "laptop", "--prompt-len", "32",

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 9          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 10          # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -60,6 +60,7 @@ TRUNK_BLOCK = 32 << 20           # the large-read probe's size (a trunk layer's 
 # demo's, which put the new demo's forecast 9-13 % above its measured peak.
 RUN_OVERHEAD_BYTES = 6 * 10**6
 KERNEL_SECONDS = 0.6             # per kernel
+BF16_WIDTHS = (1024, 2048, 4096)  # BF16 matrix widths measured besides K3's 7168
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
 # The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read
 # run) when the calibration could not measure it (glue_probe's bind_s), in units of one tiny
@@ -97,6 +98,28 @@ class MachineFigures:
                                      # 4 MiB rate at that depth stands in)
     bind_s: float = 0.0              # main-thread seconds streaming adds per layer bound
                                      # (glue_probe; 0: BIND_CALLS tiny calls stand in)
+    bf16_width_bps: dict = field(default_factory=dict)  # matrix width -> BF16 bytes/s (cold)
+
+    def at_width(self, width: int) -> "MachineFigures":
+        """These figures with the BF16 rate of matrices `width` inputs wide (a model's
+        hidden size): shorter rows stream slower (2048-wide ran 13-27 % below 7168-wide
+        here, more at 2 threads), interpolated in log2(width) between the measured widths
+        and clamped at the ends.  Without measured widths, unchanged."""
+        if not self.bf16_width_bps:
+            return self
+        pts = sorted((int(w), float(r)) for w, r in self.bf16_width_bps.items())
+        x = math.log2(max(width, 1))
+        if x <= math.log2(pts[0][0]):
+            rate = pts[0][1]
+        elif x >= math.log2(pts[-1][0]):
+            rate = pts[-1][1]
+        else:
+            for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
+                if x <= math.log2(w1):
+                    a = (x - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
+                    rate = r0 + a * (r1 - r0)
+                    break
+        return replace(self, bf16_bps=rate)
 
     def read_rate(self, queue_depth: float) -> float:
         """The rate at the deepest measured depth not above `queue_depth` (reads in flight
@@ -119,8 +142,8 @@ class MachineFigures:
             m = replace(m, read_bps={str(q): read_gbs * 1e9 for q in READ_DEPTHS},
                         read_latency_s=0.0, trunk_read_bps=read_gbs * 1e9)
             given.append(f"read {read_gbs:g} GB/s")
-        if bf16_gbs is not None:
-            m = replace(m, bf16_bps=bf16_gbs * 1e9)
+        if bf16_gbs is not None:                  # one given rate for every width
+            m = replace(m, bf16_bps=bf16_gbs * 1e9, bf16_width_bps={})
             given.append(f"BF16 {bf16_gbs:g} GB/s")
         if mxfp4_gbs is not None:
             m = replace(m, mxfp4_bps=mxfp4_gbs * 1e9)
@@ -294,14 +317,19 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
     # Sizes: a small matrix (its time is mostly the fixed cost; one just above the
     # parallel threshold measured too noisily under load) and a released-K3 matrix; and,
     # for a model that lives in the last-level cache (the demo), the same kernels hot.
-    b_rate, b_call = _fit(bf16(256, 1024), bf16(7168, 7168))
+    small_bf16 = bf16(256, 1024)
+    b_rate, b_call = _fit(small_bf16, bf16(7168, 7168))
+    # the rate by row length (the prefetch restarts every row): ~28 MB at each width
+    widths = {str(w): _fit(small_bf16, bf16((14 << 20) // w, w))[0] for w in BF16_WIDTHS}
+    widths["7168"] = b_rate
     m_rate, m_call = _fit(experts(1, 256, 1024), experts(8, 3072, 3584))
     bh_rate, bh_call = _fit(bf16(256, 1024, True), bf16(1024, 2048, True))
     mh_rate, mh_call = _fit(experts(1, 256, 1024, True), experts(2, 512, 2048, True))
     wt = rng.integers(0x3c00, 0x4000, (16, 64), dtype=np.uint16)
     xt, yt = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 16), np.float32)
     small = _cold_seconds(lambda w: K.matvec(w, xt, yt), [wt], seconds / 3)
-    return {"bf16_bps": b_rate, "bf16_call_s": b_call, "mxfp4_bps": m_rate,
+    return {"bf16_bps": b_rate, "bf16_call_s": b_call, "bf16_width_bps": widths,
+            "mxfp4_bps": m_rate,
             "mxfp4_call_s": m_call, "call_seconds": small,
             "hot": {"llc_bytes": l3, "bf16_bps": bh_rate, "bf16_call_s": bh_call,
                     "mxfp4_bps": mh_rate, "mxfp4_call_s": mh_call}}
@@ -1005,6 +1033,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     hits = hits or UniformRouting()
     hot = in_cache(model, machine)
     cached, machine = hot is not machine, hot
+    if not cached:
+        machine = machine.at_width(model.shape["hidden"])
     streamed = model.streamed if streamed is None else streamed
     f = model.figures
     positions = prompt_len + gen + 1
@@ -1094,7 +1124,9 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         + (f"; trunk layers at {m.trunk_read_bps / 1e9:.2f} GB/s, {TRUNK_BLOCK >> 20} MiB "
            f"reads {TRUNK_IO_THREADS} in flight" if m.trunk_read_bps else "")
         + f"; {m.source})",
-        f"compute: BF16 matvec {m.bf16_bps / 1e9:.2f} GB/s + {m.bf16_call_s * 1e6:.0f} us/call, "
+        f"compute: BF16 matvec {m.bf16_bps / 1e9:.2f} GB/s"
+        + (f" (rows {model.shape['hidden']} wide)" if m.bf16_width_bps and not cached else "")
+        + f" + {m.bf16_call_s * 1e6:.0f} us/call, "
         f"MXFP4 experts {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us per "
         f"batch at "
         f"{m.threads} thread(s)"
