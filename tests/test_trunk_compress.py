@@ -337,7 +337,7 @@ def test_cli_pack_compress_and_run(tiny, tmp_path):
     p = k3("pack-trunk", tiny, t, "--compress", "--compress-block-kb", "8")
     assert p.returncode == 0, p.stderr
     assert "wrote trunk.bin" in p.stdout and "wrote trunk.k3z" in p.stdout
-    ids = {}
+    ids, read = {}, {}
     for mode in ("on", "off"):
         out = tmp_path / f"{mode}.json"
         r = k3(tiny, "--ids", ",".join(map(str, GOLDEN["prompt_ids"])), "--gen", N,
@@ -345,9 +345,13 @@ def test_cli_pack_compress_and_run(tiny, tmp_path):
                env={MODE_ENV: mode})
         assert r.returncode == 0, r.stderr[-2000:]
         assert ("trunk reads: compressed" if mode == "on" else "trunk reads: plain") in r.stdout
-        ids[mode] = json.loads(out.read_bytes())["generated_ids"]
-    print(f"[gate] k3 --trunk: compressed {ids['on']} vs plain {ids['off']} vs golden {WANT}")
+        report = json.loads(out.read_bytes())
+        ids[mode], read[mode] = report["generated_ids"], report["trunk_bytes_read"]
+    print(f"[gate] k3 --trunk: compressed {ids['on']} vs plain {ids['off']} vs golden {WANT}; "
+          f"trunk bytes read from the disk {read['on']} compressed, {read['off']} plain")
     assert ids["on"] == ids["off"] == WANT
+    # the report counts what came off the disk: the compressed run read fewer bytes
+    assert 0 < read["on"] < 0.9 * read["off"]
     _flip_in_block(str(t), 2)
     r = k3(tiny, "--ids", ",".join(map(str, GOLDEN["prompt_ids"])), "--gen", N,
            "--incremental", "--trunk", t, "--trunk-gb", "0", "--out", tmp_path / "d.json",

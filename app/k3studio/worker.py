@@ -579,7 +579,7 @@ class EngineWorker(QObject):
             retention=lm.experts.total.retention / 100.0,
             true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
             expert_bytes_read=lm.experts.total.bytes_read,
-            trunk_bytes_read=lm.trunk.bytes_read if lm.trunk else 0)
+            trunk_bytes_read=lm.trunk.stored_bytes_read if lm.trunk else 0)
         self._emit_conversation()
         return info
 

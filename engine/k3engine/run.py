@@ -314,7 +314,8 @@ class Run:
         lm = self.lm
         ex = lm.experts.step
         tr = lm.trunk
-        t_bytes = (tr.bytes_read - self._trunk_mark[0]) if tr else 0
+        # bytes from the disk: a compressed trunk's stored bytes, not the layers decoded
+        t_bytes = (tr.stored_bytes_read - self._trunk_mark[0]) if tr else 0
         t_s = (tr.read_seconds - self._trunk_mark[1]) if tr else 0.0
         tables = tables_read(lm)[0]
         tel = E.StepTelemetry(
@@ -330,7 +331,8 @@ class Run:
             raw_hit_rate=ex.raw_hit_rate, retention_rate=ex.retention,
             io_trunk_share=t_s / seconds if seconds > 0 else 0.0,
             io_expert_share=ex.load_seconds / seconds if seconds > 0 else 0.0)
-        self._trunk_mark = ((tr.bytes_read, tr.read_seconds) if tr else (0, 0.0)) + (tables,)
+        self._trunk_mark = ((tr.stored_bytes_read, tr.read_seconds) if tr else (0, 0.0)) \
+            + (tables,)
         return tel
 
     def expert_heat(self):
@@ -432,7 +434,7 @@ class Run:
         if resume and chat.pending is not None:
             for tok_id in chat.pending.ids:     # the parser picks up the reply's phase
                 parser.push(tok_id)
-        self._trunk_mark = ((lm.trunk.bytes_read, lm.trunk.read_seconds) if lm.trunk
+        self._trunk_mark = ((lm.trunk.stored_bytes_read, lm.trunk.read_seconds) if lm.trunk
                             else (0, 0.0)) + (tables_read(lm)[0],)
         lm.experts.reset_step()
         t_last = [time.monotonic()]
@@ -521,7 +523,7 @@ def summary_values(run: Run, res: RunResult, text: bytes | None) -> dict:
                 peak_rss_bytes=peak_rss_bytes(), wall_seconds=res.wall_seconds,
                 seconds_per_token=res.wall_seconds / n if n else 0.0,
                 expert_bytes_read=lm.experts.total.bytes_read,
-                trunk_bytes_read=tr.bytes_read if tr else 0,
+                trunk_bytes_read=tr.stored_bytes_read if tr else 0,
                 embedding_bytes_read=embed_bytes, lm_head_bytes_read=head_bytes,
                 ultra_low_memory=lm.ultra, stopped_at=res.stopped_at,
                 interrupted=res.interrupted, generated_text=text)
