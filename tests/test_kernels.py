@@ -1403,3 +1403,37 @@ def test_openmp_workers_wait_passively():
                           capture_output=True, text=True, check=True).stdout.split()
     print(f"[threads] OMP_WAIT_POLICY unset -> {got[-1]}; set by the user -> {mine[-1]}")
     assert got[-1] == "passive" and mine[-1] == "active"
+
+
+def test_matvecs_equals_one_matvec_per_matrix():
+    """matvecs (one widening, one thread region for matrices sharing an input) gives each
+    output the bits of its own matvec call: BF16 and float32 mixed, row counts with tails
+    (and an empty matrix), T = 1 and T = 5, every ISA at 1 and 2 threads (above the
+    parallel threshold); a foreign dtype or a shape that does not fit is refused."""
+    r = rng(120)
+    n = 512
+    Ws = [(rand_f32(r, (rows, n)).view(np.uint32) >> 16).astype(np.uint16) if i % 2 == 0
+          else rand_f32(r, (rows, n)) for i, rows in enumerate((1037, 40, 0, 2049, 8))]
+    assert sum(W.shape[0] for W in Ws) * n >= PAR_MIN_WORK
+    for T in (1, 5):
+        X = rand_f32(r, (T, n))
+        want = []
+        for W in Ws:
+            y = np.empty((T, W.shape[0]), np.float32)
+            K.matvec(W, X, y)
+            want.append(y)
+        for name in K.isas_available():
+            for nt in (1, 2):
+                with isa(name), threads(nt):
+                    got = [np.full((T, W.shape[0]), np.nan, np.float32) for W in Ws]
+                    K.matvecs(Ws, X, got)
+                for i, (g, w) in enumerate(zip(got, want)):
+                    assert_bitwise(f"matvecs T={T} {name} {nt}t matrix {i} [{Ws[i].shape[0]}x"
+                                   f"{n} {Ws[i].dtype}] vs matvec", g, w)
+    X = rand_f32(r, (1, n))
+    with pytest.raises(TypeError, match="float32 or bf16"):
+        K.matvecs([Ws[0].astype(np.float64)], X, [np.empty((1, 1037), np.float32)])
+    with pytest.raises(ValueError, match="matvec shapes"):
+        K.matvecs([Ws[0]], X, [np.empty((1, 1036), np.float32)])
+    with pytest.raises(ValueError, match="2 matrices but 1 outputs"):
+        K.matvecs(Ws[:2], X, [np.empty((1, 1037), np.float32)])

@@ -598,7 +598,7 @@ class ModelShape:
     shape: dict                      # hidden, layers, experts, topk, vocab (no paths)
     figures: ModelFigures
     matvec_bytes: tuple[int, ...]    # per layer: BF16 matrix bytes read by the matvecs
-    matvec_calls: tuple[int, ...]    # per layer: matvec calls (one per matrix)
+    matvec_calls: tuple[int, ...]    # per layer: matvec calls (thread regions)
     moe: tuple[bool, ...]            # per layer: has routed experts
     lm_head_bytes: int
     streamed: bool                   # a packed trunk is available (or assumed, for K3)
@@ -638,7 +638,9 @@ def _layer_compute(cfg) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, .
     for L in range(cfg.n_layers):
         mats = [t for t in layer_tensors(cfg, L) if t.kind in MATRIX_KINDS]
         mb.append(sum(_numel(t.shape) * 2 for t in mats))
-        calls.append(len(mats))
+        # one call per matrix, except the projections sharing an input (weights.mvs: the
+        # attention's of x, the MLP's gate and up)
+        calls.append(len(mats) - (5 if cfg.is_kda(L) else 1 + bool(cfg.mla_out_gate)) - 1)
         moe.append(not cfg.is_dense(L))
         over.append(sum(_numel(t.shape) * 2 for t in mats
                         if any(k in t.name for k in WHILE_READING)))
@@ -674,20 +676,21 @@ def layer_work(cfg) -> tuple[LayerWork, ...]:
             P = cfg.kda_heads * cfg.kda_head_dim
             el["kda_state"] = cfg.kda_heads * cfg.kda_head_dim ** 2
             el["conv"], el["decay"], el["gate"] = 3 * P, P, P
-            fixed += 8 + 11              # q k v b f_a f_b g o; 3 convs, 2 l2norms, sigmoid,
-        else:                            # decay, q scale, recurrence, o norm, gate
+            fixed += 3 + 11              # [q k v b f_a g], f_b, o; 3 convs, 2 l2norms,
+        else:                            # sigmoid, decay, q scale, recurrence, o norm, gate
             gate = bool(cfg.mla_out_gate)
             el["mla"] = cfg.n_heads * (cfg.qk_nope + cfg.qk_rope + cfg.v_head)
             el["gate"] = cfg.n_heads * cfg.v_head if gate else 0
-            fixed += 5 + 3 + 2 * gate    # q_a q_b kv_a kv_b o; 2 norms, attention; g, gate
+            fixed += 4 + 3 + gate        # [q_a kv_a (g)], q_b, kv_b, o; 2 norms, attention;
+                                         # the gate
         per_chunk = 0
         if cfg.is_dense(L):
             el["situ"] = cfg.dense_inter
-            fixed += 4                   # gate up down, SiTU
+            fixed += 3                   # [gate up], down, SiTU
         else:
             el["router"] = cfg.n_experts * cfg.hidden
             el["situ"] = cfg.topk * cfg.moe_inter + cfg.shared_inter
-            fixed += 4 + 2 + bool(cfg.latent_norm)   # shared gate up down SiTU; up_lat, add
+            fixed += 3 + 2 + bool(cfg.latent_norm)   # shared [gate up] down SiTU; up_lat, add
             per_chunk = 5
         out.append(LayerWork(el, fixed, per_chunk))
     return tuple(out)

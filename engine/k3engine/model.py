@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import StateUnusable
 from .state import KDAState, MLAState, SequenceState
 from .weights import (DenseWeights, ExpertSource, KDAWeights, LayerWeights, MLAWeights,
-                      MoEWeights, MXFP4, WeightProvider, mv)
+                      MoEWeights, MXFP4, WeightProvider, mv, mvs)
 
 
 def _f32(*shape: int) -> np.ndarray:
@@ -30,8 +30,8 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def situ_mlp(w: DenseWeights, x_TE: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """down(SiTU-GLU(gate(x), up(x))): the dense layer and the fused shared experts."""
-    g = mv(w.gate, x_TE)
-    K.situ_glu(g, mv(w.up, x_TE), cfg.situ_b1, cfg.situ_b2, g)
+    g, u = mvs((w.gate, w.up), x_TE)
+    K.situ_glu(g, u, cfg.situ_b1, cfg.situ_b2, g)
     return mv(w.down, g)
 
 
@@ -41,17 +41,19 @@ def kda(w: KDAWeights, x_TE: np.ndarray, st: KDAState, cfg: ModelConfig) -> np.n
     T = x_TE.shape[0]
     H, D = w.A_log.shape[0], w.o_norm.shape[0]
     q_TP, k_TP, v_TP = _f32(T, H * D), _f32(T, H * D), _f32(T, H * D)
-    raw = mv(w.q_proj, x_TE), mv(w.k_proj, x_TE), mv(w.v_proj, x_TE)
+    # every projection of x in one call (the gate's is used last)
+    *raw, beta_TH, fa_TD, gate_TP = mvs((w.q_proj, w.k_proj, w.v_proj, w.b_proj, w.f_a,
+                                         w.g_proj), x_TE)
+    raw = tuple(raw)
     K.shortconv(raw[0], w.q_conv, st.conv_q, q_TP)                # conv + SiLU; history
     K.shortconv(raw[1], w.k_conv, st.conv_k, k_TP)                # keeps raw projections
     K.shortconv(raw[2], w.v_conv, st.conv_v, v_TP)
     K.l2norm_heads(q_TP, D)                                       # q and k only (trap #12)
     K.l2norm_heads(k_TP, D)
 
-    beta_TH = mv(w.b_proj, x_TE)                                  # one scalar per head
-    K.sigmoid(beta_TH)
+    K.sigmoid(beta_TH)                                            # one scalar per head
 
-    z_TP = mv(w.f_b, mv(w.f_a, x_TE))                             # shared low rank, no act.
+    z_TP = mv(w.f_b, fa_TD)                                       # shared low rank, no act.
     g_TP, alpha_TP = _f32(T, H * D), _f32(T, H * D)
     K.kda_decay(z_TP, w.A_log, w.dt_bias, cfg.gate_lb, g_TP, alpha_TP)
 
@@ -62,7 +64,7 @@ def kda(w: KDAWeights, x_TE: np.ndarray, st: KDAState, cfg: ModelConfig) -> np.n
 
     o_heads = o_TP.reshape(T * H, D)                              # head-wise norm, one gain
     K.rmsnorm(o_heads, w.o_norm, cfg.rms_eps, o_heads)
-    K.mul_sigmoid(o_TP, mv(w.g_proj, x_TE))                       # norm, then gate,
+    K.mul_sigmoid(o_TP, gate_TP)                                  # norm, then gate,
     return mv(w.o_proj, o_TP)                                     # then project
 
 
@@ -73,16 +75,17 @@ def mla(w: MLAWeights, x_TE: np.ndarray, st: MLAState, n_past: int,
     """Attend T new tokens at positions n_past.. (the caller reserved the cache rows)."""
     T = x_TE.shape[0]
     H, dn, dr, dv, R_kv = cfg.n_heads, cfg.qk_nope, cfg.qk_rope, cfg.v_head, cfg.kv_lora
-    q_T = mv(w.q_b_proj, rmsnorm(mv(w.q_a_proj, x_TE), w.q_a_norm, cfg.rms_eps))
-    c_T = mv(w.kv_a_proj, x_TE)
+    gated = w.g_proj is not None
+    qa_T, c_T, *gate_T = mvs((w.q_a_proj, w.kv_a_proj) + ((w.g_proj,) if gated else ()), x_TE)
+    q_T = mv(w.q_b_proj, rmsnorm(qa_T, w.q_a_norm, cfg.rms_eps))
     lat_T = np.ascontiguousarray(c_T[:, :R_kv])
     K.rmsnorm(lat_T, w.kv_a_norm, cfg.rms_eps, lat_T)             # latent only (trap #20)
     st.rope[n_past:n_past + T] = c_T[:, R_kv:R_kv + dr]           # raw, never rotated
     mv(w.kv_b_proj, lat_T, st.kv[n_past:n_past + T])              # expanded k_nope | v
     o_T = _f32(T, H * dv)
     K.mla_attention(q_T, st.kv, st.rope, n_past, H, dn, dv, o_T)
-    if w.g_proj is not None:                                      # gate BEFORE o_proj
-        K.mul_sigmoid(o_T, mv(w.g_proj, x_TE))
+    if gated:                                                     # gate BEFORE o_proj
+        K.mul_sigmoid(o_T, gate_T[0])
     return mv(w.o_proj, o_T)
 
 

@@ -13,7 +13,7 @@ be swapped without touching the math.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Union
+from typing import Iterator, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -56,6 +56,18 @@ def mv(W: Matrix, X: np.ndarray, Y: np.ndarray | None = None) -> np.ndarray:
     else:
         K.matvec(W, X, Y)
     return Y
+
+
+def mvs(Ws: Sequence[Matrix], X: np.ndarray) -> list[np.ndarray]:
+    """mv(W, X) for several matrices sharing the input X, in one kernel call (one thread
+    region) when they are all plain BF16/float32 arrays; bits as one mv each."""
+    Ys = [np.empty((X.shape[0], W.shape[0]), dtype=np.float32) for W in Ws]
+    if all(isinstance(W, np.ndarray) for W in Ws):
+        K.matvecs(list(Ws), X, Ys)
+    else:                                     # MXFP4 / I8R matrices (a draft trunk)
+        for W, Y in zip(Ws, Ys):
+            mv(W, X, Y)
+    return Ys
 
 
 @dataclass

@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 from ._kernels import (  # noqa: F401
     add, argmax, attnres, axpy, embed, fnv_fold_words, gather_rows, get_num_threads, kda_decay,
     kda_q_scale, moe_combine, moe_experts, moe_groups, route_tokens,
-    i8r_matvec, isa, isas_available, kda_recurrence, l2norm_heads, matvec, mla_attention, mul_sigmoid, mxfp4_dequant,
+    i8r_matvec, isa, isas_available, kda_recurrence, l2norm_heads, matvec, matvecs, mla_attention, mul_sigmoid, mxfp4_dequant,
     mxfp4_matvec, par_min_work, rmsnorm, route_scores, router, set_isa, set_num_threads, set_simd, shortconv,
     sigmoid, simd_active, situ_glu,
 )
@@ -21,7 +21,7 @@ from ._kernels import (  # noqa: F401
 # The entry points that compute (the forward calls these; the rest set or report how).
 KERNEL_ENTRY_POINTS = (
     "add", "argmax", "attnres", "axpy", "embed", "gather_rows", "i8r_matvec", "kda_decay",
-    "kda_q_scale", "kda_recurrence", "l2norm_heads", "matvec", "mla_attention", "moe_combine",
-    "moe_experts", "moe_groups", "mul_sigmoid", "mxfp4_matvec", "rmsnorm", "route_tokens", "router",
-    "shortconv", "sigmoid", "situ_glu",
+    "kda_q_scale", "kda_recurrence", "l2norm_heads", "matvec", "matvecs", "mla_attention",
+    "moe_combine", "moe_experts", "moe_groups", "mul_sigmoid", "mxfp4_matvec", "rmsnorm",
+    "route_tokens", "router", "shortconv", "sigmoid", "situ_glu",
 )

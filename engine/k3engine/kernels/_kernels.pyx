@@ -195,6 +195,73 @@ cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1]
                             &Xd[0, 0], T, NULL, &Y[0, 0], nout)
 
 
+def matvecs(list Ws, const float[:, ::1] X, list Ys):
+    """Ys[i] = Ws[i] @ X for matrices sharing one input (a layer's projections of its normed
+    x): X widened once and one thread region over every matrix's row chunks.  Each Ys[i]
+    has the bits of `matvec(Ws[i], X, Ys[i])`; only the regions are merged (at 2 threads a
+    KDA layer's six projections took 2.89 ms as six calls, 2.57 ms as one region)."""
+    cdef Py_ssize_t G = len(Ws), T = X.shape[0], n = X.shape[1], g, c, it, na = 0
+    cdef long work = 0
+    if len(Ys) != G:
+        raise ValueError(f"matvecs: {G} matrices but {len(Ys)} outputs")
+    if G == 0 or T == 0:
+        return
+    cdef const void **wp = <const void **>malloc(G * sizeof(void *))
+    cdef float **yp = <float **>malloc(G * sizeof(float *))
+    cdef long *rows = <long *>malloc(G * sizeof(long))
+    cdef int *bf16 = <int *>malloc(G * sizeof(int))
+    cdef int32_t *items = NULL
+    cdef const uint16_t[:, ::1] Wb
+    cdef const float[:, ::1] Wf
+    cdef float[:, ::1] Yv
+    cdef double[:, ::1] Xd
+    try:
+        if wp == NULL or yp == NULL or rows == NULL or bf16 == NULL:
+            raise MemoryError("matvecs: no memory for the matrices")
+        for g in range(G):
+            W, Y = Ws[g], Ys[g]
+            if W.dtype == np.uint16:
+                Wb = W
+                wp[g], rows[g], bf16[g] = &Wb[0, 0], Wb.shape[0], 1
+                _check_mv(Wb.shape[0], Wb.shape[1], X, Y)
+            elif W.dtype == np.float32:
+                Wf = W
+                wp[g], rows[g], bf16[g] = &Wf[0, 0], Wf.shape[0], 0
+                _check_mv(Wf.shape[0], Wf.shape[1], X, Y)
+            else:
+                raise TypeError(f"matvecs weights must be float32 or bf16 (uint16), got "
+                                f"{W.dtype}")
+            Yv = Y
+            yp[g] = &Yv[0, 0] if rows[g] else NULL
+            na += (rows[g] + ROW_CHUNK - 1) // ROW_CHUNK
+            work += rows[g] * n * T
+        items = <int32_t *>malloc(max(2 * na, 1) * sizeof(int32_t))
+        if items == NULL:
+            raise MemoryError("matvecs: no memory for the row chunks")
+        it = 0
+        for g in range(G):
+            for c in range((rows[g] + ROW_CHUNK - 1) // ROW_CHUNK):
+                items[2 * it], items[2 * it + 1], it = g, c, it + 1
+        Xd = _widened(X)
+        with nogil:
+            for it in prange(na, num_threads=_threads_for(work), schedule="dynamic"):
+                g, c = items[2 * it], items[2 * it + 1]
+                if bf16[g]:
+                    k3_mv_rows_bf16(<const uint16_t *>wp[g], n, n, c * ROW_CHUNK,
+                                    min(rows[g], (c + 1) * ROW_CHUNK), &Xd[0, 0], T, NULL,
+                                    yp[g], rows[g])
+                else:
+                    k3_mv_rows_f32(<const float *>wp[g], n, n, c * ROW_CHUNK,
+                                   min(rows[g], (c + 1) * ROW_CHUNK), &Xd[0, 0], T, NULL,
+                                   yp[g], rows[g])
+    finally:
+        free(wp)
+        free(yp)
+        free(rows)
+        free(bf16)
+        free(items)
+
+
 def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
                  const float[:, ::1] X, float[:, ::1] Y):
     """MXFP4 matvec straight from the nibbles (§5.6): P [out, n/2], S [out, n/32]."""
