@@ -777,6 +777,30 @@ def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
                            ref_mxfp4_matvec(WW[0], WW[1], X[3]))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_blocks_past_l2_equal_one_token_calls(kind):
+    """The row drivers walk the tokens in blocks whose widened inputs fit L2 (256 KiB: 15
+    tokens of 2053 inputs, 12 on AVX-512's 4-token tiles, 14 on AVX2's 2): T = 13, 25 and
+    31 cross one and two block edges, with ragged tiles at each, on every path at 1 and 2
+    threads; each Y[t] equals the one-token call bit for bit."""
+    r = rng(145 + KINDS.index(kind))
+    rows, n = 517, 2053
+    WW, _ = _blocking_inputs(r, kind, rows, n)
+    X = rand_f32(r, (31, n - n % 32 if kind == "mxfp4" else n))
+    for name in K.isas_available():
+        with isa(name):
+            with threads(1):
+                single = np.concatenate([mv_kind(kind, WW, X[t:t + 1]) for t in range(31)])
+            for nt in (1, 2):
+                with threads(nt):
+                    for T in (13, 25, 31):
+                        got = mv_kind(kind, WW, X[:T])
+                        assert n_diff(got, single[:T]) == 0, \
+                            f"{kind} {name} T={T} threads={nt}: token blocks != one-token"
+    print(f"[gate] {kind} {rows}x{n}: T = 13, 25, 31 (across token blocks) == 31 one-token "
+          f"calls, bitwise, on {', '.join(K.isas_available())} at 1 and 2 threads")
+
+
 def test_isa_selection_env_and_refusals():
     """K3_KERNEL_ISA forces a path at import (so a whole run can be pinned to one); a typo is
     ignored with a warning naming the variable; set_isa refuses unknown names and paths the
