@@ -9,7 +9,8 @@
 For T tokens each choosing `topk` of `experts` MXFP4 experts (w1, w3 [inter, latent],
 w2 [latent, inter]; the defaults are the mid checkpoint's shapes), it times
 `K.moe_experts` (one thread region for the whole batch) and the per-expert path
-(`gather_rows`, three `mxfp4_matvec`, `situ_glu` per expert: four regions each),
+(`model.run_expert`: `gather_rows`, three `mxfp4_matvec`, `situ_glu` per expert: four
+regions each),
 alternating the two in one process, and checks their outputs are bit-identical.  Each
 call runs on its own copy of the experts, rotated over four times the last-level cache,
 so the weights stream from DRAM as they do in a decode step.  Reports the median per call
@@ -27,7 +28,8 @@ import time
 import numpy as np
 
 from k3engine import kernels as K
-from k3engine.weights import MXFP4, ExpertWeights, mv
+from k3engine.model import run_expert
+from k3engine.weights import MXFP4, ExpertWeights
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_kernels import l3_bytes, loadavg, machine_info  # noqa: E402
@@ -52,11 +54,8 @@ def batch(r, n_experts: int, topk: int, T: int, inter: int, latent: int):
 def per_expert(group, Z, token, starts, D):
     s = starts
     for e, ex in group:
-        z = np.empty((s[e + 1] - s[e], Z.shape[1]), np.float32)
-        K.gather_rows(Z, token[s[e]:s[e + 1]], z)
-        g = mv(ex.w1, z)
-        K.situ_glu(g, mv(ex.w3, z), np.float32(4.0), np.float32(25.0), g)
-        mv(ex.w2, g, D[s[e]:s[e + 1]])
+        run_expert(ex, Z, token[s[e]:s[e + 1]], np.float32(4.0), np.float32(25.0),
+                   D[s[e]:s[e + 1]])
 
 
 def fused(group, Z, token, starts, D):

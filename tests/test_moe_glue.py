@@ -286,19 +286,16 @@ def _expert_batch(r, T: int, N: int = 12, L: int = 64, inter: int = 160, Lout: i
 
 @pytest.mark.parametrize("T", [1, 5, 70])
 def test_moe_experts_equals_the_per_expert_calls(T):
-    """moe_experts (one thread region for a batch of experts) equals gather_rows, three
-    mxfp4_matvec and situ_glu per expert, bitwise, on every ISA at 1 and 2 threads (T = 70
+    """moe_experts (one thread region for a batch of experts) equals model.run_expert
+    (gather_rows, three mxfp4_matvec and situ_glu per expert), bitwise, on every ISA at 1 and 2 threads (T = 70
     crosses the parallel threshold), with row tails and skipped groups."""
     group, Z, token, starts, S = _expert_batch(rng(90), T)
     s = starts.tolist()
     Lout = group[0][1].w2.shape[0]
     want = np.empty((S, Lout), np.float32)
     for e, ex in group:
-        z = np.empty((s[e + 1] - s[e], Z.shape[1]), np.float32)
-        K.gather_rows(Z, token[s[e]:s[e + 1]], z)
-        g = mv(ex.w1, z)
-        K.situ_glu(g, mv(ex.w3, z), np.float32(4.0), np.float32(25.0), g)
-        mv(ex.w2, g, want[s[e]:s[e + 1]])
+        M.run_expert(ex, Z, token[s[e]:s[e + 1]], np.float32(4.0), np.float32(25.0),
+                     want[s[e]:s[e + 1]])
     work = sum((s[e + 1] - s[e]) * ex.w1.shape[0] * (2 * Z.shape[1] + Lout) for e, ex in group)
     print(f"[moe_experts] T={T}: {len(group)} experts, {S} slots, {work} multiply-adds "
           f"({'parallel' if work >= PAR_MIN_WORK else 'one thread'})")

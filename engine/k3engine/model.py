@@ -14,8 +14,8 @@ from . import kernels as K
 from .config import ModelConfig
 from .errors import StateUnusable
 from .state import KDAState, MLAState, SequenceState
-from .weights import (DenseWeights, ExpertSource, KDAWeights, LayerWeights, MLAWeights,
-                      MoEWeights, MXFP4, WeightProvider, mv, mvs)
+from .weights import (DenseWeights, ExpertSource, ExpertWeights, KDAWeights, LayerWeights,
+                      MLAWeights, MoEWeights, MXFP4, WeightProvider, mv, mvs)
 
 
 def _f32(*shape: int) -> np.ndarray:
@@ -146,6 +146,18 @@ def route_chunk(w: MoEWeights, x_TE: np.ndarray, cfg: ModelConfig, layer: int = 
     return idx, wts, count
 
 
+def run_expert(ex: ExpertWeights, zl_TL: np.ndarray, tokens: np.ndarray, b1, b2,
+               out: np.ndarray) -> None:
+    """One routed expert over the tokens that chose it (rows `tokens` of zl_TL), a kernel
+    call per step: gather, gate and up matvecs, SiTU, down into `out`.  The path of float
+    experts, and the per-call reference K.moe_experts is held to."""
+    z = _f32(tokens.shape[0], zl_TL.shape[1])
+    K.gather_rows(zl_TL, tokens, z)
+    g = mv(ex.w1, z)
+    K.situ_glu(g, mv(ex.w3, z), b1, b2, g)
+    mv(ex.w2, g, out)
+
+
 def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
                       cfg: ModelConfig, acc_TL: np.ndarray, router=route,
                       while_reading: Callable[[], None] | None = None) -> None:
@@ -164,8 +176,7 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: Expe
     d_SL = np.empty((K.moe_groups(idx, count, n_experts, starts, token, pos),
                      acc_TL.shape[1]), dtype=np.float32)
     s = starts.tolist()
-    rows = max(b - a for a, b in zip(s, s[1:]))                 # an expert's most tokens
-    zl_TL = z_buf = g_buf = u_buf = None
+    zl_TL = None
     for group in experts.batches(layer, [e for e in range(n_experts) if s[e + 1] > s[e]]):
         if zl_TL is None:                      # the first group's reads were just issued
             zl_TL = mv(w.down_lat, x_TE)
@@ -183,17 +194,9 @@ def _routed_aggregate(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: Expe
             if batch and not (packed and next_ready()):
                 K.moe_experts(batch, zl_TL, token, starts, cfg.situ_b1, cfg.situ_b2, d_SL)
                 batch = []
-            if packed:
-                continue
-            n = s[e + 1] - s[e]                 # float experts (the op fixtures'): per call
-            if z_buf is None:
-                z_buf = _f32(rows, zl_TL.shape[1])
-            if g_buf is None or g_buf.shape[1] != ex.w1.shape[0]:
-                g_buf, u_buf = _f32(rows, ex.w1.shape[0]), _f32(rows, ex.w1.shape[0])
-            z, g, u = z_buf[:n], g_buf[:n], u_buf[:n]
-            K.gather_rows(zl_TL, token[s[e]:s[e + 1]], z)         # the tokens that chose e
-            K.situ_glu(mv(ex.w1, z, g), mv(ex.w3, z, u), cfg.situ_b1, cfg.situ_b2, g)
-            mv(ex.w2, g, d_SL[s[e]:s[e + 1]])
+            if not packed:                     # float experts (the op fixtures')
+                run_expert(ex, zl_TL, token[s[e]:s[e + 1]], cfg.situ_b1, cfg.situ_b2,
+                           d_SL[s[e]:s[e + 1]])
         if batch:                              # before the group is let go
             K.moe_experts(batch, zl_TL, token, starts, cfg.situ_b1, cfg.situ_b2, d_SL)
     if zl_TL is None and while_reading is not None:               # nothing was requested

@@ -32,6 +32,7 @@ cdef extern from "k3dot.h" nogil:
                           const double *Xd, long ntok, float *Y, long ldy)
     float k3_bf16_to_f32(uint16_t b)
     int k3_set_isa(int isa)
+    void k3_set_token_block_bytes(long b)
     int k3_isa()
     int k3_isa_best()
     void k3_e8m0_init()
@@ -80,6 +81,12 @@ def set_isa(name):
         raise ValueError(f"kernel ISA {name!r} is not supported by this CPU "
                          f"(available: {', '.join(isas_available())})")
     k3_set_isa(ISA_NAMES.index(name))
+
+
+def set_token_block_bytes(long nbytes):
+    """The row drivers' token block, in bytes of widened inputs (0: the built-in 256 KiB).
+    No bit depends on it; benchmarks switch it to measure what the blocking buys."""
+    k3_set_token_block_bytes(nbytes)
 
 
 def isa():

@@ -605,8 +605,12 @@ static inline void k3_mxfp4_shape(int isa, int *rmax, int *bmax) {
 #ifndef K3_TOKEN_BLOCK_BYTES
 #define K3_TOKEN_BLOCK_BYTES (256 * 1024)
 #endif
+static long k3_token_block_bytes = K3_TOKEN_BLOCK_BYTES;   /* benchmarks A/B it */
+static void k3_set_token_block_bytes(long b) {
+    k3_token_block_bytes = b > 0 ? b : K3_TOKEN_BLOCK_BYTES;
+}
 static inline long k3_token_block(long n, int bmax) {
-    long tb = K3_TOKEN_BLOCK_BYTES / (n * (long)sizeof(double) + 1);
+    long tb = k3_token_block_bytes / (n * (long)sizeof(double) + 1);
     return tb < bmax ? bmax : tb / bmax * bmax;
 }
 
