@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 10          # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 10         # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -329,8 +329,7 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
     xt, yt = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 16), np.float32)
     small = _cold_seconds(lambda w: K.matvec(w, xt, yt), [wt], seconds / 3)
     return {"bf16_bps": b_rate, "bf16_call_s": b_call, "bf16_width_bps": widths,
-            "mxfp4_bps": m_rate,
-            "mxfp4_call_s": m_call, "call_seconds": small,
+            "mxfp4_bps": m_rate, "mxfp4_call_s": m_call, "call_seconds": small,
             "hot": {"llc_bytes": l3, "bf16_bps": bh_rate, "bf16_call_s": bh_call,
                     "mxfp4_bps": mh_rate, "mxfp4_call_s": mh_call}}
 
