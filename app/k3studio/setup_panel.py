@@ -85,6 +85,7 @@ class SetupPanel(QWidget):
         self._gen = 0
         self._task: Task | None = None
         self.demo_task: Task | None = None
+        self.verify_task: Task | None = None
         self.pack_dialog = None
         self.model_loaded = False
         self.busy = False
@@ -152,7 +153,13 @@ class SetupPanel(QWidget):
         self.load_btn.clicked.connect(self.loadRequested)
         self.unload_btn = QPushButton("Unload")
         self.unload_btn.clicked.connect(self.unloadRequested)
+        self.verify_btn = QPushButton("Verify files")
+        self.verify_btn.setToolTip("Read every shard (and the packed trunk) and check it "
+                                   "against its recorded SHA-256, as k3 doctor --verify does; "
+                                   "a damaged file is named.")
+        self.verify_btn.clicked.connect(self.verify_files)
         buttons.addWidget(self.pack_btn)
+        buttons.addWidget(self.verify_btn)
         buttons.addStretch(1)
         buttons.addWidget(self.unload_btn)
         buttons.addWidget(self.load_btn)
@@ -160,6 +167,11 @@ class SetupPanel(QWidget):
         self.load_state = QLabel("No model loaded.")
         self.load_state.setWordWrap(True)
         form.addRow(self.load_state)
+        self.verify_state = QLabel()
+        self.verify_state.setWordWrap(True)
+        self.verify_state.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.verify_state.setVisible(False)
+        form.addRow(self.verify_state)
 
         # -- doctor --------------------------------------------------------------------
         doctor = QGroupBox("Doctor: this machine")
@@ -281,6 +293,55 @@ class SetupPanel(QWidget):
         self.load_btn.setText("Reload model" if self.model_loaded else "Load model")
         self.unload_btn.setEnabled(self.model_loaded and not self.busy)
         self.pack_btn.setEnabled(insp is not None and insp.model.ok)
+        # a damaged shard may fail the check: verify whatever folder is chosen
+        self.verify_btn.setEnabled(bool(self.model.text()) and self.verify_task is None)
+
+    # -- verify -------------------------------------------------------------------
+    def verify_files(self) -> None:
+        """Every byte of the shards (and of the packed trunk, when chosen) against its
+        recorded digest, on a background task; the result names what is damaged."""
+        from k3engine.integrity import verify_shards, verify_trunk
+        v = self.values()
+        if self.verify_task is not None or not v["model_dir"]:
+            return
+
+        def job(progress, cancelled):
+            problems, what = verify_shards(v["model_dir"], progress)
+            if v["trunk_dir"]:
+                problems += verify_trunk(v["trunk_dir"], progress)
+                what += " and the packed trunk's layers"
+            return problems, what
+        self.verify_state.setVisible(True)
+        self.verify_state.setText("Verifying: reading every byte…")
+        t = Task(job)
+        t.progress.connect(self._verify_progress)
+        t.returned.connect(self._verified)
+        t.errored.connect(self._verify_failed)
+        self.verify_task = t
+        self._update_buttons()
+        t.start()
+
+    def _verify_progress(self, line) -> None:
+        self.verify_state.setText(f"Verifying: {str(line).strip()}")
+
+    def _verified(self, result) -> None:
+        problems, what = result
+        if problems:
+            self.verify_state.setText(f"{ICON[checks.ERROR]} {len(problems)} problem(s): "
+                                      + "; ".join(problems))
+        elif "not verified" in what:
+            self.verify_state.setText(f"{ICON[checks.WARN]} {what}")
+        else:
+            self.verify_state.setText(f"{ICON[checks.OK]} every file matches: {what}")
+        self._verify_ended()
+
+    def _verify_failed(self, e: BaseException) -> None:
+        self.verify_state.setText(f"{ICON[checks.ERROR]} could not verify: {e}")
+        self._verify_ended()
+
+    def _verify_ended(self) -> None:
+        self.verify_task = None
+        self._update_buttons()
 
     def _resume_download(self) -> None:
         insp = self.inspection

@@ -151,3 +151,30 @@ def test_recommend_preset_follows_the_doctor():
     assert checks.recommend_preset(12 * gib)[0] == "laptop"
     name, why = checks.recommend_preset(4 * gib)
     assert name is None and "floor" in why
+
+
+def test_verify_files_names_a_damaged_shard(qtbot, window, demo_model, model_copy):
+    """Setup → Verify files reads every byte against the recorded digests on a background
+    task: a sound checkpoint and trunk pass; one flipped byte in the shard's data names that
+    shard, and the buttons come back after each run."""
+    setup = window.setup
+    setup.set_paths(model_copy, demo_model[1], "")
+    qtbot.waitUntil(lambda: setup.inspection is not None and setup.verify_btn.isEnabled(),
+                    timeout=TIMEOUT)
+    setup.verify_btn.click()
+    assert not setup.verify_btn.isEnabled()              # one verification at a time
+    qtbot.waitUntil(lambda: setup.verify_task is None, timeout=TIMEOUT)
+    good = setup.verify_state.text()
+    shard = os.path.join(model_copy, "model.safetensors")
+    with open(shard, "r+b") as f:                         # a byte near the end: tensor data
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
+    setup.verify_btn.click()
+    qtbot.waitUntil(lambda: setup.verify_task is None, timeout=TIMEOUT)
+    bad = setup.verify_state.text()
+    print(f"[app] verify: sound -> {good!r}; one flipped byte -> {bad[:160]!r}")
+    assert "every file matches" in good and "packed trunk" in good
+    assert "1 problem(s)" in bad and shard in bad and "fetch it again" in bad
+    assert setup.verify_btn.isEnabled()
