@@ -152,13 +152,8 @@ def matvec(W, const float[:, ::1] X, float[:, ::1] Y):
     """Y[t, o] = sum_i W[o, i] * X[t, i] with the 16-lane double order, per token.
     W is float32 or BF16 bit patterns (uint16), row-major [out, in].  With T > 1 each weight
     block is widened once for a tile of up to 4 tokens (k3dot.h); per-token bits are those
-    of a T = 1 call."""
-    if W.dtype == np.uint16:
-        _matvec_bf16(W, X, Y)
-    elif W.dtype == np.float32:
-        _matvec_f32(W, X, Y)
-    else:
-        raise TypeError(f"matvec weights must be float32 or bf16 (uint16), got {W.dtype}")
+    of a T = 1 call.  (matvecs of one matrix: the same checks, region and row chunks.)"""
+    matvecs([W], X, [Y])
 
 
 cdef _check_mv(long wout, long win, const float[:, ::1] X, float[:, ::1] Y):
@@ -176,32 +171,6 @@ cdef double[:, ::1] _widened(const float[:, ::1] X):
 DEF ROW_CHUNK = 16
 
 
-cdef _matvec_f32(const float[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
-    _check_mv(W.shape[0], W.shape[1], X, Y)
-    cdef Py_ssize_t c, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
-    cdef int nt = _threads_for(nout * n * T)
-    if nout == 0 or T == 0:
-        return
-    cdef double[:, ::1] Xd = _widened(X)
-    with nogil:
-        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="dynamic"):
-            k3_mv_rows_f32(&W[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
-                           &Xd[0, 0], T, NULL, &Y[0, 0], nout)
-
-
-cdef _matvec_bf16(const uint16_t[:, ::1] W, const float[:, ::1] X, float[:, ::1] Y):
-    _check_mv(W.shape[0], W.shape[1], X, Y)
-    cdef Py_ssize_t c, nout = W.shape[0], n = W.shape[1], T = X.shape[0]
-    cdef int nt = _threads_for(nout * n * T)
-    if nout == 0 or T == 0:
-        return
-    cdef double[:, ::1] Xd = _widened(X)
-    with nogil:
-        for c in prange((nout + ROW_CHUNK - 1) // ROW_CHUNK, num_threads=nt, schedule="dynamic"):
-            k3_mv_rows_bf16(&W[0, 0], n, n, c * ROW_CHUNK, min(nout, (c + 1) * ROW_CHUNK),
-                            &Xd[0, 0], T, NULL, &Y[0, 0], nout)
-
-
 def matvecs(list Ws, const float[:, ::1] X, list Ys):
     """Ys[i] = Ws[i] @ X for matrices sharing one input (a layer's projections of its normed
     x): X widened once and one thread region over every matrix's row chunks.  Each Ys[i]
@@ -211,7 +180,7 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
     cdef long work = 0
     if len(Ys) != G:
         raise ValueError(f"matvecs: {G} matrices but {len(Ys)} outputs")
-    if G == 0 or T == 0:
+    if G == 0:
         return
     cdef const void **wp = <const void **>malloc(G * sizeof(void *))
     cdef float **yp = <float **>malloc(G * sizeof(float *))
@@ -236,7 +205,7 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
                 wp[g], rows[g], bf16[g] = &Wf[0, 0], Wf.shape[0], 0
                 _check_mv(Wf.shape[0], Wf.shape[1], X, Y)
             else:
-                raise TypeError(f"matvecs weights must be float32 or bf16 (uint16), got "
+                raise TypeError(f"matvec weights must be float32 or bf16 (uint16), got "
                                 f"{W.dtype}")
             Yv = Y
             yp[g] = &Yv[0, 0] if rows[g] else NULL
