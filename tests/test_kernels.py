@@ -728,30 +728,35 @@ def test_isa_paths_bitwise_identical_one_token_every_row_tile(rows):
 
 
 KINDS = ("f32", "bf16", "i8r", "mxfp4")
+# T = 1..9: full and ragged token tiles; 13, 25, 31: across one and two of the row drivers'
+# L2-sized token blocks (256 KiB: 15 tokens of 2053 inputs, 12 on AVX-512's 4-token tiles,
+# 14 on AVX2's 2), with ragged tiles at each edge
+TOKEN_COUNTS = (*range(1, 10), 13, 25, 31)
+TOKENS = TOKEN_COUNTS[-1]
 
 
 def _blocking_inputs(r, kind, rows, n):
     if kind == "f32":
-        return rand_f32(r, (rows, n)), rand_f32(r, (9, n))
+        return rand_f32(r, (rows, n)), rand_f32(r, (TOKENS, n))
     if kind == "bf16":
-        return random_bf16(r, (rows, n)), rand_f32(r, (9, n))
+        return random_bf16(r, (rows, n)), rand_f32(r, (TOKENS, n))
     if kind == "i8r":
         return ((r.integers(-128, 128, (rows, n)).astype(np.int8),
-                 (r.random(rows) + 0.01).astype(np.float32)), rand_f32(r, (9, n)))
+                 (r.random(rows) + 0.01).astype(np.float32)), rand_f32(r, (TOKENS, n)))
     n4 = n - n % 32
     P = r.integers(0, 256, (rows, n4 // 2), dtype=np.uint16).astype(np.uint8)
     S = r.integers(118, 125, (rows, n4 // 32), dtype=np.uint16).astype(np.uint8)
     S[::5, ::3] = 255
-    return (P, S), rand_f32(r, (9, n4))
+    return (P, S), rand_f32(r, (TOKENS, n4))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
     """Trap #45 for the token-blocked tiles (a weight block widened once, applied to up to 4
-    tokens; 2 rows share each x block): for T = 1..9 (full tiles, ragged tiles, T = 1) on
-    every path at 1 and 2 threads, Y[t] equals the one-token call Y[t:t+1] bit for bit, on
-    517 rows (odd: a ragged row tile and a ragged last chunk) x 2053 inputs (ragged tail),
-    above the parallel threshold so 2 threads really split the rows."""
+    tokens; 2 rows share each x block) and the drivers' token blocks: for every T of
+    TOKEN_COUNTS on every path at 1 and 2 threads, Y[t] equals the one-token call Y[t:t+1]
+    bit for bit, on 517 rows (odd: a ragged row tile and a ragged last chunk) x 2053 inputs
+    (ragged tail), above the parallel threshold so 2 threads really split the rows."""
     r = rng(45 + KINDS.index(kind))
     rows, n = 517, 2053
     assert rows * (n - n % 32) >= PAR_MIN_WORK
@@ -759,15 +764,16 @@ def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
     for name in K.isas_available():
         with isa(name):
             with threads(1):
-                single = np.concatenate([mv_kind(kind, WW, X[t:t + 1]) for t in range(9)])
+                single = np.concatenate([mv_kind(kind, WW, X[t:t + 1])
+                                         for t in range(TOKENS)])
             for nt in (1, 2):
                 with threads(nt):
-                    for T in range(1, 10):
+                    for T in TOKEN_COUNTS:
                         got = mv_kind(kind, WW, X[:T])
                         assert n_diff(got, single[:T]) == 0, \
                             f"{kind} {name} T={T} threads={nt}: blocked != one-token"
-    print(f"[gate] {kind} {rows}x{n}: T=1..9 blocked == 9 one-token calls, bitwise, on "
-          f"{', '.join(K.isas_available())} at 1 and 2 threads")
+    print(f"[gate] {kind} {rows}x{n}: T={TOKEN_COUNTS} blocked == {TOKENS} one-token calls, "
+          f"bitwise, on {', '.join(K.isas_available())} at 1 and 2 threads")
     with isa("scalar"):
         if kind in ("f32", "bf16"):
             W32 = WW if kind == "f32" else widen_bf16(WW)
@@ -775,30 +781,6 @@ def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
         elif kind == "mxfp4":
             assert_bitwise("mxfp4 one-token vs exact-order ref", single[3],
                            ref_mxfp4_matvec(WW[0], WW[1], X[3]))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_token_blocks_past_l2_equal_one_token_calls(kind):
-    """The row drivers walk the tokens in blocks whose widened inputs fit L2 (256 KiB: 15
-    tokens of 2053 inputs, 12 on AVX-512's 4-token tiles, 14 on AVX2's 2): T = 13, 25 and
-    31 cross one and two block edges, with ragged tiles at each, on every path at 1 and 2
-    threads; each Y[t] equals the one-token call bit for bit."""
-    r = rng(145 + KINDS.index(kind))
-    rows, n = 517, 2053
-    WW, _ = _blocking_inputs(r, kind, rows, n)
-    X = rand_f32(r, (31, n - n % 32 if kind == "mxfp4" else n))
-    for name in K.isas_available():
-        with isa(name):
-            with threads(1):
-                single = np.concatenate([mv_kind(kind, WW, X[t:t + 1]) for t in range(31)])
-            for nt in (1, 2):
-                with threads(nt):
-                    for T in (13, 25, 31):
-                        got = mv_kind(kind, WW, X[:T])
-                        assert n_diff(got, single[:T]) == 0, \
-                            f"{kind} {name} T={T} threads={nt}: token blocks != one-token"
-    print(f"[gate] {kind} {rows}x{n}: T = 13, 25, 31 (across token blocks) == 31 one-token "
-          f"calls, bitwise, on {', '.join(K.isas_available())} at 1 and 2 threads")
 
 
 def test_isa_selection_env_and_refusals():
