@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the prefill paths of the matvec kernels buy (a script, not a test).
 
-    python benchmarks/bench_prefill_kernels.py [--kinds bf16,mxfp4,f32,i8r]
+    python benchmarks/bench_prefill_kernels.py [--kinds bf16,f32,i8r,mxfp4]
         [--shapes 2048x2048,1024x2048,7168x7168] [--tokens 8,64,512] [--threads 1,2]
         [--repeat 9] [--compare panel,block]
 
@@ -9,8 +9,8 @@ For each kind, shape (rows x inputs) and token count it alternates, in one proce
 built-in path against one switched off, checks the outputs are bit-identical, and reports
 multiply-adds per second (median of --repeat pairs after a warm-up pair):
 
-* panel: the AVX-512 panels (T >= 5: weights widened or decoded once per block of up to
-  48 tokens) against the tiles (K.set_panel_min_tokens off);
+* panel: the AVX-512 panels of BF16, F32 and I8R (T >= 5: a weight block widened once for
+  up to 48 tokens) against the tiles (K.set_panel_min_tokens off); MXFP4 has no panel;
 * block: with the panels off, the tiles' L2-sized token blocks against none
   (K.set_token_block_bytes).
 
@@ -64,7 +64,7 @@ def call(kind: str, W, X, Y) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kinds", default="bf16,mxfp4")
+    ap.add_argument("--kinds", default="bf16,f32,i8r")
     ap.add_argument("--shapes", default="2048x2048,1024x2048,7168x7168")
     ap.add_argument("--tokens", default="8,64,512")
     ap.add_argument("--threads", default="1,2")

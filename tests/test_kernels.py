@@ -730,8 +730,8 @@ def test_isa_paths_bitwise_identical_one_token_every_row_tile(rows):
 KINDS = ("f32", "bf16", "i8r", "mxfp4")
 # T = 1..9: full and ragged token tiles; 13, 25, 31: across one and two of the row drivers'
 # L2-sized token blocks (256 KiB: 15 tokens of 2085 inputs, 14 on AVX2's 2-token tiles),
-# with ragged tiles at each edge; T >= 5 on AVX-512 runs the panels (k3dot.h), whose token
-# blocks hold 48 tokens: 50 crosses one with a ragged 2-token tile
+# with ragged tiles at each edge; T >= 5 on AVX-512 runs BF16, F32 and I8R through the
+# panels (k3dot.h), whose token blocks hold 48 tokens: 50 crosses one, ragged 2-token tile
 TOKEN_COUNTS = (*range(1, 10), 13, 25, 31, 50)
 TOKENS = TOKEN_COUNTS[-1]
 
@@ -757,8 +757,8 @@ def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
     tokens; 2 rows share each x block) and the drivers' token blocks: for every T of
     TOKEN_COUNTS on every path at 1 and 2 threads, Y[t] equals the one-token call Y[t:t+1]
     bit for bit, on 517 rows (odd: a ragged row tile and a ragged last chunk) x 2085 inputs
-    (a ragged tail; 2080 = 8 panel k-blocks of 256 and one of 32, or 8 MXFP4 8-group
-    blocks and one of 1), above the parallel threshold so 2 threads really split the rows."""
+    (a ragged tail; 2080 = 8 panel k-blocks of 256 and one of 32), above the parallel
+    threshold so 2 threads really split the rows."""
     r = rng(45 + KINDS.index(kind))
     rows, n = 517, 2085
     assert rows * (n - n % 32) >= PAR_MIN_WORK

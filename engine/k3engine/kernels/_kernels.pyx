@@ -91,8 +91,9 @@ def set_token_block_bytes(long nbytes):
 
 
 def set_panel_min_tokens(long ntok):
-    """The fewest tokens a matvec runs through the AVX-512 panels (0: the built-in 5; a
-    huge value: never, the tiles only).  No bit depends on it; benchmarks A/B it."""
+    """The fewest tokens a BF16, F32 or I8R matvec runs through the AVX-512 panels (0: the
+    built-in 5; a huge value: never, the tiles only).  No bit depends on it; benchmarks
+    A/B it."""
     k3_set_panel_min_tokens(ntok)
 
 

@@ -19,7 +19,10 @@
  * and each x block is loaded once for all rows of the tile.  Every (row, token) pair keeps
  * its own accumulators in its own order, so the tile shape never changes a bit
  * (tests/test_kernels.py proves it for T = 1..9 at 1 and 2 threads, and for every row
- * remainder at T = 1).
+ * remainder at T = 1).  From 5 tokens on, AVX-512 runs BF16, F32 and I8R through panels
+ * instead (below the tiles): a row block widened once for up to 48 tokens.  MXFP4 has no
+ * panel: there every FMA already waits on its own broadcast of x, and a panel adds a load
+ * of the decoded weights to each (measured 0.67-0.95x the tiles).
  */
 #ifndef K3DOT_H
 #define K3DOT_H
@@ -313,7 +316,7 @@ static void k3_set_panel_min_tokens(long t) {
 #define K3_PANEL_R 4
 #define K3_PANEL_B 3
 #define K3_PANEL_K 256            /* 4 widened rows: 8 KB */
-#define K3_PANEL_MAX_TOKENS 48    /* per token block (a multiple of 3 and 4): 16 tiles of lane sums, 24 KB */
+#define K3_PANEL_MAX_TOKENS 48    /* per token block: 16 tiles of lane sums, 24 KB */
 #define K3_PANEL_X_BYTES (1L << 20)  /* a block's widened inputs stay in L2 across rows */
 
 K3_AVX512_ATTR K3_INLINE void k3_panel_tile(const double *wb, const double *x, long ldx,
@@ -525,91 +528,6 @@ K3_AVX512_ATTR K3_INLINE __m512d k3_e2m1_lanes_avx512(__m512i q0, __m512i q1, co
     return _mm512_permutex2var_pd(t_lo, q, t_hi);
 }
 
-/* Lane r: the scale bytes of groups g0 .. g0+ng-1 (ng <= 8) of row r, padded with 255
- * (= skipped) at a row's end; lanes past R hold row 0's (never stored). */
-K3_AVX512_ATTR K3_INLINE __m512i k3_mxfp4_scales8(const uint8_t *s, long lds, __m512i offs,
-                                                  long g0, int ng, const int R) {
-    if (ng == 8) return _mm512_i64gather_epi64(offs, (const void *)(s + g0), 1);
-    uint64_t buf[8];
-    for (int r = 0; r < 8; r++) {
-        uint8_t bytes[8];
-        memset(bytes, 255, 8);
-        if (r < R) memcpy(bytes, s + r * lds + g0, (size_t)ng);
-        memcpy(&buf[r], bytes, 8);
-    }
-    return _mm512_loadu_si512((const void *)buf);
-}
-
-/* ng4 <= 4 groups from g4 = 64 packed bytes of each row, transposed so qv[2i + j] lane r is
- * the row's j-th 8 bytes of group g4 + i; prefetches one line per row 2 KB ahead. */
-K3_AVX512_ATTR K3_INLINE void k3_mxfp4_codes8(const uint8_t *p, long ldp, long g4, int ng4,
-                                              __m512i *qv, const int R) {
-    __m512i rowv[8];
-    const __mmask8 words = (__mmask8)((1u << (2 * ng4)) - 1);
-    for (int r = 0; r < 8; r++)
-        rowv[r] = _mm512_maskz_loadu_epi64(words, p + (r < R ? r : 0) * ldp + g4 * 16);
-    k3_transpose8_epi64(rowv, qv);
-    long off = g4 * 16 + K3_PF_BYTES;     /* past a row's end: the next block's row */
-    const char *pf = (const char *)p + off + (off >= ldp ? 7 * ldp : 0);
-    for (int r = 0; r < 8; r++) _mm_prefetch(pf + r * ldp, _MM_HINT_T0);
-}
-
-/* 2^(b-127) per lane for group gi of sc8, and which lanes' groups are live (b != 255). */
-K3_AVX512_ATTR K3_INLINE __m512d k3_mxfp4_scale_of(__m512i sc8, int gi, __mmask8 *live) {
-    __m512i sb = _mm512_and_si512(_mm512_srl_epi64(sc8, _mm_cvtsi32_si128(8 * gi)),
-                                  _mm512_set1_epi64(255));
-    *live = _mm512_cmpneq_epi64_mask(sb, _mm512_set1_epi64(255));
-    /* biased exponent b - 127 + 1023, always normal */
-    return _mm512_castsi512_pd(
-        _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(1023 - 127)), 52));
-}
-
-/* One group of 8 rows against B tokens (x + b * ldx is token b's group): acc[b] += the
- * group's tree times its scale.  Element e comes decoded from D[e] (a panel) when D is
- * given, else it is decoded here from the codes q0, q1 (D is a compile-time choice: the
- * function is always inlined). */
-K3_AVX512_ATTR K3_INLINE void k3_mxfp4_group8(const __m512d *D, __m512i q0, __m512i q1,
-                                              const double *x, long ldx, __mmask8 live,
-                                              __m512d scale, __m512d *acc, const int B) {
-    const __m512d zero = _mm512_setzero_pd();
-    /* per token: b[l] = s[l] + s[l+4]; c[0] = b0 + b1 is formed before l = 2, 3 are
-     * computed (fewer live registers), c[1] = b2 + b3, sub = c[0] + c[1] */
-    __m512d c[2][4];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        __m512d bl[2][4];
-#pragma GCC unroll 2
-        for (int l2 = 0; l2 < 2; l2++) {
-            const int l = 2 * h + l2;
-            __m512d sl[4], sh[4];   /* s[l], s[l+4] of each token */
-#pragma GCC unroll 4
-            for (int b = 0; b < B; b++) sl[b] = sh[b] = zero;
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {   /* elements l + 8j and l + 4 + 8j */
-                __m512d dl = D ? D[l + 8 * j] : k3_e2m1_lanes_avx512(q0, q1, l + 8 * j);
-                __m512d dh = D ? D[l + 4 + 8 * j] : k3_e2m1_lanes_avx512(q0, q1, l + 4 + 8 * j);
-#pragma GCC unroll 4
-                for (int b = 0; b < B; b++) {
-                    const double *xg = x + b * ldx;
-                    sl[b] = _mm512_fmadd_pd(dl, _mm512_set1_pd(xg[l + 8 * j]), sl[b]);
-                    sh[b] = _mm512_fmadd_pd(dh, _mm512_set1_pd(xg[l + 4 + 8 * j]), sh[b]);
-                }
-            }
-#pragma GCC unroll 4
-            for (int b = 0; b < B; b++) bl[l2][b] = _mm512_add_pd(sl[b], sh[b]);
-        }
-#pragma GCC unroll 4
-        for (int b = 0; b < B; b++) c[h][b] = _mm512_add_pd(bl[0][b], bl[1][b]);
-    }
-#pragma GCC unroll 4
-    for (int b = 0; b < B; b++) {
-        __m512d sub = _mm512_add_pd(c[0][b], c[1][b]);
-        /* a skipped group adds +0.0: acc starts at +0.0 and so is never -0.0,
-         * hence acc + 0 = acc exactly like not adding */
-        acc[b] = _mm512_add_pd(acc[b], _mm512_maskz_mul_pd(live, sub, scale));
-    }
-}
-
 /* Rows o .. o+R-1 (R <= 8) of one 8-row block against B tokens; out[r * B + b]. */
 K3_AVX512_ATTR K3_INLINE void k3_mxfp4_rows8_avx512(const uint8_t *p, long ldp,
                                                     const uint8_t *s, long lds,
@@ -619,114 +537,96 @@ K3_AVX512_ATTR K3_INLINE void k3_mxfp4_rows8_avx512(const uint8_t *p, long ldp,
     const __mmask8 rows = (__mmask8)((1u << R) - 1);
     /* lanes past R re-read row 0 (in bounds); their sums are never stored */
     const __m512i offs = _mm512_maskz_mullo_epi64(rows, lane, _mm512_set1_epi64(lds));
+    const __m512d zero = _mm512_setzero_pd();
     __m512d acc[4];
-    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_pd();
+    for (int b = 0; b < B; b++) acc[b] = zero;
     long ngroups = n / 32;
+    const long pf_wrap = 8 * ldp - ldp;     /* past a row's end: the next block's row */
     for (long k = 0; k < 8 * lds; k += 64)  /* the next block's scale bytes */
         _mm_prefetch((const char *)s + 8 * lds + k, _MM_HINT_T0);
     for (long g0 = 0; g0 < ngroups; g0 += 8) {
         const int ng = ngroups - g0 < 8 ? (int)(ngroups - g0) : 8;
-        __m512i sc8 = k3_mxfp4_scales8(s, lds, offs, g0, ng, R);
-        for (long g4 = g0; g4 < g0 + ng; g4 += 4) {
-            const int ng4 = g0 + ng - g4 < 4 ? (int)(g0 + ng - g4) : 4;
-            __m512i qv[8];
-            k3_mxfp4_codes8(p, ldp, g4, ng4, qv, R);
-#pragma GCC unroll 1
-            for (int gi4 = 0; gi4 < ng4; gi4++) {
-                __mmask8 live;
-                __m512d scale = k3_mxfp4_scale_of(sc8, (int)(g4 + gi4 - g0), &live);
-                k3_mxfp4_group8(NULL, qv[2 * gi4], qv[2 * gi4 + 1], x + (g4 + gi4) * 32, ldx,
-                                live, scale, acc, B);
+        __m512i sc8;                        /* lane r: scale bytes of groups g0.. of row r */
+        if (ng == 8) {
+            sc8 = _mm512_i64gather_epi64(offs, (const void *)(s + g0), 1);
+        } else {                            /* row end: pad with 255 (= skipped) */
+            uint64_t buf[8];
+            for (int r = 0; r < 8; r++) {
+                uint8_t bytes[8];
+                memset(bytes, 255, 8);
+                if (r < R) memcpy(bytes, s + r * lds + g0, (size_t)ng);
+                memcpy(&buf[r], bytes, 8);
             }
+            sc8 = _mm512_loadu_si512((const void *)buf);
+        }
+        for (long g4 = g0; g4 < g0 + ng; g4 += 4) {
+        /* 4 groups = 64 packed bytes of each row, transposed so qv[2i + j] lane r is
+         * the row's j-th 8 bytes of group g4 + i */
+        const int ng4 = g0 + ng - g4 < 4 ? (int)(g0 + ng - g4) : 4;
+        __m512i rowv[8], qv[8];
+        const __mmask8 words = (__mmask8)((1u << (2 * ng4)) - 1);
+        for (int r = 0; r < 8; r++)
+            rowv[r] = _mm512_maskz_loadu_epi64(words, p + (r < R ? r : 0) * ldp + g4 * 16);
+        k3_transpose8_epi64(rowv, qv);
+        {                                   /* one line per row per 4 groups, 2 KB ahead */
+            long off = g4 * 16 + K3_PF_BYTES;
+            const char *pf = (const char *)p + off + (off >= ldp ? pf_wrap : 0);
+            for (int r = 0; r < 8; r++) _mm_prefetch(pf + r * ldp, _MM_HINT_T0);
+        }
+#pragma GCC unroll 1
+        for (int gi4 = 0; gi4 < ng4; gi4++) {
+            const long g = g4 + gi4;
+            const int gi = (int)(g - g0);
+            __m512i q0 = qv[2 * gi4], q1 = qv[2 * gi4 + 1];
+            __m512i sb = _mm512_and_si512(_mm512_srl_epi64(sc8, _mm_cvtsi32_si128(8 * gi)),
+                                          _mm512_set1_epi64(255));
+            __mmask8 live = _mm512_cmpneq_epi64_mask(sb, _mm512_set1_epi64(255));
+            /* 2^(b-127) as a double: biased exponent b - 127 + 1023, always normal */
+            __m512d scale = _mm512_castsi512_pd(
+                _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(1023 - 127)), 52));
+            /* per token: b[l] = s[l] + s[l+4]; c[0] = b0 + b1 is formed before l = 2, 3 are
+             * computed (fewer live registers), c[1] = b2 + b3, sub = c[0] + c[1] */
+            __m512d c[2][4];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m512d bl[2][4];
+#pragma GCC unroll 2
+                for (int l2 = 0; l2 < 2; l2++) {
+                    const int l = 2 * h + l2;
+                    __m512d sl[4], sh[4];   /* s[l], s[l+4] of each token */
+#pragma GCC unroll 4
+                    for (int b = 0; b < B; b++) sl[b] = sh[b] = zero;
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {   /* elements l + 8j and l + 4 + 8j */
+                        __m512d dl = k3_e2m1_lanes_avx512(q0, q1, l + 8 * j);
+                        __m512d dh = k3_e2m1_lanes_avx512(q0, q1, l + 4 + 8 * j);
+#pragma GCC unroll 4
+                        for (int b = 0; b < B; b++) {
+                            const double *xg = x + b * ldx + g * 32;
+                            sl[b] = _mm512_fmadd_pd(dl, _mm512_set1_pd(xg[l + 8 * j]), sl[b]);
+                            sh[b] = _mm512_fmadd_pd(dh, _mm512_set1_pd(xg[l + 4 + 8 * j]), sh[b]);
+                        }
+                    }
+#pragma GCC unroll 4
+                    for (int b = 0; b < B; b++) bl[l2][b] = _mm512_add_pd(sl[b], sh[b]);
+                }
+#pragma GCC unroll 4
+                for (int b = 0; b < B; b++) c[h][b] = _mm512_add_pd(bl[0][b], bl[1][b]);
+            }
+#pragma GCC unroll 4
+            for (int b = 0; b < B; b++) {
+                __m512d sub = _mm512_add_pd(c[0][b], c[1][b]);
+                /* a skipped group adds +0.0: acc starts at +0.0 and so is never -0.0,
+                 * hence acc + 0 = acc exactly like not adding */
+                acc[b] = _mm512_add_pd(acc[b], _mm512_maskz_mul_pd(live, sub, scale));
+            }
+        }
         }
     }
     for (int b = 0; b < B; b++) {
         double t[8];
         _mm512_storeu_pd(t, acc[b]);
         for (int r = 0; r < R; r++) out[r * B + b] = t[r];
-    }
-}
-
-/* MXFP4 panel for prefill (T >= k3_panel_min_tokens): an 8-row block's 8 groups are
- * decoded ONCE into 256 vectors of exact doubles (16 KB, L1) with their scales, and every
- * token of a block runs over them 4 at a time; each token's per-row sums wait in a small
- * buffer between 8-group blocks.  Why: the tile above decodes each element again for
- * every 4 tokens (a shift and a permute on the FMA ports per 4 FMAs).  Same group trees,
- * same order, same bits (tests/test_kernels.py, T = 1..50 against one-token calls). */
-#define K3_MXFP4_PANEL_B 4
-K3_AVX512_ATTR K3_INLINE void k3_mxfp4_panel_tile(const __m512d *D, const __m512d *scale,
-                                                  const __mmask8 *live, int ng,
-                                                  const double *x, long ldx, double *sums,
-                                                  int first, const int B) {
-    __m512d acc[4];
-    for (int b = 0; b < B; b++)
-        acc[b] = first ? _mm512_setzero_pd() : _mm512_loadu_pd(sums + 8 * b);
-#pragma GCC unroll 1
-    for (int gi = 0; gi < ng; gi++)
-        k3_mxfp4_group8(D + 32 * gi, _mm512_setzero_si512(), _mm512_setzero_si512(),
-                        x + 32 * gi, ldx, live[gi], scale[gi], acc, B);
-    for (int b = 0; b < B; b++) _mm512_storeu_pd(sums + 8 * b, acc[b]);
-}
-#define K3_MXFP4_PANEL_TILE_INSTANCE(B)                                                     \
-    K3_AVX512_ATTR static void k3_mxfp4_panel_tile_##B(const __m512d *D, const __m512d *sc, \
-                                                       const __mmask8 *lv, int ng,          \
-                                                       const double *x, long ldx,           \
-                                                       double *sums, int first) {           \
-        k3_mxfp4_panel_tile(D, sc, lv, ng, x, ldx, sums, first, B);                         \
-    }
-K3_MXFP4_PANEL_TILE_INSTANCE(1) K3_MXFP4_PANEL_TILE_INSTANCE(2)
-K3_MXFP4_PANEL_TILE_INSTANCE(3) K3_MXFP4_PANEL_TILE_INSTANCE(4)
-
-/* Rows [o0, o1) x tokens [0, ntok), as k3_mv_rows_mxfp4 below (which calls it). */
-K3_AVX512_ATTR static void k3_mxfp4_panel_avx512(const uint8_t *P, const uint8_t *S, long n,
-                                                 long o0, long o1, const double *Xd,
-                                                 long ntok, float *Y, long ldy) {
-    __m512d D[8 * 32], scale[8];
-    __mmask8 live[8];
-    double sums[K3_PANEL_MAX_TOKENS * 8];
-    const long ldp = n / 2, lds = n / 32, ngroups = n / 32, B = K3_MXFP4_PANEL_B;
-    const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    long tb = K3_PANEL_X_BYTES / (n * (long)sizeof(double) + 1) / B * B;
-    if (tb > K3_PANEL_MAX_TOKENS) tb = K3_PANEL_MAX_TOKENS;
-    if (tb < 2 * B) tb = 2 * B;
-    for (long t0 = 0; t0 < ntok; t0 += tb) {
-        long t1 = ntok - t0 < tb ? ntok : t0 + tb;
-        for (long o = o0; o < o1; o += 8) {
-            const int R = (o1 - o) < 8 ? (int)(o1 - o) : 8;
-            const uint8_t *p = P + o * ldp, *s = S + o * lds;
-            const __m512i offs = _mm512_maskz_mullo_epi64((__mmask8)((1u << R) - 1), lane,
-                                                          _mm512_set1_epi64(lds));
-            for (long g0 = 0; g0 < ngroups; g0 += 8) {
-                const int ng = ngroups - g0 < 8 ? (int)(ngroups - g0) : 8;
-                __m512i sc8 = k3_mxfp4_scales8(s, lds, offs, g0, ng, R);
-                for (long g4 = g0; g4 < g0 + ng; g4 += 4) {
-                    const int ng4 = g0 + ng - g4 < 4 ? (int)(g0 + ng - g4) : 4;
-                    __m512i qv[8];
-                    k3_mxfp4_codes8(p, ldp, g4, ng4, qv, R);
-                    for (int gi4 = 0; gi4 < ng4; gi4++) {
-                        const int gi = (int)(g4 + gi4 - g0);
-                        scale[gi] = k3_mxfp4_scale_of(sc8, gi, &live[gi]);
-                        __m512d *d = D + 32 * gi;
-#pragma GCC unroll 32
-                        for (int e = 0; e < 32; e++)
-                            d[e] = k3_e2m1_lanes_avx512(qv[2 * gi4], qv[2 * gi4 + 1], e);
-                    }
-                }
-                double *sm = sums;
-                for (long t = t0; t < t1; t += B, sm += 8 * B) {
-                    const double *x = Xd + t * n + g0 * 32;
-                    switch (t1 - t < B ? t1 - t : B) {
-                    case 1: k3_mxfp4_panel_tile_1(D, scale, live, ng, x, n, sm, g0 == 0); break;
-                    case 2: k3_mxfp4_panel_tile_2(D, scale, live, ng, x, n, sm, g0 == 0); break;
-                    case 3: k3_mxfp4_panel_tile_3(D, scale, live, ng, x, n, sm, g0 == 0); break;
-                    default: k3_mxfp4_panel_tile_4(D, scale, live, ng, x, n, sm, g0 == 0); break;
-                    }
-                }
-            }
-            for (long t = t0; t < t1; t++)
-                for (int r = 0; r < R; r++)
-                    Y[t * ldy + o + r] = ngroups ? (float)sums[(t - t0) * 8 + r] : 0.0f;
-        }
     }
 }
 
@@ -890,12 +790,6 @@ K3_MV_ROWS(k3_mv_rows_i8, int8_t, i8)
 static void k3_mv_rows_mxfp4(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
                              const double *Xd, long ntok, float *Y, long ldy) {
     int isa = k3_isa(), rmax, bmax;
-#if K3_HAVE_SIMD_PATHS
-    if (isa == K3_ISA_AVX512 && ntok >= k3_panel_min_tokens) {
-        k3_mxfp4_panel_avx512(P, S, n, o0, o1, Xd, ntok, Y, ldy);
-        return;
-    }
-#endif
     k3_mxfp4_shape(isa, &rmax, &bmax);
     long ldp = n / 2, lds = n / 32;
     double out[32];
