@@ -48,6 +48,12 @@ static inline float k3_bf16_to_f32(uint16_t b) {
     return f;
 }
 
+/* Y[t, o] = f32(sum), times the row's scale (I8R) first when there is one. */
+static inline void k3_put(float *Y, long ldy, long t, long o, const float *scale, double d) {
+    if (scale) d = (double)scale[o] * d;
+    Y[t * ldy + o] = (float)d;
+}
+
 /* ---- scalar reference: 16-lane double matvec row (§5.3) ------------------------------ */
 
 static inline double k3_tree16(const double *a) {
@@ -399,8 +405,7 @@ K3_PANEL_TILE_INSTANCE(1) K3_PANEL_TILE_INSTANCE(2) K3_PANEL_TILE_INSTANCE(3)
                             const T *w = W + (o + r) * ldw;                                 \
                             const double *x = Xd + (t + b) * n;                             \
                             for (long j = nfull; j < n; j++) d += (double)WIDEN(w[j]) * x[j]; \
-                            if (scale) d = (double)scale[o + r] * d;                        \
-                            Y[(t + b) * ldy + o + r] = (float)d;                            \
+                            k3_put(Y, ldy, t + b, o + r, scale, d);                         \
                         }                                                                   \
                 }                                                                           \
             }                                                                               \
@@ -750,11 +755,8 @@ static inline long k3_token_block(long n, int bmax) {
                 if (isa == K3_ISA_SCALAR) out[0] = k3_dot_##KIND##_scalar(w, x, n);         \
                 K3_MV_SIMD_##KIND(isa, R, B, w, ldw, x, n, out)                             \
                 for (int r = 0; r < R; r++)                                                 \
-                    for (int b = 0; b < B; b++) {                                           \
-                        double d = out[r * B + b];                                          \
-                        if (scale) d = (double)scale[o + r] * d;                            \
-                        Y[(t + b) * ldy + o + r] = (float)d;                                \
-                    }                                                                       \
+                    for (int b = 0; b < B; b++)                                             \
+                        k3_put(Y, ldy, t + b, o + r, scale, out[r * B + b]);                \
             }                                                                               \
         }                                                                                   \
         }                                                                                   \
