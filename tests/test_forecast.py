@@ -189,6 +189,33 @@ def test_bf16_rate_follows_the_models_row_width():
     assert F.forecast(k3, narrow, **kw).s_per_token > F.forecast(k3, m, **kw).s_per_token
 
 
+def test_a_prefill_is_priced_at_the_prefill_rates():
+    """A prompt's BF16 matvecs run through the panels (compute-bound, several times the
+    bytes/s of a one-token step) and its experts serve several tokens per run: with the
+    prefill probes' rates a long prompt's time to first token drops, a decode step does
+    not move, the expert rate is interpolated in seconds per byte between 1 and 4 tokens
+    per run, and a given (another machine's) rate replaces the probe's."""
+    from dataclasses import replace
+    m = replace(GIVEN, bf16_prefill_bps=40e9, mxfp4_prefill_bps=6e9)
+    assert m.bf16_rate(1) == m.bf16_rate(F.PANEL_MIN_TOKENS - 1) == 10e9
+    assert m.bf16_rate(F.PANEL_MIN_TOKENS) == m.bf16_rate(2048) == 40e9
+    assert replace(m, bf16_prefill_bps=5e9).bf16_rate(512) == 10e9     # never below T = 1
+    assert GIVEN.bf16_rate(512) == 10e9 and GIVEN.mxfp4_rate(4) == 3e9   # not measured
+    assert m.mxfp4_rate(1) == 3e9 and m.mxfp4_rate(4) == m.mxfp4_rate(40) == 6e9
+    assert m.mxfp4_rate(2.5) == pytest.approx(1 / (0.5 / 3e9 + 0.5 / 6e9))
+    assert m.with_overrides(bf16_gbs=20).bf16_rate(512) == 20e9
+    assert m.with_overrides(mxfp4_gbs=2).mxfp4_rate(4) == 2e9
+    k3 = F.released_k3()
+    kw = dict(preset="desktop", gen=8)
+    long_old, long_new = (F.forecast(k3, g, prompt_len=2048, **kw) for g in (GIVEN, m))
+    print(f"[forecast] K3 desktop, 2048-position prompt: ttft {long_old.ttft_s:.0f} s at "
+          f"the T = 1 rates, {long_new.ttft_s:.0f} s at the prefill rates; decode "
+          f"{long_old.s_per_token:.3f} / {long_new.s_per_token:.3f} s/token")
+    assert long_new.ttft_s < long_old.ttft_s
+    short = [F.forecast(k3, g, prompt_len=1, **kw) for g in (GIVEN, m)]
+    assert short[0].ttft_s == short[1].ttft_s
+
+
 def test_cli_json_for_the_released_model(tmp_path, monkeypatch, capsys):
     _given_cache(tmp_path, monkeypatch)
     assert k3_main(["forecast", "k3", "--preset", "laptop", "--prompt-len", "32",

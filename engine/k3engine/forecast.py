@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 10         # bump when what is measured changes (old entries ignored)
+CALIBRATION_VERSION = 11         # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
 READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
@@ -62,6 +62,9 @@ RUN_OVERHEAD_BYTES = 6 * 10**6
 KERNEL_SECONDS = 0.6             # per kernel
 BF16_WIDTHS = (1024, 2048, 4096)  # BF16 matrix widths measured besides K3's 7168
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
+PANEL_MIN_TOKENS = 5             # k3dot.h: from here a BF16 matvec runs through the panels
+PREFILL_PROBE_TOKENS = 64        # tokens of the prefill BF16 probe
+EXPERT_PROBE_TOKENS = 4          # tokens per expert of the prefill expert probe
 # The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read
 # run) when the calibration could not measure it (glue_probe's bind_s), in units of one tiny
 # kernel call: benchmarks/bench_bind.py measured 0.33-0.41 ms per mid layer (0.80-0.96
@@ -99,6 +102,11 @@ class MachineFigures:
     bind_s: float = 0.0              # main-thread seconds streaming adds per layer bound
                                      # (glue_probe; 0: BIND_CALLS tiny calls stand in)
     bf16_width_bps: dict = field(default_factory=dict)  # matrix width -> BF16 bytes/s (cold)
+    # a prefill's rates, weight bytes per position per second (0: not measured; the T = 1
+    # rates stand in): BF16 at PREFILL_PROBE_TOKENS tokens (the panels), and the experts
+    # at EXPERT_PROBE_TOKENS tokens each (what a 64-position chunk gives mid's experts)
+    bf16_prefill_bps: float = 0.0
+    mxfp4_prefill_bps: float = 0.0
 
     def at_width(self, width: int) -> "MachineFigures":
         """These figures with the BF16 rate of matrices `width` inputs wide (a model's
@@ -120,6 +128,22 @@ class MachineFigures:
                     rate = r0 + a * (r1 - r0)
                     break
         return replace(self, bf16_bps=rate)
+
+    def bf16_rate(self, positions: float) -> float:
+        """BF16 weight bytes/s per position for a step over `positions` (the panels of a
+        prefill run compute-bound, several times the bytes/s of a one-token step)."""
+        if positions < PANEL_MIN_TOKENS or not self.bf16_prefill_bps:
+            return self.bf16_bps
+        return max(self.bf16_bps, self.bf16_prefill_bps)
+
+    def mxfp4_rate(self, tokens_per_run: float) -> float:
+        """Expert bytes/s per token when each expert run serves `tokens_per_run` tokens:
+        seconds per byte interpolated between 1 token (decode) and EXPERT_PROBE_TOKENS
+        (a tile decodes each weight once for up to 4 tokens), constant beyond."""
+        if tokens_per_run <= 1 or not self.mxfp4_prefill_bps:
+            return self.mxfp4_bps
+        a = min((tokens_per_run - 1) / (EXPERT_PROBE_TOKENS - 1), 1.0)
+        return 1.0 / ((1 - a) / self.mxfp4_bps + a / self.mxfp4_prefill_bps)
 
     def read_rate(self, queue_depth: float) -> float:
         """The rate at the deepest measured depth not above `queue_depth` (reads in flight
@@ -143,10 +167,10 @@ class MachineFigures:
                         read_latency_s=0.0, trunk_read_bps=read_gbs * 1e9)
             given.append(f"read {read_gbs:g} GB/s")
         if bf16_gbs is not None:                  # one given rate for every width
-            m = replace(m, bf16_bps=bf16_gbs * 1e9, bf16_width_bps={})
+            m = replace(m, bf16_bps=bf16_gbs * 1e9, bf16_width_bps={}, bf16_prefill_bps=0.0)
             given.append(f"BF16 {bf16_gbs:g} GB/s")
         if mxfp4_gbs is not None:
-            m = replace(m, mxfp4_bps=mxfp4_gbs * 1e9)
+            m = replace(m, mxfp4_bps=mxfp4_gbs * 1e9, mxfp4_prefill_bps=0.0)
             given.append(f"MXFP4 {mxfp4_gbs:g} GB/s")
         return replace(m, source=f"given ({', '.join(given)}) over {self.source}") if given else m
 
@@ -289,17 +313,19 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
     def copies(nbytes: int, hot: bool) -> int:
         return 1 if hot else max(2, -(-COLD_ROTATION * l3 // nbytes))
 
-    def bf16(rows: int, cols: int, hot: bool = False) -> tuple[int, float]:
+    def bf16(rows: int, cols: int, hot: bool = False, T: int = 1) -> tuple[int, float]:
+        """(weight bytes x T, seconds) of one T-token matvec."""
         nbytes = rows * cols * 2
         base = rng.integers(0x3c00, 0x4000, (rows, cols), dtype=np.uint16)
         ws = [base.copy() for _ in range(copies(nbytes, hot))]
-        x = rng.standard_normal((1, cols)).astype(np.float32)
-        y = np.empty((1, rows), np.float32)
-        return nbytes, _cold_seconds(lambda w: K.matvec(w, x, y), ws, seconds)
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        y = np.empty((T, rows), np.float32)
+        return nbytes * T, _cold_seconds(lambda w: K.matvec(w, x, y), ws, seconds)
 
-    def experts(n: int, inter: int, cols: int, hot: bool = False) -> tuple[int, float]:
+    def experts(n: int, inter: int, cols: int, hot: bool = False,
+                T: int = 1) -> tuple[int, float]:
         """One moe_experts batch of n experts (w1, w3 [inter, cols], w2 [cols, inter]),
-        one token each: what a decode step runs per MoE layer."""
+        T tokens each (1: what a decode step runs per MoE layer); bytes counted T times."""
         from .weights import MXFP4, ExpertWeights
 
         def mat(rows, n_in):
@@ -308,10 +334,11 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
         nbytes = n * 3 * (inter * cols // 2 + inter * cols // 32)
         groups = [[(e, ExpertWeights(mat(inter, cols), mat(inter, cols), mat(cols, inter)))
                    for e in range(n)] for _ in range(copies(nbytes, hot))]
-        z = rng.standard_normal((1, cols)).astype(np.float32)
-        token, starts = np.zeros(n, np.int32), np.arange(n + 1, dtype=np.int32)
-        d = np.empty((n, cols), np.float32)
-        return nbytes, _cold_seconds(
+        z = rng.standard_normal((T, cols)).astype(np.float32)
+        token = np.tile(np.arange(T, dtype=np.int32), n)
+        starts = np.arange(n + 1, dtype=np.int32) * T
+        d = np.empty((n * T, cols), np.float32)
+        return nbytes * T, _cold_seconds(
             lambda g: K.moe_experts(g, z, token, starts, 4.0, 25.0, d), groups, seconds)
 
     # Sizes: a small matrix (its time is mostly the fixed cost; one just above the
@@ -325,11 +352,18 @@ def calibrate_kernels(seconds: float = KERNEL_SECONDS) -> dict:
     m_rate, m_call = _fit(experts(1, 256, 1024), experts(8, 3072, 3584))
     bh_rate, bh_call = _fit(bf16(256, 1024, True), bf16(1024, 2048, True))
     mh_rate, mh_call = _fit(experts(1, 256, 1024, True), experts(2, 512, 2048, True))
+    # a prefill: one 4096-wide matrix for PREFILL_PROBE_TOKENS positions, and the experts
+    # of a decode batch with EXPERT_PROBE_TOKENS tokens each (per-call costs as above)
+    pb_bytes, pb_s = bf16(4096, 4096, T=PREFILL_PROBE_TOKENS)
+    bp_rate = pb_bytes / max(pb_s - b_call, 1e-9)
+    pm_bytes, pm_s = experts(8, 3072, 3584, T=EXPERT_PROBE_TOKENS)
+    mp_rate = pm_bytes / max(pm_s - m_call, 1e-9)
     wt = rng.integers(0x3c00, 0x4000, (16, 64), dtype=np.uint16)
     xt, yt = rng.standard_normal((1, 64)).astype(np.float32), np.empty((1, 16), np.float32)
     small = _cold_seconds(lambda w: K.matvec(w, xt, yt), [wt], seconds / 3)
     return {"bf16_bps": b_rate, "bf16_call_s": b_call, "bf16_width_bps": widths,
             "mxfp4_bps": m_rate, "mxfp4_call_s": m_call, "call_seconds": small,
+            "bf16_prefill_bps": bp_rate, "mxfp4_prefill_bps": mp_rate,
             "hot": {"llc_bytes": l3, "bf16_bps": bh_rate, "bf16_call_s": bh_call,
                     "mxfp4_bps": mh_rate, "mxfp4_call_s": mh_call}}
 
@@ -917,11 +951,13 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
     attended = positions if attended is None else attended
     runs = min(expert_tokens, f.n_experts) if expert_runs is None else expert_runs
     chunks = -(-positions // PREFILL_CHUNK)
+    bf16_rate = machine.bf16_rate(positions)
+    mxfp4_rate = machine.mxfp4_rate(expert_tokens / max(runs, 1))
     comp, eio, sync, ring, over = [], [], [], [], []
     for L in range(f.n_layers):
         # a matvec call costs its fixed part once and its bytes once per position
         c = (model.matvec_calls[L] * machine.bf16_call_s
-             + positions * model.matvec_bytes[L] / machine.bf16_bps)
+             + positions * model.matvec_bytes[L] / bf16_rate)
         if model.work:                  # the small kernels, and the Python around each call
             w = model.work[L]
             c += sum(n * machine.small_s.get(kind, 0.0) * (attended if kind == "mla" else positions)
@@ -931,12 +967,12 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
         if model.moe[L]:
             # one batch per chunk, cut where a miss is still being read (model.py)
             batches = min(runs, chunks + misses_per_layer)
-            experts = batches * machine.mxfp4_call_s + expert_tokens * eb / machine.mxfp4_bps
+            experts = batches * machine.mxfp4_call_s + expert_tokens * eb / mxfp4_rate
             c += experts
             # while the misses are read: the latent down-projection, the shared expert
             # and the experts that hit (each served as soon as it is there)
             o = (positions * (model.overlap_bytes[L] if model.overlap_bytes else 0)
-                 / machine.bf16_bps + experts * max(runs - misses_per_layer, 0.0) / max(runs, 1))
+                 / bf16_rate + experts * max(runs - misses_per_layer, 0.0) / max(runs, 1))
             if misses_per_layer > 0:
                 e = machine.read_latency_s + misses_per_layer * eb / machine.read_rate(
                     misses_per_layer)
@@ -1132,6 +1168,9 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         f"MXFP4 experts {m.mxfp4_bps / 1e9:.2f} GB/s + {m.mxfp4_call_s * 1e6:.0f} us per "
         f"batch at "
         f"{m.threads} thread(s)"
+        + (f"; a prefill's BF16 {m.bf16_rate(PREFILL_PROBE_TOKENS) / 1e9:.1f} GB/s and "
+           f"experts {m.mxfp4_rate(EXPERT_PROBE_TOKENS) / 1e9:.1f} GB/s per position"
+           if m.bf16_prefill_bps or m.mxfp4_prefill_bps else "")
         + (f", weights in the last-level cache (the whole model fits in half its "
            f"{m.hot['llc_bytes'] >> 20} MiB)" if cached else ", weights streamed from memory")
         + (f"; per streamed layer bind {m.bind_s * 1e3:.3f} ms on the main thread (the demo "
