@@ -184,7 +184,8 @@ cdef inline Py_ssize_t _row_chunk(Py_ssize_t T) noexcept nogil:
     """Rows per work item for T tokens.  Why larger for a prefill: each item streams its
     tokens' widened inputs (MBs at T = 512) from L3 once, and the panels re-read a token
     block from L2 once per 4-row tile; 64-row items read them a quarter as often (BF16
-    2048 x 2048, T = 512, 1 thread: 16.0 -> 21.8 G multiply-adds/s).  No bit depends on it."""
+    2048 x 2048, T = 512, 1 thread, a C harness: 16.0 -> 21.8 G multiply-adds/s).  No bit
+    depends on it."""
     return 4 * ROW_CHUNK if T >= PREFILL_TOKENS else ROW_CHUNK
 
 
