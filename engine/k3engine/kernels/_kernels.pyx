@@ -180,13 +180,16 @@ DEF ROW_CHUNK = 16
 DEF PREFILL_TOKENS = 32     # from here on a matvec's work items are 4 x ROW_CHUNK rows
 
 
-cdef inline Py_ssize_t _row_chunk(Py_ssize_t T) noexcept nogil:
-    """Rows per work item for T tokens.  Why larger for a prefill: each item streams its
-    tokens' widened inputs (MBs at T = 512) from L3 once, and the panels re-read a token
-    block from L2 once per 4-row tile; 64-row items read them a quarter as often (BF16
-    2048 x 2048, T = 512, 1 thread, a C harness: 16.0 -> 21.8 G multiply-adds/s).  No bit
-    depends on it."""
-    return 4 * ROW_CHUNK if T >= PREFILL_TOKENS else ROW_CHUNK
+cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
+    """Rows per work item for T tokens over `rows` rows in all.  Why larger for a prefill:
+    each item streams its tokens' widened inputs (MBs at T = 512) from L3 once, and the
+    panels re-read a token block from L2 once per 4-row tile; 64-row items read them a
+    quarter as often (BF16 2048 x 2048, T = 512, 1 thread, a C harness: 16.0 -> 21.8 G
+    multiply-adds/s).  Only while that leaves >= 4 items per thread: with many cores the
+    balance matters more.  No bit depends on it."""
+    if T >= PREFILL_TOKENS and rows >= 4 * ROW_CHUNK * 4 * _nthreads:
+        return 4 * ROW_CHUNK
+    return ROW_CHUNK
 
 
 def matvecs(list Ws, const float[:, ::1] X, list Ys):
@@ -196,7 +199,7 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
     KDA layer's six projections took 2.89 ms as six calls, 2.57 ms as one region)."""
     cdef Py_ssize_t G = len(Ws), T = X.shape[0], n = X.shape[1], g, c, it, na = 0
     cdef long work = 0
-    cdef Py_ssize_t rc = _row_chunk(T)
+    cdef Py_ssize_t rc, all_rows = 0
     if len(Ys) != G:
         raise ValueError(f"matvecs: {G} matrices but {len(Ys)} outputs")
     if G == 0:
@@ -228,8 +231,11 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
                                 f"{W.dtype}")
             Yv = Y
             yp[g] = &Yv[0, 0] if rows[g] else NULL
-            na += (rows[g] + rc - 1) // rc
+            all_rows += rows[g]
             work += rows[g] * n * T
+        rc = _row_chunk(T, all_rows)
+        for g in range(G):
+            na += (rows[g] + rc - 1) // rc
         items = <int32_t *>malloc(max(2 * na, 1) * sizeof(int32_t))
         if items == NULL:
             raise MemoryError("matvecs: no memory for the row chunks")
@@ -266,7 +272,7 @@ def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
                          f"[{P.shape[0]},{P.shape[1]}] with groups of 32")
     _check_mv(nout, n, X, Y)
     cdef int nt = _threads_for(nout * n * T)
-    cdef Py_ssize_t rc = _row_chunk(T)
+    cdef Py_ssize_t rc = _row_chunk(T, nout)
     if nout == 0 or T == 0:
         return
     cdef double[:, ::1] Xd = _widened(X)
@@ -285,7 +291,7 @@ def i8r_matvec(const int8_t[:, ::1] Q, const float[::1] S, const float[:, ::1] X
         raise ValueError(f"I8R scales [{S.shape[0]}] do not fit rows [{nout}]")
     _check_mv(nout, n, X, Y)
     cdef int nt = _threads_for(nout * n * T)
-    cdef Py_ssize_t rc = _row_chunk(T)
+    cdef Py_ssize_t rc = _row_chunk(T, nout)
     if nout == 0 or T == 0:
         return
     cdef double[:, ::1] Xd = _widened(X)
