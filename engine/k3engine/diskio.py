@@ -11,7 +11,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 ALIGN = 4096                 # O_DIRECT offset/length/address granularity
-ARENA_ALIGN = 2 << 20        # arenas are 2 MiB aligned (huge pages, fewer pins per read)
+ARENA_ALIGN = 2 << 20        # arenas are 2 MiB aligned (any O_DIRECT alignment; see AlignedBuffer)
 CHUNK = 64 << 20             # one parallel read request (SYSTEM §2.5)
 PREAD_MAX = 1 << 30          # Linux returns at most 0x7ffff000 bytes per call anyway
 
