@@ -314,26 +314,30 @@ class Run:
         lm = self.lm
         ex = lm.experts.step
         tr = lm.trunk
-        # bytes from the disk: a compressed trunk's stored bytes, not the layers decoded
-        t_bytes = (tr.stored_bytes_read - self._trunk_mark[0]) if tr else 0
-        t_s = (tr.read_seconds - self._trunk_mark[1]) if tr else 0.0
-        tables = tables_read(lm)[0]
+        mark = self._io_counters()
+        t_bytes, t_s, tables = (now - then for now, then in zip(mark, self._trunk_mark))
         tel = E.StepTelemetry(
             rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), trunk_bytes=t_bytes,
             trunk_read_s=t_s, trunk_hits=tr.hits if tr else 0,
             trunk_binds=tr.binds if tr else 0, expert_requests=ex.requests,
             expert_hits=ex.hits, expert_misses=ex.misses, expert_evictions=ex.evictions,
             expert_prefetch_reads=ex.prefetch_reads, expert_bytes=ex.bytes_read,
-            expert_read_s=ex.load_seconds, model_table_bytes=tables - self._trunk_mark[2],
+            expert_read_s=ex.load_seconds, model_table_bytes=tables,
             true_resident_hit=ex.true_hit_rate / 100.0,
             io_share_step=((t_s + ex.load_seconds) / seconds) if seconds > 0 else 0.0,
             resident_experts=lm.experts.policy.resident, pinned_experts=lm.experts.policy.pinned,
             raw_hit_rate=ex.raw_hit_rate, retention_rate=ex.retention,
             io_trunk_share=t_s / seconds if seconds > 0 else 0.0,
             io_expert_share=ex.load_seconds / seconds if seconds > 0 else 0.0)
-        self._trunk_mark = ((tr.stored_bytes_read, tr.read_seconds) if tr else (0, 0.0)) \
-            + (tables,)
+        self._trunk_mark = mark
         return tel
+
+    def _io_counters(self) -> tuple[int, float, int]:
+        """(trunk bytes from the disk, trunk read seconds, model-table bytes) so far: a
+        compressed trunk counts its stored bytes, not the layers decoded from them."""
+        tr = self.lm.trunk
+        return ((tr.stored_bytes_read, tr.read_seconds) if tr else (0, 0.0)) \
+            + (tables_read(self.lm)[0],)
 
     def expert_heat(self):
         """Requests per (layer, expert) so far, [layers, experts] (running counts)."""
@@ -434,8 +438,7 @@ class Run:
         if resume and chat.pending is not None:
             for tok_id in chat.pending.ids:     # the parser picks up the reply's phase
                 parser.push(tok_id)
-        self._trunk_mark = ((lm.trunk.stored_bytes_read, lm.trunk.read_seconds) if lm.trunk
-                            else (0, 0.0)) + (tables_read(lm)[0],)
+        self._trunk_mark = self._io_counters()
         lm.experts.reset_step()
         t_last = [time.monotonic()]
         progress = self._prefill_layer_cb()
