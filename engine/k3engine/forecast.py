@@ -34,6 +34,7 @@ import numpy as np
 
 from . import __version__
 from .diskio import align_up
+from .kernels import PANEL_MIN_TOKENS   # from here a BF16 matvec runs through the panels
 from .memory import ModelFigures, Plan, plan
 from .model import PREFILL_CHUNK
 from .trunk import IO_THREADS as TRUNK_IO_THREADS   # a layer's reads run on this many threads
@@ -62,7 +63,6 @@ RUN_OVERHEAD_BYTES = 6 * 10**6
 KERNEL_SECONDS = 0.6             # per kernel
 BF16_WIDTHS = (1024, 2048, 4096)  # BF16 matrix widths measured besides K3's 7168
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
-PANEL_MIN_TOKENS = 5             # k3dot.h: from here a BF16 matvec runs through the panels
 PREFILL_PROBE_TOKENS = 64        # tokens of the prefill BF16 probe
 EXPERT_PROBE_TOKENS = 4          # tokens per expert of the prefill expert probe
 # The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read

@@ -34,6 +34,7 @@ cdef extern from "k3dot.h" nogil:
     int k3_set_isa(int isa)
     void k3_set_token_block_bytes(long b)
     void k3_set_panel_min_tokens(long t)
+    enum: K3_PANEL_MIN_TOKENS
     int k3_isa()
     int k3_isa_best()
     void k3_e8m0_init()
@@ -88,6 +89,9 @@ def set_token_block_bytes(long nbytes):
     """The row drivers' token block, in bytes of widened inputs (0: the built-in 256 KiB).
     No bit depends on it; benchmarks switch it to measure what the blocking buys."""
     k3_set_token_block_bytes(nbytes)
+
+
+PANEL_MIN_TOKENS = K3_PANEL_MIN_TOKENS    # the built-in threshold (the forecast prices by it)
 
 
 def set_panel_min_tokens(long ntok):

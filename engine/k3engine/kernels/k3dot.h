@@ -319,6 +319,12 @@ static long k3_panel_min_tokens = K3_PANEL_MIN_TOKENS;    /* benchmarks A/B it *
 static void k3_set_panel_min_tokens(long t) {
     k3_panel_min_tokens = t > 0 ? t : K3_PANEL_MIN_TOKENS;
 }
+/* Tokens whose widened inputs (n doubles each) fit in `bytes`, a multiple of `mult` and
+ * at least one multiple: the token blocks of the panels and of the row drivers. */
+static inline long k3_tokens_fitting(long bytes, long n, long mult) {
+    long tb = bytes / (n * (long)sizeof(double) + 1);
+    return tb < mult ? mult : tb / mult * mult;
+}
 #define K3_PANEL_R 4
 #define K3_PANEL_B 3
 #define K3_PANEL_K 256            /* 4 widened rows: 8 KB */
@@ -365,7 +371,7 @@ K3_PANEL_TILE_INSTANCE(1) K3_PANEL_TILE_INSTANCE(2) K3_PANEL_TILE_INSTANCE(3)
         double wb[K3_PANEL_R * K3_PANEL_K] __attribute__((aligned(64)));                    \
         double sums[K3_PANEL_MAX_TOKENS / K3_PANEL_B * K3_PANEL_R * K3_PANEL_B * 16];       \
         const long nfull = n & ~15L, per_tile = K3_PANEL_R * K3_PANEL_B * 16;               \
-        long tb = K3_PANEL_X_BYTES / (n * (long)sizeof(double) + 1) / K3_PANEL_B * K3_PANEL_B; \
+        long tb = k3_tokens_fitting(K3_PANEL_X_BYTES, n, K3_PANEL_B);                      \
         if (tb > K3_PANEL_MAX_TOKENS) tb = K3_PANEL_MAX_TOKENS;                             \
         if (tb < 2 * K3_PANEL_B) tb = 2 * K3_PANEL_B;                                       \
         for (long t0 = 0; t0 < ntok; t0 += tb) {                                            \
@@ -730,8 +736,7 @@ static void k3_set_token_block_bytes(long b) {
     k3_token_block_bytes = b > 0 ? b : K3_TOKEN_BLOCK_BYTES;
 }
 static inline long k3_token_block(long n, int bmax) {
-    long tb = k3_token_block_bytes / (n * (long)sizeof(double) + 1);
-    return tb < bmax ? bmax : tb / bmax * bmax;
+    return k3_tokens_fitting(k3_token_block_bytes, n, bmax);
 }
 
 /* Rows [o0, o1) of W (row stride ldw elements, n inputs) against T tokens of Xd (row
@@ -740,7 +745,7 @@ static inline long k3_token_block(long n, int bmax) {
     static void NAME(const T *W, long ldw, long n, long o0, long o1, const double *Xd,      \
                      long ntok, const float *scale, float *Y, long ldy) {                   \
         int isa = k3_isa(), rmax, bmax;                                                     \
-        K3_MV_PANEL_##KIND(isa, W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy)                 \
+        K3_MV_PANEL_GENERIC(KIND, isa, W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy)         \
         k3_tile_shape(isa, ntok, &rmax, &bmax);                                             \
         double out[16];                                                                      \
         long tb = k3_token_block(n, bmax);                                                  \
@@ -777,9 +782,6 @@ static inline long k3_token_block(long n, int bmax) {
 #define K3_MV_SIMD_GENERIC(KIND, isa, R, B, w, ldw, x, n, out)
 #define K3_MV_PANEL_GENERIC(KIND, ...)
 #endif
-#define K3_MV_PANEL_f32(...) K3_MV_PANEL_GENERIC(f32, __VA_ARGS__)
-#define K3_MV_PANEL_bf16(...) K3_MV_PANEL_GENERIC(bf16, __VA_ARGS__)
-#define K3_MV_PANEL_i8(...) K3_MV_PANEL_GENERIC(i8, __VA_ARGS__)
 #define K3_MV_SIMD_f32(...) K3_MV_SIMD_GENERIC(f32, __VA_ARGS__)
 #define K3_MV_SIMD_bf16(...) K3_MV_SIMD_GENERIC(bf16, __VA_ARGS__)
 #define K3_MV_SIMD_i8(...) K3_MV_SIMD_GENERIC(i8, __VA_ARGS__)
