@@ -7,7 +7,8 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
 * Cython writes `1.0` as a C double literal; a float expression that touches it is silently
   evaluated in double.  Every float32 chain below uses the typed constants F1/F0 instead.
 * expf/tanhf come from libm (NumPy's float32 SIMD versions differ in the last bit and fail
-  the peer's `moe` fixture).
+  the peer's `moe` fixture); SiTU's, on AVX-512, from k3math.h's replicas of glibc's own
+  code, used only when they equal the linked libm at load (libm_replicas_active).
 * No FMA in float32 chains: the build passes -ffp-contract=off (setup.py).  The row kernels
   of k3dot.h use explicit FMA only inside double reductions whose products are exact,
   where it rounds exactly like the separate multiply and add.
@@ -40,6 +41,14 @@ cdef extern from "k3dot.h" nogil:
     void k3_e8m0_init()
     const double K3_E2M1[16]
 
+cdef extern from "k3math.h" nogil:
+    float k3_sigm(float x)
+    void k3_situ_rows(const float *g, const float *u, long n, float b1, float b2, float *yf,
+                      double *yd)
+    void k3_math_init()
+    int k3_math_vec
+    int k3_tanh_exp_rows(const float *x, long n, float *t, float *e, int replica)
+
 cdef extern from "k3route.h" nogil:
     void k3_route_logits_f32(const float *W, long N, long n, const double *x, double *out)
     void k3_route_logits_bf16(const uint16_t *W, long N, long n, const double *x,
@@ -59,6 +68,7 @@ DEF MAX_TOPK = 64                 # reference ceiling (config rule 5)
 
 k3_e8m0_init()                    # scale tables and the CPU probe, once, before any thread
 k3_isa_best()
+k3_math_init()                    # SiTU's libm replicas checked against this process's libm
 
 ISA_NAMES = ("scalar", "avx2", "avx512")   # index = the C enum (k3dot.h)
 ISA_ENV = "K3_KERNEL_ISA"
@@ -153,9 +163,24 @@ cdef inline int _threads_for(long work) noexcept nogil:
     return _nthreads if work >= PAR_MIN_WORK else 1
 
 
-cdef inline float sigm(float x) noexcept nogil:
-    # sigma(x) = 1 / (1 + expf(-x)), a real float32 divide (§0.3)
-    return F1 / (F1 + expf(-x))
+def libm_replicas_active():
+    """True when SiTU runs on k3math.h's AVX-512 replicas of libm's expf/tanhf (this CPU
+    has AVX-512, the replicas equalled the linked libm at load, and the AVX-512 path is
+    selected); False: every element calls libm."""
+    return bool(k3_math_vec) and k3_isa() == 2
+
+
+def tanh_exp(const float[::1] X, float[::1] T, float[::1] E, bint replica):
+    """T = tanhf(X), E = expf(X) by k3math.h's replicas (replica, when active) or by libm
+    (tests compare the two).  Returns True if the replicas ran."""
+    if T.shape[0] != X.shape[0] or E.shape[0] != X.shape[0]:
+        raise ValueError("tanh_exp shapes do not match")
+    if X.shape[0] == 0:
+        return False
+    cdef int r
+    with nogil:
+        r = k3_tanh_exp_rows(&X[0], X.shape[0], &T[0], &E[0], replica)
+    return bool(r)
 
 
 # ---- matvec (§5.3, §5.6) -------------------------------------------------------------
@@ -369,18 +394,13 @@ def l2norm_heads(float[:, ::1] X, Py_ssize_t D):
                     X[t, h * D + i] = X[t, h * D + i] * r
 
 
-cdef inline float _situ(float g, float u, float b1, float b2) noexcept nogil:
-    cdef float a = b1 * tanhf(g / b1)   # true division by beta, never * (1/beta)
-    a = a * sigm(g)                      # sigma sees the UNCAPPED gate (trap #28)
-    cdef float c = b2 * tanhf(u / b2)
-    return a * c
-
-
 # The elementwise kernels below walk raw pointers over the whole C-contiguous array (no
 # per-element memoryview indexing) and split the elements over threads when there are
-# enough: each element is computed alone with libm's expf/tanhf (§5.4: vectorised exp/tanh
-# are not bit-identical), so no bit depends on the thread.
+# enough: each element is computed alone with libm's expf/tanhf, or SiTU's with k3math.h's
+# replicas of them (§5.4: a generic vectorised exp/tanh is not bit-identical), so no bit
+# depends on the thread.
 DEF TRANSCENDENTAL_WORK = 16      # one libm expf/tanhf counted as this many multiply-adds
+DEF SITU_BLOCK = 1024             # situ_glu's elements per work item (a multiple of 16)
 
 
 def situ_glu(const float[:, ::1] G, const float[:, ::1] U, float b1, float b2,
@@ -394,10 +414,13 @@ def situ_glu(const float[:, ::1] G, const float[:, ::1] U, float b1, float b2,
     cdef const float *g = &G[0, 0]
     cdef const float *u = &U[0, 0]
     cdef float *y = &Y[0, 0]
+    cdef Py_ssize_t nb = (T * n + SITU_BLOCK - 1) // SITU_BLOCK
     with nogil:
-        for i in prange(T * n, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
+        for i in prange(nb, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
                         schedule="static"):
-            y[i] = _situ(g[i], u[i], b1, b2)
+            k3_situ_rows(g + i * SITU_BLOCK, u + i * SITU_BLOCK,
+                         min(SITU_BLOCK, T * n - i * SITU_BLOCK), b1, b2,
+                         y + i * SITU_BLOCK, NULL)
 
 
 def sigmoid(float[:, ::1] X):
@@ -408,7 +431,7 @@ def sigmoid(float[:, ::1] X):
     cdef float *x = &X[0, 0]
     with nogil:
         for i in prange(n, num_threads=_threads_for(n * TRANSCENDENTAL_WORK), schedule="static"):
-            x[i] = sigm(x[i])
+            x[i] = k3_sigm(x[i])
 
 
 def mul_sigmoid(float[:, ::1] X, const float[:, ::1] G):
@@ -423,7 +446,7 @@ def mul_sigmoid(float[:, ::1] X, const float[:, ::1] G):
     with nogil:
         for i in prange(T * n, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
                         schedule="static"):
-            x[i] = x[i] * sigm(g[i])
+            x[i] = x[i] * k3_sigm(g[i])
 
 
 def add(float[:, ::1] A, const float[:, ::1] B):
@@ -511,7 +534,7 @@ def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
                     hist[c, j] = hist[c, j + 1]
                 if K > 1:
                     hist[c, K - 2] = xt                  # history keeps the RAW input
-                Y[t, c] = acc * sigm(acc)
+                Y[t, c] = acc * k3_sigm(acc)
 
 
 def kda_decay(const float[:, ::1] Z, const float[::1] A_log, const float[::1] dt_bias,
@@ -540,7 +563,7 @@ def kda_decay(const float[:, ::1] Z, const float[::1] A_log, const float[::1] dt
             c = i % P
             u = z[i] + dt_bias[c]
             u = eA[c // D] * u
-            g = g_min * sigm(u)
+            g = g_min * k3_sigm(u)
             gp[i] = g
             ap[i] = expf(g)            # exactly 1.0 is legal saturation (trap #8)
 
@@ -895,7 +918,7 @@ cdef void _router_scores_raw(const void *W, bint bf16, const float *x, Py_ssize_
     elif E > 0:
         k3_route_logits_f32(<const float *>W, N, E, xd, logit)
     for e in range(N):
-        s[e] = sigm(<float>logit[e])
+        s[e] = k3_sigm(<float>logit[e])
 
 
 cdef void _select_raw(const float *s, const float *bias, Py_ssize_t N, int k, bint renorm,
@@ -1014,13 +1037,12 @@ cdef void _expert_hidden(const _Expert *x, long r0, long r1, long L, const doubl
                          float *g, float *u, double *hd, float b1, float b2) noexcept nogil:
     """Hidden rows [r0, r1) of one expert for all its tokens: SiTU-GLU of the gate and up
     matvecs, widened (exactly) for the down matvec."""
-    cdef long t, o, i
+    cdef long t, i
     k3_mv_rows_mxfp4(x.p[0], x.s[0], L, r0, r1, zd + x.zrow * L, x.ntok, g + x.hoff, x.inter)
     k3_mv_rows_mxfp4(x.p[1], x.s[1], L, r0, r1, zd + x.zrow * L, x.ntok, u + x.hoff, x.inter)
     for t in range(x.ntok):
-        for o in range(r0, r1):
-            i = x.hoff + t * x.inter + o
-            hd[i] = <double>_situ(g[i], u[i], b1, b2)
+        i = x.hoff + t * x.inter + r0
+        k3_situ_rows(g + i, u + i, r1 - r0, b1, b2, NULL, hd + i)
 
 
 cdef _mxfp4_view(M, long rows, long cols, str what):
