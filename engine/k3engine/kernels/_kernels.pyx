@@ -45,6 +45,7 @@ cdef extern from "k3math.h" nogil:
     float k3_sigm(float x)
     void k3_situ_rows(const float *g, const float *u, long n, float b1, float b2, float *yf,
                       double *yd)
+    void k3_sigm_rows(const float *g, long n, float *y, int mul)
     void k3_math_init()
     int k3_math_vec
     int k3_tanh_exp_rows(const float *x, long n, float *t, float *e, int replica)
@@ -400,7 +401,7 @@ def l2norm_heads(float[:, ::1] X, Py_ssize_t D):
 # replicas of them (§5.4: a generic vectorised exp/tanh is not bit-identical), so no bit
 # depends on the thread.
 DEF TRANSCENDENTAL_WORK = 16      # one libm expf/tanhf counted as this many multiply-adds
-DEF SITU_BLOCK = 1024             # situ_glu's elements per work item (a multiple of 16)
+DEF ELEMENT_BLOCK = 1024          # elements per work item of SiTU and sigma (16 | it)
 
 
 def situ_glu(const float[:, ::1] G, const float[:, ::1] U, float b1, float b2,
@@ -414,39 +415,41 @@ def situ_glu(const float[:, ::1] G, const float[:, ::1] U, float b1, float b2,
     cdef const float *g = &G[0, 0]
     cdef const float *u = &U[0, 0]
     cdef float *y = &Y[0, 0]
-    cdef Py_ssize_t nb = (T * n + SITU_BLOCK - 1) // SITU_BLOCK
+    cdef Py_ssize_t nb = (T * n + ELEMENT_BLOCK - 1) // ELEMENT_BLOCK
     with nogil:
         for i in prange(nb, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
                         schedule="static"):
-            k3_situ_rows(g + i * SITU_BLOCK, u + i * SITU_BLOCK,
-                         min(SITU_BLOCK, T * n - i * SITU_BLOCK), b1, b2,
-                         y + i * SITU_BLOCK, NULL)
+            k3_situ_rows(g + i * ELEMENT_BLOCK, u + i * ELEMENT_BLOCK,
+                         min(ELEMENT_BLOCK, T * n - i * ELEMENT_BLOCK), b1, b2,
+                         y + i * ELEMENT_BLOCK, NULL)
+
+
+cdef void _sigm_blocks(const float *g, Py_ssize_t n, float *y, int mul) noexcept nogil:
+    """y = sigma(g) (mul 0) or y * sigma(g) (mul 1) over n elements, in thread blocks."""
+    cdef Py_ssize_t i, nb = (n + ELEMENT_BLOCK - 1) // ELEMENT_BLOCK
+    for i in prange(nb, num_threads=_threads_for(n * TRANSCENDENTAL_WORK), schedule="static"):
+        k3_sigm_rows(g + i * ELEMENT_BLOCK, min(ELEMENT_BLOCK, n - i * ELEMENT_BLOCK),
+                     y + i * ELEMENT_BLOCK, mul)
 
 
 def sigmoid(float[:, ::1] X):
     """In place X = sigma(X), float32 (KDA beta)."""
-    cdef Py_ssize_t i, n = X.shape[0] * X.shape[1]
+    cdef Py_ssize_t n = X.shape[0] * X.shape[1]
     if n == 0:
         return
-    cdef float *x = &X[0, 0]
     with nogil:
-        for i in prange(n, num_threads=_threads_for(n * TRANSCENDENTAL_WORK), schedule="static"):
-            x[i] = k3_sigm(x[i])
+        _sigm_blocks(&X[0, 0], n, &X[0, 0], 0)
 
 
 def mul_sigmoid(float[:, ::1] X, const float[:, ::1] G):
     """In place X = f32(X * sigma(G)) (output gates)."""
-    cdef Py_ssize_t i, T = X.shape[0], n = X.shape[1]
+    cdef Py_ssize_t T = X.shape[0], n = X.shape[1]
     if G.shape[0] != T or G.shape[1] != n:
         raise ValueError("mul_sigmoid shapes do not match")
     if T * n == 0:
         return
-    cdef float *x = &X[0, 0]
-    cdef const float *g = &G[0, 0]
     with nogil:
-        for i in prange(T * n, num_threads=_threads_for(T * n * TRANSCENDENTAL_WORK),
-                        schedule="static"):
-            x[i] = x[i] * k3_sigm(g[i])
+        _sigm_blocks(&G[0, 0], T * n, &X[0, 0], 1)
 
 
 def add(float[:, ::1] A, const float[:, ::1] B):
@@ -523,7 +526,7 @@ def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
             or Y.shape[1] != C:
         raise ValueError("shortconv shapes do not match")
     with nogil:                          # channels are independent: any thread, same bits
-        for c in prange(C, num_threads=_threads_for(C * T * (K + TRANSCENDENTAL_WORK)),
+        for c in prange(C, num_threads=_threads_for(C * T * K),
                         schedule="static"):
             for t in range(T):
                 xt = X[t, c]
@@ -534,7 +537,9 @@ def shortconv(const float[:, ::1] X, const float[:, ::1] w, float[:, ::1] hist,
                     hist[c, j] = hist[c, j + 1]
                 if K > 1:
                     hist[c, K - 2] = xt                  # history keeps the RAW input
-                Y[t, c] = acc * k3_sigm(acc)
+                Y[t, c] = acc
+        if T * C:
+            _sigm_blocks(&Y[0, 0], T * C, &Y[0, 0], 1)  # SiLU: acc * sigma(acc)
 
 
 def kda_decay(const float[:, ::1] Z, const float[::1] A_log, const float[::1] dt_bias,

@@ -1,4 +1,4 @@
-/* SiTU (ARCHITECTURE §4.3) with libm's own expf and tanhf, 16 elements at a time.
+/* σ and SiTU (ARCHITECTURE §0.3, §4.3) with libm's own expf and tanhf, 16 at a time.
  *
  * Why this file: the spec's σ and SiTU use the C library's expf/tanhf (§5.4), and a
  * vectorised exp/tanh from elsewhere (NumPy's, SLEEF's) differs from them in the last bit.
@@ -226,6 +226,18 @@ K3_AVX512_ATTR K3_INLINE __m512 k3_situ16(__m512 g, __m512 u, __m512 b1, __m512 
     return _mm512_mul_ps(a, c);
 }
 
+/* y[i] = σ(g[i]) (mul 0) or y[i] * σ(g[i]) (mul 1; g may be y: SiLU) for whole vectors */
+K3_AVX512_ATTR static long k3_sigm_avx512(const float *g, long n, float *y, int mul) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, k3_expf16(
+            _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g + i)))));
+        _mm512_storeu_ps(y + i, mul ? _mm512_mul_ps(_mm512_loadu_ps(y + i), s) : s);
+    }
+    return i;
+}
+
 /* y[i] = SiTU(g[i], u[i]) for i < n (f32 out), or widened to double (f64 out) */
 K3_AVX512_ATTR static long k3_situ_avx512(const float *g, const float *u, long n, float b1,
                                           float b2, float *yf, double *yd) {
@@ -311,6 +323,15 @@ static void k3_math_init(void) {
 #if K3_HAVE_SIMD_PATHS
     k3_math_vec = k3_isa_best() >= K3_ISA_AVX512 && k3_math_check();
 #endif
+}
+
+/* σ over n elements: y[i] = σ(g[i]) (mul 0) or y[i] * σ(g[i]) (mul 1; g may be y) */
+static inline void k3_sigm_rows(const float *g, long n, float *y, int mul) {
+    long i = 0;
+#if K3_HAVE_SIMD_PATHS
+    if (k3_math_vec && k3_isa() == K3_ISA_AVX512) i = k3_sigm_avx512(g, n, y, mul);
+#endif
+    for (; i < n; i++) y[i] = mul ? y[i] * k3_sigm(g[i]) : k3_sigm(g[i]);
 }
 
 /* SiTU over n elements, f32 out (yd NULL) or f64 out (yf NULL); the vector replicas only
