@@ -86,6 +86,21 @@ def test_ids_identical_across_memory_layouts(tiny, trunk, tmp_path, name):
     assert got == WANT[:8]
 
 
+def test_failed_save_state_keeps_the_exit_code(tiny, tmp_path):
+    """SYSTEM §6.5/§6.9: a --save-state that cannot be written prints `failed writing PATH:
+    <reason>` and leaves no file, but the run's own exit code stands (0 here; it was 1),
+    and its results are still written."""
+    st = tmp_path / "no such dir" / "s.k3st"
+    p = k3(tiny, "--ids", "1,2,3", "--gen", 2, "--incremental", "--save-state", st,
+           "--out", tmp_path / "o.json")
+    print(f"[gate] save into a missing directory: exit {p.returncode}, "
+          f"stderr {p.stderr.strip().splitlines()[-1:]}")
+    assert p.returncode == 0, p.stderr
+    assert f"failed writing {st}" in p.stderr and "Traceback" not in p.stderr
+    assert not st.parent.exists()
+    assert len(ids_of(tmp_path / "o.json")) == 2
+
+
 def test_state_file_resume_equals_uninterrupted_run(tiny, tmp_path):
     st = tmp_path / "s.k3st"
     head, tail = GOLDEN["prompt_ids"][:7], GOLDEN["prompt_ids"][7:]
