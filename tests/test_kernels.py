@@ -1384,6 +1384,42 @@ def test_mla_prefill_equals_per_position_and_ref():
     assert n_diff(wrong[0, :dv], want[-1, :dv]) > 0
 
 
+def test_mla_prefill_with_zero_denormal_and_tiny_weights():
+    """A real model's softmax gives many weights that are exactly 0 or denormal (a
+    1,024-position prefill of the mid checkpoint: 62 % and 10 %), which random test data
+    never reaches; any shortcut in the value sum (skipping zero weights, working around
+    the denormal assists) must keep the float32 sums' bits.  Peaked scores (the query
+    scaled up: gaps of ~70-110 nats) over 151 positions put weights at 0, in the denormal
+    range and just above it; values carry tiny, denormal, zero, infinite and NaN entries
+    (0 * inf is NaN, so a zero weight cannot simply be skipped).  Every path equals the
+    one-token calls, and the exact-order reference, bitwise; the weight classes print."""
+    r = rng(1126)
+    H, dn, dr, dv, Tm, past = 2, 16, 8, 35, 21, 130
+    Q = rand_f32(r, (Tm, H * (dn + dr)), 30.0)
+    KV = rand_f32(r, (past + Tm, H * (dn + dv)))
+    KV[:, dn:dn + dv] *= np.float32(2.0) ** r.integers(-40, 8, (past + Tm, dv)).astype(np.float32)
+    KV[3, dn + 1], KV[5, dn + 2], KV[7, dn + 4] = 1e-41, -3e-39, 0.0
+    KV[9, dn + 5], KV[11, dn + 6] = np.inf, np.nan              # head 0 only
+    R = rand_f32(r, (past + Tm, dr), 3.0)
+    w = np.concatenate([ref_mla_weights(Q[t], KV, R, past + t, H, dn, dr)[0] for t in range(Tm)])
+    tiny = np.finfo(np.float32).tiny
+    print(f"[gate]   head-0 weights: {np.mean(w == 0):.0%} zero, "
+          f"{np.mean((w > 0) & (w < tiny)):.0%} denormal, "
+          f"{np.mean((w >= tiny) & (w < 2.0 ** -100)):.0%} in [2^-126, 2^-100)")
+    assert np.any(w == 0) and np.any((w > 0) & (w < tiny)) and np.any((w >= tiny) & (w < 2.0 ** -100))
+    with np.errstate(invalid="ignore"):                         # 0 * inf, on purpose
+        want = ref_mla(Q, KV, R, past, H, dn, dv)
+    for name in K.isas_available():
+        with isa(name):
+            O = np.empty((Tm, H * dv), np.float32)
+            K.mla_attention(Q, KV, R, past, H, dn, dv, O)
+            one = np.empty_like(O)
+            for t in range(Tm):
+                K.mla_attention(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
+        assert_bitwise(f"mla tiny weights T={Tm} vs per-position, {name}", O, one)
+        assert_bitwise(f"mla tiny weights T={Tm} vs exact-order ref, {name}", O, want)
+
+
 def ref_mla_weights(q_row, KV, R, p, H, dn, dr):
     """Per-head softmax weights f32(e/Z) of ref_mla for one token at position p."""
     dq, dkv = dn + dr, KV.shape[1] // H
