@@ -24,6 +24,32 @@
 /* Doubles and floats of scratch one block needs (the caller allocates per thread). */
 static inline long k3_mla_block_work(long dq, long npos) { return 16 * dq + 8 * (npos + 8); }
 
+/* O[b] = sum over positions s <= p0 + b of f32(weight * v[s]), ascending from +0.0, for
+ * tokens b < nb; NB (8, or 1 for a lone token) accumulators, lanes b >= nb compute unused
+ * zeros. */
+K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn, long dv,
+                                           long p0, long npos, const float *sc, float *O,
+                                           long ldo, int nb, const int NB) {
+    for (long j0 = 0; j0 < dv; j0 += 16) {
+        __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - j0)) - 1);
+        __m512 acc[8];
+        for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
+        const float *v = KV + dn + j0;
+        for (long s = 0; s <= p0; s++) {
+            __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
+            for (int b = 0; b < NB; b++)
+                acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(sc[s * 8 + b]), vv));
+        }
+        for (long s = p0 + 1; s < npos; s++) {
+            __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
+            for (int b = 0; b < NB; b++)    /* causal: token b stops at position p0 + b */
+                if (s <= p0 + b)
+                    acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(sc[s * 8 + b]), vv));
+        }
+        for (int b = 0; b < nb; b++) _mm512_mask_storeu_ps(O + b * ldo + j0, m, acc[b]);
+    }
+}
+
 /* Q: token t0's row at head h (stride ldq between tokens); KV, R: the cache at head h's
  * k_nope (v follows at +dn), rows ldkv / ldr apart; token b (b < nb <= 8) sits at position
  * p0 + b and attends to positions 0 .. p0 + b.  O: token t0's output at head h. */
@@ -75,25 +101,10 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
         }
         for (long s = 0; s <= p; s++) sc[s * 8 + b] = (float)((double)sc[s * 8 + b] / Z);
     }
-    /* value sum, 16 channels at a time; positions beyond p0 are seen by some tokens only */
-    for (long j0 = 0; j0 < dv; j0 += 16) {
-        __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - j0)) - 1);
-        __m512 acc[8];
-        for (int b = 0; b < 8; b++) acc[b] = _mm512_setzero_ps();
-        const float *v = KV + dn + j0;
-        for (long s = 0; s <= p0; s++) {
-            __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
-            for (int b = 0; b < 8; b++)    /* lanes b >= nb compute unused zeros */
-                acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(sc[s * 8 + b]), vv));
-        }
-        for (long s = p0 + 1; s < npos; s++) {
-            __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
-            for (int b = 0; b < 8; b++)    /* causal: token b stops at position p0 + b */
-                if (s <= p0 + b)
-                    acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(sc[s * 8 + b]), vv));
-        }
-        for (int b = 0; b < nb; b++) _mm512_mask_storeu_ps(O + b * ldo + j0, m, acc[b]);
-    }
+    /* value sum, 16 channels at a time; positions beyond p0 are seen by some tokens only
+     * (a decode step's single token: the same loop with one accumulator) */
+    if (nb == 1) k3_mla_values(KV, ldkv, dn, dv, p0, npos, sc, O, ldo, 1, 1);
+    else k3_mla_values(KV, ldkv, dn, dv, p0, npos, sc, O, ldo, nb, 8);
 }
 
 #endif /* K3_HAVE_SIMD_PATHS */
