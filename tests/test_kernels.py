@@ -1363,15 +1363,7 @@ def test_mla_prefill_equals_per_position_and_ref():
     KV = rand_f32(r, (past + Tm, H * (dn + dv)))
     R = rand_f32(r, (past + Tm, dr))
     want = ref_mla(Q, KV, R, past, H, dn, dv)
-    for name in K.isas_available():          # avx512: token blocks of 8 (k3mla.h)
-        with isa(name):
-            O = np.empty((Tm, H * dv), np.float32)
-            K.mla_attention(Q, KV, R, past, H, dn, dv, O)
-            one = np.empty_like(O)
-            for t in range(Tm):
-                K.mla_attention(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
-        assert_bitwise(f"mla prefill T={Tm} vs per-position, {name}", O, one)
-        assert_bitwise(f"mla prefill T={Tm} vs exact-order ref, {name}", O, want)
+    check_mla_every_path("mla prefill", Q, KV, R, past, H, dn, dv, want)
     wrong = np.empty((1, H * dv), np.float32)
     p = past + Tm - 1
     sc = ref_mla_weights(Q[-1], KV, R, p, H, dn, dr)
@@ -1409,6 +1401,13 @@ def test_mla_prefill_with_zero_denormal_and_tiny_weights():
     assert np.any(w == 0) and np.any((w > 0) & (w < tiny)) and np.any((w >= tiny) & (w < 2.0 ** -100))
     with np.errstate(invalid="ignore"):                         # 0 * inf, on purpose
         want = ref_mla(Q, KV, R, past, H, dn, dv)
+    check_mla_every_path("mla tiny weights", Q, KV, R, past, H, dn, dv, want)
+
+
+def check_mla_every_path(label, Q, KV, R, past, H, dn, dv, want):
+    """On every ISA (avx512: blocks of up to 8 tokens, k3mla.h), a T-token mla_attention
+    equals T one-token calls and `want` (the exact-order reference), bitwise."""
+    Tm = Q.shape[0]
     for name in K.isas_available():
         with isa(name):
             O = np.empty((Tm, H * dv), np.float32)
@@ -1416,8 +1415,8 @@ def test_mla_prefill_with_zero_denormal_and_tiny_weights():
             one = np.empty_like(O)
             for t in range(Tm):
                 K.mla_attention(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
-        assert_bitwise(f"mla tiny weights T={Tm} vs per-position, {name}", O, one)
-        assert_bitwise(f"mla tiny weights T={Tm} vs exact-order ref, {name}", O, want)
+        assert_bitwise(f"{label} T={Tm} vs per-position, {name}", O, one)
+        assert_bitwise(f"{label} T={Tm} vs exact-order ref, {name}", O, want)
 
 
 def ref_mla_weights(q_row, KV, R, p, H, dn, dr):

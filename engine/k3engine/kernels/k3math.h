@@ -86,6 +86,17 @@ K3_AVX512_ATTR K3_INLINE __m512d k3_expf8d(__m512d xd) {
     return _mm512_mul_pd(y, s);
 }
 
+/* y with the lanes in `odd` replaced by f(x) from libm (the lanes the copies leave out) */
+K3_AVX512_ATTR static __m512 k3_libm_lanes(__m512 x, __m512 y, __mmask16 odd,
+                                           float (*f)(float)) {
+    float xs[16], ys[16];
+    _mm512_storeu_ps(xs, x);
+    _mm512_storeu_ps(ys, y);
+    for (int i = 0; i < 16; i++)
+        if (odd >> i & 1) ys[i] = f(xs[i]);
+    return _mm512_loadu_ps(ys);
+}
+
 /* expf of 16 floats; lanes with |x| >= 88 or NaN (glibc's special-case test) are
  * recomputed by the scalar call. */
 K3_AVX512_ATTR K3_INLINE __m512 k3_expf16(__m512 x) {
@@ -95,15 +106,7 @@ K3_AVX512_ATTR K3_INLINE __m512 k3_expf16(__m512 x) {
     __m512i top = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 20),
                                    _mm512_set1_epi32(0x7ff));
     __mmask16 odd = _mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x42b00000 >> 20));
-    if (odd) {
-        float xs[16], ys[16];
-        _mm512_storeu_ps(xs, x);
-        _mm512_storeu_ps(ys, y);
-        for (int i = 0; i < 16; i++)
-            if (odd >> i & 1) ys[i] = expf(xs[i]);
-        y = _mm512_loadu_ps(ys);
-    }
-    return y;
+    return odd ? k3_libm_lanes(x, y, odd, expf) : y;
 }
 
 /* fdlibm expm1f (glibc s_expm1f.c) for the arguments tanhf gives it: a = 2|x| in [2, 44)
@@ -205,15 +208,7 @@ K3_AVX512_ATTR K3_INLINE __m512 k3_tanhf16(__m512 x) {
     __mmask16 small = _mm512_cmplt_epi32_mask(ix, _mm512_set1_epi32(0x24000000));
     z = _mm512_mask_blend_ps(small, z, _mm512_mul_ps(x, _mm512_add_ps(one, x)));
     __mmask16 odd = _mm512_cmpge_epi32_mask(ix, _mm512_set1_epi32(0x7f800000));
-    if (odd) {
-        float xs[16], zs[16];
-        _mm512_storeu_ps(xs, x);
-        _mm512_storeu_ps(zs, z);
-        for (int i = 0; i < 16; i++)
-            if (odd >> i & 1) zs[i] = tanhf(xs[i]);
-        z = _mm512_loadu_ps(zs);
-    }
-    return z;
+    return odd ? k3_libm_lanes(x, z, odd, tanhf) : z;
 }
 
 K3_AVX512_ATTR K3_INLINE __m512 k3_situ16(__m512 g, __m512 u, __m512 b1, __m512 b2) {
