@@ -7,8 +7,9 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
 * Cython writes `1.0` as a C double literal; a float expression that touches it is silently
   evaluated in double.  Every float32 chain below uses the typed constants F1/F0 instead.
 * expf/tanhf come from libm (NumPy's float32 SIMD versions differ in the last bit and fail
-  the peer's `moe` fixture); SiTU's, on AVX-512, from k3math.h's replicas of glibc's own
-  code, used only when they equal the linked libm at load (libm_replicas_active).
+  the peer's `moe` fixture); SiTU's and sigma's, on AVX-512, from k3math.h's replicas of
+  glibc's own code, used only when they equal the linked libm at load
+  (libm_replicas_active).
 * No FMA in float32 chains: the build passes -ffp-contract=off (setup.py).  The row kernels
   of k3dot.h use explicit FMA only inside double reductions whose products are exact,
   where it rounds exactly like the separate multiply and add.
@@ -69,7 +70,7 @@ DEF MAX_TOPK = 64                 # reference ceiling (config rule 5)
 
 k3_e8m0_init()                    # scale tables and the CPU probe, once, before any thread
 k3_isa_best()
-k3_math_init()                    # SiTU's libm replicas checked against this process's libm
+k3_math_init()                    # the libm replicas checked against this process's libm
 
 ISA_NAMES = ("scalar", "avx2", "avx512")   # index = the C enum (k3dot.h)
 ISA_ENV = "K3_KERNEL_ISA"
@@ -165,9 +166,9 @@ cdef inline int _threads_for(long work) noexcept nogil:
 
 
 def libm_replicas_active():
-    """True when SiTU runs on k3math.h's AVX-512 replicas of libm's expf/tanhf (this CPU
-    has AVX-512, the replicas equalled the linked libm at load, and the AVX-512 path is
-    selected); False: every element calls libm."""
+    """True when SiTU and sigma run on k3math.h's AVX-512 replicas of libm's expf/tanhf
+    (this CPU has AVX-512, the replicas equalled the linked libm at load, and the AVX-512
+    path is selected); False: every element calls libm."""
     return bool(k3_math_vec) and k3_isa() == 2
 
 

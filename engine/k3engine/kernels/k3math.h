@@ -14,13 +14,13 @@
  * machine's libm over all 2^32 inputs (0 mismatches; docs/benchmarks-kernels.md), the
  * tests compare a few million, and at load k3_math_init() compares them with the libm the
  * process actually linked on inputs that reach every branch: any difference (another libm,
- * another glibc) and SiTU stays on the scalar libm calls.  Lanes outside the ranges the
+ * another glibc) and σ and SiTU stay on the scalar libm calls.  Lanes outside the ranges the
  * vector code covers (NaN, infinities, expf arguments >= 88 in magnitude) are recomputed
  * by the scalar call, so they are exact by construction.
  *
  * Built with -ffp-contract=off (setup.py): every multiply and add below rounds on its own,
- * as in glibc's float code; the only fused operations are the explicit _mm512_fmadd_pd of
- * expf's double polynomial, where glibc's FMA build fuses them too.
+ * as in glibc's float code; the only fused operations are expf's explicit FMAs (the
+ * reduction and the cubic), exactly where glibc's FMA build fuses them.
  */
 #ifndef K3MATH_H
 #define K3MATH_H
