@@ -48,7 +48,7 @@ cdef extern from "k3math.h" nogil:
                       double *yd)
     void k3_sigm_rows(const float *g, long n, float *y, int mul)
     void k3_math_init()
-    int k3_math_vec
+    int k3_math_active()
     int k3_tanh_exp_rows(const float *x, long n, float *t, float *e, int replica)
 
 cdef extern from "k3route.h" nogil:
@@ -169,7 +169,7 @@ def libm_replicas_active():
     """True when SiTU and sigma run on k3math.h's AVX-512 replicas of libm's expf/tanhf
     (this CPU has AVX-512, the replicas equalled the linked libm at load, and the AVX-512
     path is selected); False: every element calls libm."""
-    return bool(k3_math_vec) and k3_isa() == 2
+    return bool(k3_math_active())
 
 
 def tanh_exp(const float[::1] X, float[::1] T, float[::1] E, bint replica):

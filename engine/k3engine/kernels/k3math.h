@@ -211,23 +211,24 @@ K3_AVX512_ATTR K3_INLINE __m512 k3_tanhf16(__m512 x) {
     return odd ? k3_libm_lanes(x, z, odd, tanhf) : z;
 }
 
-K3_AVX512_ATTR K3_INLINE __m512 k3_situ16(__m512 g, __m512 u, __m512 b1, __m512 b2) {
+/* σ(g) = 1 / (1 + expf(-g)) on 16 floats, as k3_sigm */
+K3_AVX512_ATTR K3_INLINE __m512 k3_sigm16(__m512 g) {
     const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, k3_expf16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+K3_AVX512_ATTR K3_INLINE __m512 k3_situ16(__m512 g, __m512 u, __m512 b1, __m512 b2) {
     __m512 a = _mm512_mul_ps(b1, k3_tanhf16(_mm512_div_ps(g, b1)));
-    __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, k3_expf16(
-        _mm512_sub_ps(_mm512_setzero_ps(), g))));
-    a = _mm512_mul_ps(a, sg);
+    a = _mm512_mul_ps(a, k3_sigm16(g));
     __m512 c = _mm512_mul_ps(b2, k3_tanhf16(_mm512_div_ps(u, b2)));
     return _mm512_mul_ps(a, c);
 }
 
 /* y[i] = σ(g[i]) (mul 0) or y[i] * σ(g[i]) (mul 1; g may be y: SiLU) for whole vectors */
 K3_AVX512_ATTR static long k3_sigm_avx512(const float *g, long n, float *y, int mul) {
-    const __m512 one = _mm512_set1_ps(1.0f);
     long i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, k3_expf16(
-            _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g + i)))));
+        __m512 s = k3_sigm16(_mm512_loadu_ps(g + i));
         _mm512_storeu_ps(y + i, mul ? _mm512_mul_ps(_mm512_loadu_ps(y + i), s) : s);
     }
     return i;
@@ -320,22 +321,27 @@ static void k3_math_init(void) {
 #endif
 }
 
+/* 1 while σ and SiTU run on the replicas: they passed k3_math_init's check and the
+ * AVX-512 path is selected (set_isa('scalar') runs libm for every element) */
+static inline int k3_math_active(void) {
+    return k3_math_vec && k3_isa() == K3_ISA_AVX512;
+}
+
 /* σ over n elements: y[i] = σ(g[i]) (mul 0) or y[i] * σ(g[i]) (mul 1; g may be y) */
 static inline void k3_sigm_rows(const float *g, long n, float *y, int mul) {
     long i = 0;
 #if K3_HAVE_SIMD_PATHS
-    if (k3_math_vec && k3_isa() == K3_ISA_AVX512) i = k3_sigm_avx512(g, n, y, mul);
+    if (k3_math_active()) i = k3_sigm_avx512(g, n, y, mul);
 #endif
     for (; i < n; i++) y[i] = mul ? y[i] * k3_sigm(g[i]) : k3_sigm(g[i]);
 }
 
-/* SiTU over n elements, f32 out (yd NULL) or f64 out (yf NULL); the vector replicas only
- * while the AVX-512 path is active (set_isa('scalar') runs libm for every element). */
+/* SiTU over n elements, f32 out (yd NULL) or f64 out (yf NULL) */
 static inline void k3_situ_rows(const float *g, const float *u, long n, float b1, float b2,
                                 float *yf, double *yd) {
     long i = 0;
 #if K3_HAVE_SIMD_PATHS
-    if (k3_math_vec && k3_isa() == K3_ISA_AVX512) i = k3_situ_avx512(g, u, n, b1, b2, yf, yd);
+    if (k3_math_active()) i = k3_situ_avx512(g, u, n, b1, b2, yf, yd);
 #endif
     for (; i < n; i++) {
         float y = k3_situ1(g[i], u[i], b1, b2);
