@@ -8,6 +8,7 @@ checkpoint needed) and checked against the spec's own figures: 108.81 GB packed,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -628,6 +629,32 @@ def test_plan_terms(fig, sizes):
     assert pl.total_bytes == M.plan(fig, preset="laptop", positions=14).total_bytes + 85_000_000
     print("[gate] resident/streamed trunk, --layers, ultra tables/state, defaults, "
           "over-budget slot and baseline terms")
+
+
+def test_moe_chunk_grows_only_into_free_memory(fig):
+    """The prefill's MoE chunk (model.PREFILL_CHUNK = SYSTEM §4.6's 64) grows to 128 or 256
+    only when the extra temporaries fit in half of what admission leaves free; with the
+    available memory unknown, or a refused plan, it stays 64."""
+    per = fig.moe_chunk_position_bytes
+    assert per == 16 * (3584 * 12 + 3072 * 16) + 3584 * 4     # K3: ~1.49 MB per position
+    pl = M.plan(fig, preset="laptop", positions=14, available_bytes=10**9)
+    assert not pl.admitted and M.moe_chunk_for(pl, fig, 64) == 64
+    assert M.moe_chunk_for(M.plan(fig, preset="laptop", positions=14), fig, 64) == 64
+    assert M.moe_chunk_for(None, fig, 64) == 64
+    base = M.plan(fig, preset="laptop", positions=14, available_bytes=64 * 10**9).total_bytes
+    picked = {}
+    for extra_mb in (0, 100, 2 * 64 * per / 1e6 - 1, 2 * 64 * per / 1e6 + 1,
+                     2 * 192 * per / 1e6 - 1, 2 * 192 * per / 1e6 + 1, 10_000):
+        avail = int((base + extra_mb * 1e6) / M.ADMIT) + 1
+        pl = M.plan(fig, preset="laptop", positions=14, available_bytes=avail)
+        assert pl.admitted
+        picked[round(extra_mb)] = M.moe_chunk_for(pl, fig, 64)
+        free = (pl.limit_bytes - pl.total_bytes) / 2
+        assert (picked[round(extra_mb)] - 64) * per <= free
+    print(f"[gate] MoE chunk by free memory beyond the laptop plan (MB -> positions): {picked}")
+    assert list(picked.values()) == [64, 64, 64, 128, 128, 256, 256]
+    zero = dataclasses.replace(fig, moe_chunk_position_bytes=0)     # unknown: never grows
+    assert M.moe_chunk_for(pl, zero, 64) == 64
 
 
 def test_plan_monotonic_in_budgets(fig):

@@ -35,7 +35,7 @@ import numpy as np
 from . import __version__
 from .diskio import align_up
 from .kernels import PANEL_MIN_TOKENS   # from here a BF16 matvec runs through the panels
-from .memory import ModelFigures, Plan, plan
+from .memory import ModelFigures, Plan, moe_chunk_for, plan
 from .model import PREFILL_CHUNK
 from .trunk import IO_THREADS as TRUNK_IO_THREADS   # a layer's reads run on this many threads
 
@@ -941,16 +941,16 @@ def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
 def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
                  misses_per_layer: float, ring_layers: set, expert_tokens: float,
                  first_touch: set = frozenset(), attended: float | None = None,
-                 expert_runs: float | None = None) -> _Costs:
+                 expert_runs: float | None = None, chunk: int = PREFILL_CHUNK) -> _Costs:
     """Seconds per layer for one engine step over `positions` new positions, attending to
     `attended` (query, key) position pairs in all (decode: the context length), with
     `expert_runs` expert invocations per MoE layer (decode: topk; a prefill: the union of
-    each chunk's experts, summed over its chunks)."""
+    each chunk's experts, summed over its chunks of `chunk` positions)."""
     f = model.figures
     eb = f.expert_bytes
     attended = positions if attended is None else attended
     runs = min(expert_tokens, f.n_experts) if expert_runs is None else expert_runs
-    chunks = -(-positions // PREFILL_CHUNK)
+    chunks = -(-positions // chunk)
     bf16_rate = machine.bf16_rate(positions)
     mxfp4_rate = machine.mxfp4_rate(expert_tokens / max(runs, 1))
     comp, eio, sync, ring, over = [], [], [], [], []
@@ -1113,11 +1113,12 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
     # of the prompt's experts read once per layer (chunk-union prefill, §4.6), every
     # position computed; logits for the last position only.
     prompt_union = f.n_experts * _seen_fraction(model, prompt_len)
-    chunk_union = f.n_experts * _seen_fraction(model, min(prompt_len, PREFILL_CHUNK))
+    chunk = moe_chunk_for(p, f, PREFILL_CHUNK)                   # what the run will use
+    chunk_union = f.n_experts * _seen_fraction(model, min(prompt_len, chunk))
     cp = _layer_costs(model, machine, prompt_len, prompt_union, unpinned, prompt_len * k,
                       set(tp.pinned) if tp is not None else set(),
                       attended=prompt_len * (prompt_len + 1) / 2,
-                      expert_runs=-(-prompt_len // PREFILL_CHUNK) * chunk_union)
+                      expert_runs=-(-prompt_len // chunk) * chunk_union, chunk=chunk)
     cp.expert_io = [machine.read_latency_s
                     + prompt_union * f.expert_bytes / machine.read_rate(prompt_union)
                     if model.moe[L] else 0.0 for L in range(NL)]
@@ -1189,7 +1190,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         "experts that hit (the §4.5 pipeline)" if expert_overlap else
         "expert misses read before the layer's experts compute (K3_NO_EXPERT_PIPELINE=1)",
         f"prefill: {prompt_len} positions computed, the whole trunk read once, "
-        f"{prompt_union:.1f} distinct experts per layer read once (each {PREFILL_CHUNK}-"
+        f"{prompt_union:.1f} distinct experts per layer read once (each {chunk}-"
         f"position chunk runs its own union), MLA over the prompt's {prompt_len * (prompt_len + 1) // 2} "
         f"(query, key) pairs",
         "the machine is assumed otherwise idle; other load slows compute and I/O",

@@ -164,6 +164,8 @@ class ModelFigures:
                                       # recurrent inputs of every KDA layer (7 P + H each)
     stream_scratch_bytes: int = 0     # the compressed trunk's decode scratch, one per trunk
                                       # reader thread (trunk_compress), when it may be read
+    moe_chunk_position_bytes: int = 0  # a prefill MoE chunk's temporaries per position
+                                       # (moe_chunk_for)
 
     def trace_bytes(self, positions: int, keep_pairs: bool, window: int = 0) -> int:
         """The expert request trace kept for the whole run (--dump-cache-trace): every
@@ -206,6 +208,7 @@ class ModelFigures:
             max_blocks=cfg.n_layers // cfg.attn_res_block + 2,
             widen_bytes=int(default_widen_bytes(cfg) if widen_bytes is None else widen_bytes),
             scratch_base=base, scratch_subs=subs,
+            moe_chunk_position_bytes=moe_chunk_position_bytes(cfg),
             sweep_log_floats=(cfg.n_layers - len(cfg.mla_layers)) * (7 * P + cfg.kda_heads))
 
     # -- derived sizes --------------------------------------------------------------------
@@ -257,6 +260,39 @@ class ModelFigures:
         keep an accepted prefix, and one logits row per position."""
         return (self.state_bytes(layers, False, True)
                 + sweep * (self.sweep_log_floats + self.vocab) * 4)
+
+
+def moe_chunk_position_bytes(cfg) -> int:
+    """What one position of a prefill MoE chunk holds while the chunk runs (model.
+    _routed_aggregate and kernels.moe_experts): its latent input zl (float32), and per
+    selected expert its output row d_SL (float32), its input widened to double and its
+    hidden row as double + gate + up (float32).  ~1.5 MB on K3 (16 x (3584 x 12 + 3072 x
+    16) + 3584 x 4 bytes): 94 MB for SYSTEM's 64-position chunk."""
+    return cfg.topk * (cfg.latent * 12 + cfg.moe_inter * 16) + cfg.latent * 4
+
+
+MOE_CHUNKS = (256, 128)       # tried largest first above model.PREFILL_CHUNK
+MOE_CHUNK_SLACK_SHARE = 0.5   # of what admission leaves free, at most this for the chunk
+
+
+def moe_chunk_for(plan: "Plan | None", figures: ModelFigures, base: int) -> int:
+    """The prefill's positions per expert union.  `base` is SYSTEM §4.6's 64 (model.
+    PREFILL_CHUNK): what the plan's buffers assume (the reference's per-token scratch does
+    not count the chunk at all).  A larger chunk reads each expert once for more positions
+    (K3's 896 experts get ~1.1 tokens each per 64 positions: a cache too small for the
+    prompt's union re-reads ~610 experts per layer every 64 positions) and gives the expert
+    tiles more tokens.  It is taken only when its extra temporaries fit in half of what
+    admission leaves free (0.95 x available - TOTAL), so the run stays below admission's
+    limit with half of that room to spare.  The bits are the same at every chunk
+    (tests/test_gates.py)."""
+    if plan is None or not plan.available_known or not plan.admitted:
+        return base
+    free = (plan.limit_bytes - plan.total_bytes) * MOE_CHUNK_SLACK_SHARE
+    per = figures.moe_chunk_position_bytes
+    for chunk in MOE_CHUNKS:
+        if chunk > base and 0 < (chunk - base) * per <= free:     # 0: not known, keep base
+            return chunk
+    return base
 
 
 def kv_check_constant(kv_exact: int) -> int:

@@ -101,16 +101,20 @@ def route(w: MoEWeights, x_E: np.ndarray, cfg: ModelConfig,
     return idx, wts
 
 
-PREFILL_CHUNK = 64      # positions whose routed experts are gathered into one union
+PREFILL_CHUNK = 64      # positions per expert union: SYSTEM §4.6's (the reference's) chunk
 
 
 def latent_moe(w: MoEWeights, x_TE: np.ndarray, layer: int, experts: ExpertSource,
-               cfg: ModelConfig, router=route) -> np.ndarray:
+               cfg: ModelConfig, router=route, chunk: int = PREFILL_CHUNK) -> np.ndarray:
+    """`chunk`: positions per expert union.  Any size gives the same bits (each token's
+    matvec order does not depend on how many tokens share an expert); a larger one reads
+    each union once for more positions and gives the expert tiles more tokens, and costs
+    its temporaries (memory.moe_chunk_for decides)."""
     acc_TL = np.empty((x_TE.shape[0], w.down_lat.shape[0]), dtype=np.float32)
     shared: list[np.ndarray] = []
-    last = (x_TE.shape[0] - 1) // PREFILL_CHUNK * PREFILL_CHUNK
-    for c0 in range(0, x_TE.shape[0], PREFILL_CHUNK):
-        x = x_TE[c0:c0 + PREFILL_CHUNK]
+    last = (x_TE.shape[0] - 1) // chunk * chunk
+    for c0 in range(0, x_TE.shape[0], chunk):
+        x = x_TE[c0:c0 + chunk]
         # SYSTEM §4.5: the work that needs no routed expert (the latent down-projection;
         # in the last chunk also the shared expert, on the original x) runs while the
         # chunk's expert reads are in flight; the shared output is still added last
@@ -225,7 +229,7 @@ class AttnResStack:
 
 def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeights,
                   st: KDAState | MLAState, n_past: int, experts: ExpertSource,
-                  cfg: ModelConfig, router=route) -> np.ndarray:
+                  cfg: ModelConfig, router=route, moe_chunk: int = PREFILL_CHUNK) -> np.ndarray:
     """One layer; h_TE is consumed (updated in place as the running sum)."""
     run = h_TE                                                    # the block's running sum
     a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
@@ -241,7 +245,7 @@ def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeight
     m = stack.aggregate(run, lw.phi_mlp, cfg.rms_eps)             # unconditional: stack >= 1
     x2 = rmsnorm(m, lw.post_norm, cfg.rms_eps)
     z = situ_mlp(lw.mlp, x2, cfg) if cfg.is_dense(L) else \
-        latent_moe(lw.mlp, x2, L, experts, cfg, router)
+        latent_moe(lw.mlp, x2, L, experts, cfg, router, moe_chunk)
     K.add(run, z)
     return run
 
@@ -251,11 +255,13 @@ def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeight
 class Model:
     """Forward pass over a weight provider and an expert source, on the first `n_layers`
     layers (the CLI's --layers binds a partial stack).  `router` replaces the exact
-    top-k routing for a draft model only (draft.DraftRouter)."""
+    top-k routing for a draft model only (draft.DraftRouter).  `moe_chunk`: the prefill's
+    positions per expert union (latent_moe)."""
 
     def __init__(self, cfg: ModelConfig, weights: WeightProvider, experts: ExpertSource,
-                 n_layers: int | None = None, router=route):
+                 n_layers: int | None = None, router=route, moe_chunk: int = PREFILL_CHUNK):
         self.cfg = cfg
+        self.moe_chunk = int(moe_chunk)
         self.weights = weights
         self.experts = experts
         self.router = router
@@ -295,7 +301,7 @@ class Model:
                 lw = self.weights.layer(L)
                 try:
                     h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts,
-                                      cfg, self.router)
+                                      cfg, self.router, self.moe_chunk)
                 finally:
                     self.weights.release(L)
                 self.layers_completed = L + 1

@@ -17,9 +17,9 @@ from .checkpoint import Checkpoint
 from .experts import ExpertCache, ExpertLoadError, ResidentExperts
 from .config import ConfigError, ModelConfig, load_config
 from .draft import DraftModel, DraftRouter, ResidentOnly
-from .memory import ModelFigures, Plan
+from .memory import ModelFigures, Plan, moe_chunk_for
 from .errors import UsageError
-from .model import Model, Stopped, greedy
+from .model import PREFILL_CHUNK, Model, Stopped, greedy
 from .names import expert_tensors, layer_tensors, model_tensors
 from .sampler import Sampler
 from .speculative import SpecCounters, SpecWidth, spec_step
@@ -221,7 +221,9 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                                             cfg.n_experts, keep_trace, trace_window)
     table_bytes = deep_nbytes(tables) if not ultra else \
         tables.final_norm.nbytes + tables.phi_out.nbytes
-    return LoadedModel(cfg, ck, Model(cfg, weights, experts, nl), experts,
+    model = Model(cfg, weights, experts, nl,
+                  moe_chunk=moe_chunk_for(plan, setup.figures, PREFILL_CHUNK))
+    return LoadedModel(cfg, ck, model, experts,
                        setup.index_seconds, time.monotonic() - t0, trunk_bytes,
                        table_bytes, trunk, ultra)
 
