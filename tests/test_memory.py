@@ -633,25 +633,30 @@ def test_plan_terms(fig, sizes):
 
 def test_moe_chunk_grows_only_into_free_memory(fig):
     """The prefill's MoE chunk (model.PREFILL_CHUNK = SYSTEM §4.6's 64) grows to 128 or 256
-    only when the extra temporaries fit in half of what admission leaves free; with the
-    available memory unknown, or a refused plan, it stays 64."""
+    with a resident trunk only, and only when the extra temporaries fit in half of what
+    admission leaves free; with a streamed trunk, the available memory unknown, or a
+    refused plan, it stays 64."""
     per = fig.moe_chunk_position_bytes
     assert per == 16 * (3584 * 12 + 3072 * 16) + 3584 * 4     # K3: ~1.49 MB per position
-    pl = M.plan(fig, preset="laptop", positions=14, available_bytes=10**9)
+    resident = dict(streamed=False, cache_gb=8, positions=14)
+    pl = M.plan(fig, available_bytes=10**9, **resident)
     assert not pl.admitted and M.moe_chunk_for(pl, fig, 64) == 64
-    assert M.moe_chunk_for(M.plan(fig, preset="laptop", positions=14), fig, 64) == 64
+    assert M.moe_chunk_for(M.plan(fig, **resident), fig, 64) == 64
     assert M.moe_chunk_for(None, fig, 64) == 64
-    base = M.plan(fig, preset="laptop", positions=14, available_bytes=64 * 10**9).total_bytes
+    streamed = M.plan(fig, preset="laptop", positions=14, available_bytes=10**12)
+    assert streamed.admitted and M.moe_chunk_for(streamed, fig, 64) == 64
+    base = M.plan(fig, available_bytes=10**13, **resident).total_bytes
     picked = {}
     for extra_mb in (0, 100, 2 * 64 * per / 1e6 - 1, 2 * 64 * per / 1e6 + 1,
                      2 * 192 * per / 1e6 - 1, 2 * 192 * per / 1e6 + 1, 10_000):
         avail = int((base + extra_mb * 1e6) / M.ADMIT) + 1
-        pl = M.plan(fig, preset="laptop", positions=14, available_bytes=avail)
+        pl = M.plan(fig, available_bytes=avail, **resident)
         assert pl.admitted
         picked[round(extra_mb)] = M.moe_chunk_for(pl, fig, 64)
         free = (pl.limit_bytes - pl.total_bytes) / 2
         assert (picked[round(extra_mb)] - 64) * per <= free
-    print(f"[gate] MoE chunk by free memory beyond the laptop plan (MB -> positions): {picked}")
+    print(f"[gate] MoE chunk by free memory beyond a resident K3 plan (MB -> positions): "
+          f"{picked}; streamed laptop plan with 1 TB free: 64")
     assert list(picked.values()) == [64, 64, 64, 128, 128, 256, 256]
     zero = dataclasses.replace(fig, moe_chunk_position_bytes=0)     # unknown: never grows
     assert M.moe_chunk_for(pl, zero, 64) == 64

@@ -284,8 +284,13 @@ def moe_chunk_for(plan: "Plan | None", figures: ModelFigures, base: int) -> int:
     tiles more tokens.  It is taken only when its extra temporaries fit in half of what
     admission leaves free (0.95 x available - TOTAL), so the run stays below admission's
     limit with half of that room to spare.  The bits are the same at every chunk
-    (tests/test_gates.py)."""
-    if plan is None or not plan.available_known or not plan.admitted:
+    (tests/test_gates.py).
+
+    Only with a resident trunk: after a 256-chunk prefill on a streamed budget, mid's
+    decode steps read the same bytes more slowly (median of 6 pairs 0.938 -> 1.069 s,
+    only the chunk differing; docs/benchmarks-engine.md), which costs a chat more than
+    the faster prefill saves.  Resident decode did not move beyond the noise."""
+    if plan is None or plan.streamed or not plan.available_known or not plan.admitted:
         return base
     free = (plan.limit_bytes - plan.total_bytes) * MOE_CHUNK_SLACK_SHARE
     per = figures.moe_chunk_position_bytes
