@@ -26,9 +26,9 @@ def kernel_ext(name: str) -> Extension:
     )
 
 
-# _k3z: the compressed trunk's block codec (a module of its own: it is I/O + decode, not
-# part of the forward pass's numeric contract).
-exts = [kernel_ext("_kernels"), kernel_ext("_k3z")]
+# _k3z: the compressed trunk's block codec, _k3io: the native reader threads (modules of
+# their own: they are I/O, not part of the forward pass's numeric contract).
+exts = [kernel_ext("_kernels"), kernel_ext("_k3z"), kernel_ext("_k3io")]
 
 setup(
     ext_modules=cythonize(

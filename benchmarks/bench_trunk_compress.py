@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import device_bandwidth, run_once  # noqa: E402
 
 from k3engine.diskio import AlignedBuffer, open_for_streaming, parallel_read, pread_into  # noqa: E402
+from k3engine.kernels._k3io import ReadPool  # noqa: E402
 from k3engine.kernels import _k3z as Z  # noqa: E402
 from k3engine.trunk import TrunkManifest, pack_trunk  # noqa: E402
 from k3engine.trunk_compress import (CompressedReader, CompressedTrunk,  # noqa: E402
@@ -130,24 +131,27 @@ def decode_rates(trunk_dir: str, nblocks: int = 8, reps: int = 5) -> dict:
 
 
 def read_path(trunk_dir: str, io_threads: int = 4) -> dict:
-    """Every layer once through the trunk's reads: plain (parallel 64 MiB chunks) and
-    compressed (blocks read + decoded on the same pool).  Wall seconds, O_DIRECT."""
+    """Every layer once through the trunk's reads: plain (parallel 64 MiB chunks on the
+    native readers) and compressed (blocks read + decoded on a pool of Python threads, as
+    the trunk's reader thread does).  Wall seconds, O_DIRECT."""
     m = TrunkManifest.load(trunk_dir)
     reader = CompressedReader(CompressedTrunk.load(trunk_dir, m))
     fd, direct = open_for_streaming(m.bin_path)
     buf = AlignedBuffer(max(x.nbytes for x in m.layers))
     out = {}
     try:
+        reads = ReadPool(io_threads)
         with ThreadPoolExecutor(io_threads) as pool:
             for kind in ("plain", "compressed", "plain", "compressed"):
                 t0 = time.perf_counter()
                 for L, layer in enumerate(m.layers):
                     if kind == "plain":
-                        assert parallel_read(pool, fd, buf.view[:layer.nbytes],
+                        assert parallel_read(reads, fd, buf.view[:layer.nbytes],
                                              layer.file_off) == layer.nbytes
                     else:
                         assert reader.read_layer(pool, L, buf.view[:layer.nbytes]) is None
                 out.setdefault(kind, []).append(m.total_bytes() / (time.perf_counter() - t0))
+        reads.close()
     finally:
         buf.close()
         reader.close()

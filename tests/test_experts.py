@@ -7,6 +7,7 @@ capacity table line for line.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import random
@@ -60,6 +61,39 @@ def fix():
 def fixture_cache(ck, nslot: int, **kw) -> ExpertCache:
     return ExpertCache(ck, None, nslot * slot_bytes_for(1632), n_layers=1, n_experts=N_FIX,
                        topk=2, log=kw.pop("log", lambda m: None), **kw)
+
+
+class Interposed:
+    """The cache's native read pool with a hook on each read's answer: `answer(fd, offset,
+    result)` runs when the consumer collects the read (it may wait, or change the result
+    to what a failing kernel would say); `ready(fd, offset)` may hold done() at False."""
+
+    def __init__(self, cache, answer=None, ready=None):
+        self.pool, self.answer, self.ready = cache._io, answer, ready
+        self.asked: dict[int, tuple[int, int]] = {}
+        cache._io = self
+
+    def submit(self, fd, buf, offset):
+        h = self.pool.submit(fd, buf, offset)
+        self.asked[h] = (fd, offset)
+        return h
+
+    def done(self, h):
+        return self.pool.done(h) and (self.ready is None or self.ready(*self.asked[h]))
+
+    def wait(self, h):
+        res = self.pool.wait(h)
+        fd, offset = self.asked.pop(h)
+        return res if self.answer is None else self.answer(fd, offset, res)
+
+    def close(self):
+        self.pool.close()
+
+
+def read_offsets(cache, e: int) -> tuple[int, int]:
+    """The file offsets a read of expert e (layer 0) may start at: buffered, O_DIRECT."""
+    run = cache._resolve(0, e)
+    return run.offset, run.window()[0]
 
 
 def ew_bytes(ew) -> dict[str, bytes]:
@@ -363,20 +397,22 @@ def test_in_use_protection(fix):
 
 def test_an_expert_is_served_while_the_groups_other_reads_are_in_flight(fix):
     """The forward computes the first expert of a group while a later read has not
-    returned: the read of expert 3 waits (on its I/O thread) until the consumer holds
-    expert 1.  Without the overlap it would wait for nothing (the guard's timeout only
-    keeps a regression from hanging).  Counters and bytes are what reading the whole
-    group first gave."""
+    returned: the read of expert 3 does not answer until the consumer holds expert 1.
+    Without the overlap it would wait for nothing (the guard's timeout only keeps a
+    regression from hanging).  Counters and bytes are what reading the whole group first
+    gave."""
     import threading
     ck, src = fix
     got_first = threading.Event()
     waited = {}
+    cache = fixture_cache(ck, 8)
+    third = read_offsets(cache, 3)
 
-    def slow(L, e):
-        if e == 3:
+    def slow(fd, offset, res):
+        if offset in third:
             waited["overlapped"] = got_first.wait(30)
-        return False                               # no injected failure
-    cache = fixture_cache(ck, 8, fail_reads=slow)
+        return res
+    Interposed(cache, answer=slow)
     order = []
     for group in cache.batches(0, [1, 2, 3]):
         for e, ew in group:
@@ -402,7 +438,10 @@ def test_next_ready_says_whether_serving_would_wait_for_a_read(fix):
     import threading
     ck, src = fix
     release = threading.Event()
-    cache = fixture_cache(ck, 8, fail_reads=lambda L, e: e == 3 and not release.wait(30))
+    cache = fixture_cache(ck, 8)
+    third = read_offsets(cache, 3)
+    Interposed(cache, answer=lambda fd, offset, res: (offset not in third or release.wait(30))
+               and res, ready=lambda fd, offset: offset not in third or release.is_set())
     seen = []
     for group in cache.batches(0, [1, 2, 3]):
         for e, ew in group:
@@ -499,16 +538,19 @@ def test_o_direct_refused_falls_back_per_shard(fix, monkeypatch):
     cache.close()
     monkeypatch.undo()
 
-    # accepted at open, refused on read (EINVAL): buffered from then on, remembered
+    # accepted at open, refused on read (EINVAL): buffered from then on, remembered.  The
+    # native readers' answer for an O_DIRECT descriptor is replaced by the kernel's EINVAL.
     refusals = []
 
-    def refuse(fd, buf, length, offset):
-        refusals.append(offset)
-        raise X._DirectRefused()
+    def refuse(fd, offset, res):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refusals.append(offset)
+            return 0, errno.EINVAL, res[2], res[3]
+        return res
 
-    monkeypatch.setattr(X, "_pread_direct", refuse)
     logs.clear()
     cache = fixture_cache(ck, 4, log=logs.append, io_threads=1)
+    Interposed(cache, answer=refuse)
     for e in (1, 2, 3, 4, 5):
         assert_served(src, 0, e, cache.expert(0, e))
     assert cache.io_mode == {0: "buffered"} and len(refusals) == 1

@@ -63,7 +63,7 @@ def test_ids_identical_in_every_residency_layout(tiny, packed, pinned, ring):
           f"{ring}: ids {ids} vs resident golden {GOLDEN['generated_ids'][:N]}; binds "
           f"{st.binds}, hits {st.hits}, reads {st.misses}, {st.bytes_read} B, O_DIRECT {st.direct}")
     assert ids == GOLDEN["generated_ids"][:N]
-    assert (st.reader is None) == (st.nslot < 2)        # one slot: never a read-ahead
+    assert st.read_ahead == (st.nslot >= 2)            # one slot: never a read-ahead
     m = TrunkManifest.load(packed)
     passes = N + 1
     # every pass reads at most the unpinned layers, plus the pinned ones once

@@ -1,14 +1,13 @@
 """Positioned, aligned and parallel reads: the I/O primitives the checkpoint reader, the
 streamed trunk and the expert cache share (SYSTEM §1.7, §2.5, §3.3-§3.4).
 
-Reads run as `os.preadv` straight into the destination buffer; the call releases the GIL,
-so a few Python I/O threads overlap with the nogil compute kernels.
+Reads run as `os.preadv` straight into the destination buffer; parallel reads go to the
+native reader threads of `kernels._k3io`, which never take the GIL.
 """
 from __future__ import annotations
 
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 ALIGN = 4096                 # O_DIRECT offset/length/address granularity
 ARENA_ALIGN = 2 << 20        # arenas are 2 MiB aligned (any O_DIRECT alignment; see AlignedBuffer)
@@ -79,21 +78,13 @@ def open_for_streaming(path: str) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
-def parallel_read(pool: ThreadPoolExecutor | None, fd: int, dest: memoryview, offset: int,
-                  chunk: int = CHUNK) -> int:
+def parallel_read(reads, fd: int, dest: memoryview, offset: int, chunk: int = CHUNK) -> int:
     """Read len(dest) bytes at offset as parallel chunk requests (aligned when offset and
-    chunk are); returns the byte count read contiguously from the start."""
-    n = len(dest)
-    spans = [(o, min(chunk, n - o)) for o in range(0, n, chunk)] or [(0, 0)]
-    if pool is None or len(spans) == 1:
-        return sum(pread_into(fd, dest[o:o + m], offset + o) for o, m in spans)
-    got = list(pool.map(lambda s: pread_into(fd, dest[s[0]:s[0] + s[1]], offset + s[0]), spans))
-    total = 0
-    for (o, m), g in zip(spans, got):
-        total += g
-        if g < m:
-            break
-    return total
+    chunk are) on `reads` (a `kernels._k3io.ReadPool`; None reads serially here); returns
+    the byte count read contiguously from the start."""
+    if reads is None or len(dest) <= chunk:
+        return pread_into(fd, dest, offset)
+    return reads.read_all(fd, dest, offset, chunk)
 
 
 def read_window(fd: int, direct: bool, buf: AlignedBuffer, offset: int, nbytes: int,

@@ -10,9 +10,10 @@ Three layers, each usable alone:
 * `ExpertCache` owns the arena and the reads.  The forward pass calls `batches(layer,
   experts)`; each yielded group is resident at once and stays protected until the next
   group is requested.  A group's missing experts are read in parallel (§4.4) in disk-offset
-  order by a small pool of I/O threads (`os.preadv` releases the GIL), into 4096-aligned
-  slots through the widened O_DIRECT window of §1.7; each expert is handed to the forward
-  as soon as its own read lands, so compute overlaps the group's other reads (`_Group`).
+  order by native reader threads (`kernels._k3io`: they never take the GIL, so a read
+  lands while the forward runs Python), into 4096-aligned slots through the widened
+  O_DIRECT window of §1.7; each expert is handed to the forward as soon as its own read
+  lands, so compute overlaps the group's other reads (`_Group`).
 
 A slot is registered to its key only after its read returned every byte; a failed read
 leaves the slot EMPTY and is retried once, a second failure is an `ExpertLoadError` (a drop:
@@ -30,8 +31,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import numpy as np
@@ -39,7 +39,8 @@ import numpy as np
 from .bind import BindError
 from .checkpoint import Checkpoint, CheckpointError
 from .config import ModelConfig
-from .diskio import ALIGN, PREAD_MAX, AlignedBuffer, align_up, pread_into
+from .diskio import ALIGN, AlignedBuffer, align_up
+from .kernels._k3io import ReadPool, monotonic
 from .names import EXPERT_MATRICES, expert_tensors, layer_prefix
 from .weights import MXFP4, ExpertWeights
 from .errors import EXIT_DROP, EngineError
@@ -454,29 +455,6 @@ class RequestTrace:
 # ---------------------------------------------------------------------------------------
 # Reads
 
-class _DirectRefused(Exception):
-    """The filesystem accepted O_DIRECT at open but refuses it on read (EINVAL)."""
-
-
-def _pread_direct(fd: int, buf: memoryview, length: int, offset: int) -> int:
-    """§1.7: fill buf[:length] from an aligned offset; the last window of a shard may run
-    past EOF, which is a short count, not an error."""
-    got = 0
-    while got < length:
-        try:
-            r = os.preadv(fd, [buf[got:got + min(length - got, PREAD_MAX)]], offset + got)
-        except OSError as e:
-            if got:
-                break           # unaligned remainder after EOF
-            if e.errno == errno.EINVAL:
-                raise _DirectRefused() from e
-            raise
-        if r <= 0:
-            break
-        got += r
-    return got
-
-
 @dataclass
 class _Read:
     key: int
@@ -486,6 +464,8 @@ class _Read:
     pad: int = 0
     error: str = ""
     done: float = 0.0            # time.monotonic() when the read returned
+    kind: str = ""               # "direct" | "plain" | "pieces": how the bytes are asked for
+    jobs: list = field(default_factory=list)     # native read handles not yet collected
 
     @property
     def ok(self) -> bool:
@@ -522,11 +502,11 @@ class _Group:
                     c.policy.protect(slot)
                     self.held.append(slot)
             reads = c._reserve_group(layer, experts) if c.prefetch else []
-        # issued in disk-offset order (_reserve_group sorts them); one read runs inline
-        self.issued, self.reads = time.monotonic(), reads
+        # issued in disk-offset order (_reserve_group sorts them)
+        self.issued, self.reads = monotonic(), reads
         for r in reads:
-            fut = c._pool.submit(c._read_one, r) if len(reads) > 1 else None
-            self.pending[r.key] = (r, fut)
+            c._start(r)
+            self.pending[r.key] = r
         if not c.overlap:
             self._land_all()
         elif len(reads) > 1:
@@ -554,27 +534,22 @@ class _Group:
             return True
         k = c.key(self.layer, self.experts[len(self.pairs)])
         if k in self.pending:
-            fut = self.pending[k][1]
-            return fut is not None and fut.done()
+            return c._landed(self.pending[k])
         with c._cv:
             return k not in self.failed and (k in self.fresh or c.policy.lookup(k) >= 0)
 
     def _land(self, key: int, join: bool = False) -> None:
         """Wait for one pending read and publish it (or release its slot)."""
         c = self.cache
-        r, fut = self.pending.pop(key)
+        r = self.pending.pop(key)
         t0 = time.monotonic()
-        if fut is None:
-            c._read_one(r)
-        else:
-            fut.result()                     # _read_one never raises: it records errors
+        c._collect(r)                        # never raises: it records errors
         waited = time.monotonic() - t0
         with c._cv:
             c._count(load_seconds=waited,
                      **{"join_wait_s" if join else "next_wait_s": waited})
             if not self.pending:              # the last one: the reads' own wall time
-                c._count(read_seconds=waited if fut is None      # one read, run right here
-                         else max(x.done for x in self.reads) - self.issued)
+                c._count(read_seconds=max(x.done for x in self.reads) - self.issued)
             if c._finish(r, "prefetch"):
                 self.fresh.add(r.key)
                 c.policy.protect(r.slot)
@@ -690,7 +665,7 @@ class ExpertCache:
         self._direct_fd: dict[int, int] = {}
         self._plain_fd: dict[int, int] = {}
         self.io_mode: dict[int, str] = {}         # shard -> "direct" | "buffered"
-        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="k3-expert-io")
+        self._io = ReadPool(max(1, io_threads))
         self.io_threads = max(1, io_threads)
 
         self.step = CacheCounters()               # reset at every decode step
@@ -976,48 +951,77 @@ class ExpertCache:
 
     def _read_one(self, r: _Read) -> None:
         """Read r.run into its slot; sets r.got (payload bytes obtained), r.pad, r.done."""
-        try:
-            self._read_into_slot(r)
-        finally:
-            r.done = time.monotonic()
+        self._start(r)
+        self._collect(r)
 
-    def _read_into_slot(self, r: _Read) -> None:
+    def _start(self, r: _Read) -> None:
+        """Issue r's read on the native readers (r.jobs); a read that cannot even be
+        issued (the shard does not open) is finished here with r.error set."""
         run = r.run
         buf = self.arena.view[r.slot * self.slot_bytes:(r.slot + 1) * self.slot_bytes]
         short = bool(self._fail_reads and self._fail_reads(run.layer, run.expert))
         try:
-            if not run.contiguous:
-                r.got, r.pad = self._read_pieces(run, buf, short), 0
+            if not run.contiguous:              # six buffered reads into the canonical layout
+                fd, r.kind, r.pad = self._plain(run.shard), "pieces", 0
+                last = len(run.tensors) - 1
+                for i, t in enumerate(run.tensors):
+                    want = t.nbytes // 2 if short and i == last else t.nbytes
+                    r.jobs.append(self._io.submit(fd, buf[t.offset:t.offset + want],
+                                                  t.file_offset))
                 return
             fd, direct = self._shard_fd(run.shard)
             if direct:
-                lo, length, pad = run.window()
+                lo, length, r.pad = run.window()
                 if short:
                     length = (length // 2) // ALIGN * ALIGN
-                try:
-                    got = _pread_direct(fd, buf, length, lo)
-                    r.got = run.nbytes if got >= pad + run.nbytes else max(0, got - pad)
-                    r.pad = pad
-                    return
-                except _DirectRefused:
-                    self._refuse_direct(run.shard)
+                r.kind = "direct"
+                r.jobs.append(self._io.submit(fd, buf[:length], lo))
+                return
             want = run.nbytes // 2 if short else run.nbytes
-            r.got, r.pad = pread_into(self._plain(run.shard), buf[:want], run.offset), 0
+            r.kind, r.pad = "plain", 0
+            r.jobs.append(self._io.submit(self._plain(run.shard), buf[:want], run.offset))
         except OSError as e:
-            r.got, r.error = -1, f"read error ({e.strerror or e})"
+            r.got, r.error, r.done = -1, f"read error ({e.strerror or e})", monotonic()
         except Exception as e:                   # never leave a reservation unanswered
             r.got, r.error = -1, f"read error ({type(e).__name__}: {e})"
+            r.done = monotonic()
 
-    def _read_pieces(self, run: ExpertRun, buf: memoryview, short: bool) -> int:
-        """A non-contiguous expert: six buffered reads into the canonical layout."""
-        fd, total = self._plain(run.shard), 0
-        for i, t in enumerate(run.tensors):
-            want = t.nbytes // 2 if short and i == len(run.tensors) - 1 else t.nbytes
-            got = pread_into(fd, buf[t.offset:t.offset + want], t.file_offset)
+    def _landed(self, r: _Read) -> bool:
+        """Whether r's reads have all returned (collecting it would not wait)."""
+        return all(self._io.done(h) for h in r.jobs)
+
+    def _collect(self, r: _Read) -> None:
+        """Wait for r's reads (GIL released) and judge them: r.got is the payload byte
+        count obtained, or -1 with r.error.  Never raises."""
+        if not r.jobs:
+            return                              # failed at issue: r.error says why
+        res = [self._io.wait(h) for h in r.jobs]
+        r.jobs = []
+        r.done = max(x[3] for x in res)
+        run = r.run
+        if r.kind == "direct":
+            got, err = res[0][:2]
+            if err and not got:
+                if err == errno.EINVAL:         # accepted at open, refused on read
+                    self._refuse_direct(run.shard)
+                    self._start(r)              # now buffered: the shard's mode says so
+                    self._collect(r)
+                    return
+                r.got, r.error = -1, f"read error ({os.strerror(err)})"
+                return
+            # an error after some bytes is the unaligned remainder past EOF: a short count
+            r.got = run.nbytes if got >= r.pad + run.nbytes else max(0, got - r.pad)
+            return
+        total = 0
+        for (got, err, _, _), want in zip(res, [t.nbytes for t in run.tensors]
+                                          if r.kind == "pieces" else [run.nbytes]):
+            if err:
+                r.got, r.error = -1, f"read error ({os.strerror(err)})"
+                return
             total += got
-            if got < t.nbytes:
+            if got < want:
                 break
-        return total
+        r.got = total
 
     def _shard_fd(self, shard: int) -> tuple[int, bool]:
         """The shard's read descriptor: O_DIRECT when allowed and accepted, else buffered
@@ -1058,7 +1062,7 @@ class ExpertCache:
     def close(self) -> None:
         """Stop the I/O threads and close descriptors.  The arena is unmapped once no
         expert view refers to it any more."""
-        self._pool.shutdown(wait=True)
+        self._io.close()                         # every queued read returns first
         with self._io_lock:
             for fd in list(self._direct_fd.values()) + list(self._plain_fd.values()):
                 os.close(fd)

@@ -33,7 +33,9 @@ import numpy as np
 from .atomic import publish_with_manifest, remove_stale
 from .bind import Binder
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, to_bf16, widen_bf16
-from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
+from .diskio import (ALIGN, CHUNK, AlignedBuffer, align_up, open_for_streaming, parallel_read,
+                     pread_into)
+from .kernels._k3io import ReadPool
 from .inputfile import InputFileError, read_regular_file
 from .names import PREFIX
 from .strict_json import JSONFormatError, loads_strict
@@ -571,7 +573,13 @@ IO_THREADS = 4                  # reader threads of a layer's parallel chunk rea
 
 class StreamedTrunk:
     """WeightProvider over a packed trunk: pinned layers (read on first touch, kept) and a
-    ring of `ring_slots` uniform slots read ahead in layer order (SYSTEM §3.5)."""
+    ring of `ring_slots` uniform slots read ahead in layer order (SYSTEM §3.5).
+
+    Plain reads of trunk.bin go to native reader threads (`kernels._k3io`), which never
+    take the GIL: the read-ahead is issued from `layer()` as (offset, slot) requests and
+    collected when the forward reaches the layer, so no Python thread stands between the
+    disk and the kernels.  Only a compressed trunk (trunk_compress) has a Python reader
+    thread, because its blocks are decoded on it."""
 
     def __init__(self, manifest: TrunkManifest, binder: Binder, tables: ModelTables,
                  n_layers: int, pinned: set[int], ring_slots: int, io_threads: int = IO_THREADS,
@@ -587,7 +595,8 @@ class StreamedTrunk:
         if manifest.align != ALIGN:
             os.close(self.fd)
             self.fd, self.direct = os.open(manifest.bin_path, os.O_RDONLY), False
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="k3-trunk-io")
+        self.io = ReadPool(io_threads)
+        self.pool: ThreadPoolExecutor | None = None     # trunk.k3z's decoding threads
         # The compressed copy (trunk_compress): read in place of trunk.bin when decoding
         # outruns the device (`compressed`: auto/on/off, default $K3_TRUNK_COMPRESS).
         self.notes: list[tuple[str, bool]] = []     # (message, is a warning), drained by run
@@ -606,15 +615,18 @@ class StreamedTrunk:
         self.held = -1
         self.walk = -1
         self.cursor = 0
-        self.queue: list[tuple[int, int]] = []
+        self.queue: list[tuple[int, int]] = []         # for the compressed reader thread
+        self.inflight: dict[int, tuple[int, list[int]]] = {}   # slot -> (layer, handles)
         self.stop = False
         # counters (completed binds / reads only)
         self.hits = self.misses = self.binds = 0
         self.bytes_read = 0
         self._k3z_raw_read = 0                  # of bytes_read, decoded from trunk.k3z
         self.read_seconds = 0.0
+        self._busy_until = 0.0                  # read_seconds counts overlapping reads once
+        self.read_ahead = self.nslot >= 2       # with ONE slot there must be no read-ahead
         self.reader = None
-        if self.nslot >= 2:                     # with ONE slot there must be no read-ahead
+        if self.read_ahead and self.k3z is not None:
             self.reader = threading.Thread(target=self._reader, name="k3-trunk-reader",
                                            daemon=True)
             self.reader.start()
@@ -637,13 +649,16 @@ class StreamedTrunk:
             self.notes.append((f"{e}; reading the plain trunk.bin instead", True))
             return
         reader = CompressedReader(ct)
-        choice = choose(reader, self.m, self.pool, self.fd, io_threads, mode)
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="k3-trunk-decode")
+        choice = choose(reader, self.m, self.pool, self.io, self.fd, io_threads, mode)
         self.reads_line, self.compress_choice = choice.line, choice
         self.notes.append((choice.line, False))
         if choice.use:
             self.k3z = self._k3z_reader = reader
         else:
             reader.close()
+            self.pool.shutdown()
+            self.pool = None
 
     def drain_notes(self) -> list[tuple[str, bool]]:
         """The notes (message, is a warning) since the last drain: the compressed-read
@@ -683,18 +698,59 @@ class StreamedTrunk:
         run = self.m.layers[L]
         t0 = time.monotonic()
         if not self._read_compressed(L, dest[:run.nbytes]):
-            got = parallel_read(self.pool, self.fd, dest[:run.nbytes], run.file_off)
+            got = parallel_read(self.io, self.fd, dest[:run.nbytes], run.file_off)
         else:
             got = run.nbytes
-        dt = time.monotonic() - t0
         if got != run.nbytes:
             return False
+        self._account(L, t0, time.monotonic())
+        return True
+
+    def _account(self, L: int, t0: float, t1: float) -> None:
+        """Count a finished read of layer L over [t0, t1] (time.monotonic); the part a
+        read overlapped with an earlier counted one is not counted twice."""
+        nbytes = self.m.layers[L].nbytes
         with self.cv:
-            self.bytes_read += run.nbytes
+            dt = max(0.0, t1 - max(t0, self._busy_until))
+            self._busy_until = max(self._busy_until, t1)
+            self.bytes_read += nbytes
             self.read_seconds += dt
         if self.on_read:
-            self.on_read(L, run.nbytes, dt)
-        return True
+            self.on_read(L, nbytes, dt)
+
+    def _issue(self, L: int, s: int) -> None:
+        """Read-ahead of layer L into claimed slot s on the native readers (§2.5's
+        parallel chunk requests).  Caller holds the lock."""
+        run = self.m.layers[L]
+        dest = self.slots[s].view
+        self.inflight[s] = (L, [self.io.submit(self.fd, dest[o:min(o + CHUNK, run.nbytes)],
+                                               run.file_off + o)
+                                for o in range(0, run.nbytes, CHUNK)])
+
+    def _collect(self, s: int) -> None:
+        """Wait for slot s's read-ahead (the GIL and the lock released) and publish it, or
+        leave the slot empty on a short read or an error (the consumer then reads the
+        layer itself, and reports it if that fails too).  Caller holds the lock."""
+        L, handles = self.inflight.pop(s)
+        self.cv.release()
+        try:
+            res = [self.io.wait(h) for h in handles]
+        finally:
+            self.cv.acquire()
+        run = self.m.layers[L]
+        ok = not any(err for _, err, _, _ in res) and sum(g for g, _, _, _ in res) == run.nbytes
+        if ok:
+            self.cv.release()
+            try:
+                self._account(L, min(r[2] for r in res), max(r[3] for r in res))
+            finally:
+                self.cv.acquire()
+        self._publish(s, L, ok)
+
+    def _collect_landed(self) -> None:
+        """Publish every read-ahead that has returned (never waits).  Caller holds the lock."""
+        for s in [s for s, (_, hs) in self.inflight.items() if all(map(self.io.done, hs))]:
+            self._collect(s)
 
     def _claim(self, L: int) -> int:
         """A slot that may receive layer L (§3.5 rules), marked empty and pending; -1 if
@@ -783,7 +839,11 @@ class StreamedTrunk:
                     self.misses += 1
                     first = False
                 if L in self.pending:
-                    cv.wait()                   # the reader is on it
+                    s = self.pending.index(L)
+                    if s in self.inflight:
+                        self._collect(s)        # the native read-ahead: wait for it here
+                    else:
+                        cv.wait()               # the compressed reader thread is on it
                     continue
                 s = self._claim(L)
                 if s < 0:
@@ -803,19 +863,22 @@ class StreamedTrunk:
             return self.held
 
     def _prefetch(self, L: int) -> None:
-        if self.reader is None:
+        if not self.read_ahead:
             return
         with self.cv:
+            self._collect_landed()              # their slots become claimable again
             n = L
-            while len(self.queue) < self.nslot and n < self.n_layers:
-                if n in self.pinned or n in self.slot_of or n in self.pending \
-                        or any(q == n for q, _ in self.queue):
-                    n += 1
+            while len(self.queue) + len(self.inflight) < self.nslot and n < self.n_layers:
+                if n in self.pinned or n in self.slot_of or n in self.pending:
+                    n += 1                      # (a queued layer is pending too)
                     continue
                 s = self._claim(n)
                 if s < 0:
                     break
-                self.queue.append((n, s))
+                if self.reader is not None:
+                    self.queue.append((n, s))
+                else:
+                    self._issue(n, s)
                 n += 1
             self.cv.notify_all()
 
@@ -825,7 +888,12 @@ class StreamedTrunk:
             self.cv.notify_all()
         if self.reader is not None:
             self.reader.join()
-        self.pool.shutdown()
+        with self.cv:
+            while self.inflight:                # no slot is unmapped under a reader
+                self._collect(next(iter(self.inflight)))
+        self.io.close()
+        if self.pool is not None:
+            self.pool.shutdown()
         os.close(self.fd)
         if self._k3z_reader is not None:
             self._k3z_reader.close()

@@ -480,7 +480,7 @@ def measure_decode(reader: CompressedReader, pool, threads: int,
         src.close()
 
 
-def device_rate(trunk, pool, fd: int, io_threads: int) -> tuple[float, str]:
+def device_rate(trunk, reads, fd: int, io_threads: int) -> tuple[float, str]:
     """(bytes/s, where it came from) of plain trunk reads: the machine figures `k3 devbw`
     / the forecast cached for this device, else one timed read of up to 64 MiB of
     trunk.bin the way the trunk reads it (parallel chunks on the same descriptor)."""
@@ -497,7 +497,7 @@ def device_rate(trunk, pool, fd: int, io_threads: int) -> tuple[float, str]:
     try:
         np.frombuffer(buf.view, np.uint8)[::ALIGN] = 0     # fault pages in before timing
         t0 = time.perf_counter()
-        got = parallel_read(pool, fd, buf.view, trunk.layers[L].file_off)
+        got = parallel_read(reads, fd, buf.view, trunk.layers[L].file_off)
         dt = time.perf_counter() - t0
     finally:
         buf.close()
@@ -514,11 +514,11 @@ def compressed_wins(decode_all: float, ratio: float, device: float) -> bool:
     return decode_all * (1 - ratio) > device * MARGIN
 
 
-def choose(reader: CompressedReader, trunk, pool, fd: int, io_threads: int,
+def choose(reader: CompressedReader, trunk, pool, reads, fd: int, io_threads: int,
            mode: str) -> Choice:
     """Compressed reads when they deliver layer bytes faster than plain reads
     (compressed_wins on this machine's measured figures); `on` / `off` skip the
-    measurement."""
+    measurement.  `pool` runs the decoding threads, `reads` the plain reads (ReadPool)."""
     ct = reader.ct
     ratio = ct.stored_bytes / max(ct.raw_bytes, 1)
     what = f"{K3Z_BIN} ({ratio:.3f} of the plain bytes)"
@@ -534,7 +534,7 @@ def choose(reader: CompressedReader, trunk, pool, fd: int, io_threads: int,
         cpus = os.cpu_count() or 1
     nt = max(1, min(io_threads, cpus))
     dec_all = measure_decode(reader, pool, nt)
-    dev, source = device_rate(trunk, pool, fd, io_threads)
+    dev, source = device_rate(trunk, reads, fd, io_threads)
     use = compressed_wins(dec_all, ratio, dev)
     eff = 1 / (ratio / dev + 1 / dec_all) if dec_all > 0 and dev > 0 else 0.0
     dec = dec_all / nt
