@@ -289,7 +289,8 @@ def moe_chunk_for(plan: "Plan | None", figures: ModelFigures, base: int) -> int:
     Only with a resident trunk: after a 256-chunk prefill on a streamed budget, mid's
     decode steps read the same bytes more slowly (median of 6 pairs 0.938 -> 1.069 s,
     only the chunk differing; docs/benchmarks-engine.md), which costs a chat more than
-    the faster prefill saves.  Resident decode did not move beyond the noise."""
+    the faster prefill saves.  The native reader threads did not change that (3 pairs,
+    0.812 -> 1.046 s: not a GIL stall).  Resident decode did not move beyond the noise."""
     if plan is None or plan.streamed or not plan.available_known or not plan.admitted:
         return base
     free = (plan.limit_bytes - plan.total_bytes) * MOE_CHUNK_SLACK_SHARE
