@@ -25,6 +25,7 @@ from k3engine.bind import Binder, BindError, CheckpointExperts, ResidentWeights
 from k3engine.checkpoint import Checkpoint, CheckpointError
 from k3engine.experts import (EMPTY, INFLIGHT, ExpertCache, ExpertCacheError, ExpertLoadError,
                               LRUPolicy, ResidentExperts, resolve_expert, slot_bytes_for)
+from k3engine.kernels._k3io import joined
 from k3engine.names import PREFIX
 from k3engine.tools import sim_cache
 from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
@@ -71,12 +72,16 @@ class Interposed:
     def __init__(self, cache, answer=None, ready=None):
         self.pool, self.answer, self.ready = cache._io, answer, ready
         self.asked: dict[int, tuple[int, int]] = {}
+        self.lengths: dict[int, int] = {}
         cache._io = self
 
     def submit(self, fd, buf, offset):
         h = self.pool.submit(fd, buf, offset)
-        self.asked[h] = (fd, offset)
+        self.asked[h], self.lengths[h] = (fd, offset), len(buf)
         return h
+
+    def wait_all(self, handles):
+        return joined([self.lengths.pop(h) for h in handles], [self.wait(h) for h in handles])
 
     def done(self, h):
         return self.pool.done(h) and (self.ready is None or self.ready(*self.asked[h]))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from k3engine.diskio import AlignedBuffer, parallel_read
-from k3engine.kernels._k3io import ReadPool, monotonic
+from k3engine.kernels._k3io import ReadPool, joined, monotonic
 
 
 @pytest.fixture()
@@ -115,3 +115,13 @@ def test_a_read_lands_while_python_holds_the_gil(data_file):
     assert landed and got == len(data) and bytes(buf) == data
     assert abs(monotonic() - time.monotonic()) < 0.05     # the same clock as the engine's
     pool.close()
+
+
+def test_joined_stops_at_the_first_short_or_failed_read():
+    """How the expert cache and the trunk judge several reads as one."""
+    r = lambda got, err=0: (got, err, 1.0 + got, 2.0 + got)     # noqa: E731
+    assert joined([4, 4, 4], [r(4), r(4), r(4)]) == (12, 0, 1.0 + 4, 2.0 + 4)
+    assert joined([4, 4, 4], [r(4), r(2), r(4)])[:2] == (6, 0)       # EOF: a short count
+    assert joined([4, 4], [r(3, errno.EINVAL), r(4)])[:2] == (3, errno.EINVAL)
+    assert joined([4, 4], [r(4), r(0, errno.EIO)])[:2] == (4, errno.EIO)
+    assert joined([], []) == (0, 0, 0.0, 0.0)

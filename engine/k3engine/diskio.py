@@ -80,9 +80,9 @@ def open_for_streaming(path: str) -> tuple[int, bool]:
 
 def parallel_read(reads, fd: int, dest: memoryview, offset: int, chunk: int = CHUNK) -> int:
     """Read len(dest) bytes at offset as parallel chunk requests (aligned when offset and
-    chunk are) on `reads` (a `kernels._k3io.ReadPool`; None reads serially here); returns
-    the byte count read contiguously from the start."""
-    if reads is None or len(dest) <= chunk:
+    chunk are) on `reads` (a `kernels._k3io.ReadPool`; one chunk is read right here);
+    returns the byte count read contiguously from the start."""
+    if len(dest) <= chunk:
         return pread_into(fd, dest, offset)
     return reads.read_all(fd, dest, offset, chunk)
 

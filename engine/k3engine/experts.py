@@ -995,12 +995,10 @@ class ExpertCache:
         count obtained, or -1 with r.error.  Never raises."""
         if not r.jobs:
             return                              # failed at issue: r.error says why
-        res = [self._io.wait(h) for h in r.jobs]
+        got, err, _, r.done = self._io.wait_all(r.jobs)
         r.jobs = []
-        r.done = max(x[3] for x in res)
         run = r.run
         if r.kind == "direct":
-            got, err = res[0][:2]
             if err and not got:
                 if err == errno.EINVAL:         # accepted at open, refused on read
                     self._refuse_direct(run.shard)
@@ -1011,17 +1009,10 @@ class ExpertCache:
                 return
             # an error after some bytes is the unaligned remainder past EOF: a short count
             r.got = run.nbytes if got >= r.pad + run.nbytes else max(0, got - r.pad)
-            return
-        total = 0
-        for (got, err, _, _), want in zip(res, [t.nbytes for t in run.tensors]
-                                          if r.kind == "pieces" else [run.nbytes]):
-            if err:
-                r.got, r.error = -1, f"read error ({os.strerror(err)})"
-                return
-            total += got
-            if got < want:
-                break
-        r.got = total
+        elif err:
+            r.got, r.error = -1, f"read error ({os.strerror(err)})"
+        else:
+            r.got = got                         # pieces: contiguous up to the first short one
 
     def _shard_fd(self, shard: int) -> tuple[int, bool]:
         """The shard's read descriptor: O_DIRECT when allowed and accepted, else buffered

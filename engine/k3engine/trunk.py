@@ -722,10 +722,8 @@ class StreamedTrunk:
         """Read-ahead of layer L into claimed slot s on the native readers (§2.5's
         parallel chunk requests).  Caller holds the lock."""
         run = self.m.layers[L]
-        dest = self.slots[s].view
-        self.inflight[s] = (L, [self.io.submit(self.fd, dest[o:min(o + CHUNK, run.nbytes)],
-                                               run.file_off + o)
-                                for o in range(0, run.nbytes, CHUNK)])
+        self.inflight[s] = (L, self.io.submit_spans(self.fd, self.slots[s].view[:run.nbytes],
+                                                    run.file_off, CHUNK))
 
     def _collect(self, s: int) -> None:
         """Wait for slot s's read-ahead (the GIL and the lock released) and publish it, or
@@ -734,17 +732,12 @@ class StreamedTrunk:
         L, handles = self.inflight.pop(s)
         self.cv.release()
         try:
-            res = [self.io.wait(h) for h in handles]
+            got, err, t0, t1 = self.io.wait_all(handles)
+            ok = not err and got == self.m.layers[L].nbytes
+            if ok:
+                self._account(L, t0, t1)
         finally:
             self.cv.acquire()
-        run = self.m.layers[L]
-        ok = not any(err for _, err, _, _ in res) and sum(g for g, _, _, _ in res) == run.nbytes
-        if ok:
-            self.cv.release()
-            try:
-                self._account(L, min(r[2] for r in res), max(r[3] for r in res))
-            finally:
-                self.cv.acquire()
         self._publish(s, L, ok)
 
     def _collect_landed(self) -> None:

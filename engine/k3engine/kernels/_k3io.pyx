@@ -33,6 +33,21 @@ def monotonic() -> float:
     return k3io_now()
 
 
+def joined(lengths, results) -> tuple:
+    """Reads into consecutive destinations of `lengths` bytes judged as one: (bytes read
+    contiguously in order, counting the stopping read's own bytes; the errno of the read
+    that stopped the run or 0; first start; last finish).  A read stops the run when it
+    failed or read less than its destination."""
+    total, err = 0, 0
+    for n, (got, e, _, _) in zip(lengths, results):
+        total += got
+        if e or got < n:
+            err = e
+            break
+    return (total, err, min([r[2] for r in results], default=0.0),
+            max([r[3] for r in results], default=0.0))
+
+
 cdef class ReadPool:
     cdef k3io_pool *p
     cdef dict held
@@ -73,24 +88,24 @@ cdef class ReadPool:
         del self.held[h]
         return j.got, j.err, j.started, j.done
 
+    def submit_spans(self, int fd, dest, long long offset, Py_ssize_t chunk) -> list:
+        """Handles of len(dest) bytes at offset as parallel requests of `chunk` bytes."""
+        mv = memoryview(dest)
+        return [self.submit(fd, mv[o:o + chunk], offset + o) for o in range(0, len(mv), chunk)]
+
+    def wait_all(self, handles) -> tuple:
+        """Wait for every handle; `joined` of their destinations' lengths and results."""
+        lengths = [len(self.held[h]) if h in self.held else 0 for h in handles]
+        return joined(lengths, [self.wait(h) for h in handles])
+
     def read_all(self, int fd, dest, long long offset, Py_ssize_t chunk) -> int:
         """Read len(dest) bytes at offset as parallel requests of `chunk` bytes; the byte
-        count read contiguously from the start (short at EOF).  Raises OSError if a
-        request failed (after every request has returned)."""
-        mv = memoryview(dest)
-        n = len(mv)
-        hs = [self.submit(fd, mv[o:o + chunk], offset + o) for o in range(0, n, chunk)] \
-            or [self.submit(fd, mv[0:0], offset)]
-        res = [self.wait(h) for h in hs]
-        for got, err, _, _ in res:
-            if err:
-                raise OSError(err, os.strerror(err))
-        total = 0
-        for o, (got, _, _, _) in zip(range(0, max(n, 1), chunk), res):
-            total += got
-            if got < min(chunk, n - o):
-                break
-        return total
+        count read contiguously from the start (short at EOF).  Raises OSError if the
+        request that stopped it failed (after every request has returned)."""
+        got, err, _, _ = self.wait_all(self.submit_spans(fd, dest, offset, chunk))
+        if err:
+            raise OSError(err, os.strerror(err))
+        return got
 
     def close(self) -> None:
         """Finish the queued reads and join the threads (idempotent)."""
