@@ -304,16 +304,20 @@ K3_TILE_INSTANCES(k3_mv_bf16_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_bf
                   uint16_t)
 K3_TILE_INSTANCES(k3_mv_i8_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_i8_avx512, int8_t)
 
-/* ---- AVX-512 panels: prefill's matvecs (T >= k3_panel_min_tokens) --------------------- */
-/* The 2 x 4 tile above widens a weight block for 4 tokens only, and each of its 16 FMAs
- * waits on 14 widening uops per 16 weights on the same two vector ports (BF16 prefill ran
- * at ~40 % of the double-FMA peak).  A panel widens 4 rows x K3_PANEL_K weights ONCE into
- * an L1 buffer of doubles and runs every token of a block over it, 4 rows x 3 tokens at a
- * time (24 accumulators in registers, the widened rows loaded once per 3 tokens); between
- * k-blocks each (row, token)'s 16 lane sums wait in a small buffer.  Each lane still sums
- * its elements in ascending order from +0.0 and meets the others in the same tree, then
- * the tail: the same bits as the tile (tests/test_kernels.py, T = 1..50 against one-token
- * calls, a ragged k-block, ragged row and token tiles, every ISA at 1 and 2 threads). */
+/* ---- panels: prefill's matvecs (T >= k3_panel_min_tokens) ---------------------------- */
+/* The tiles above widen a weight block for a few tokens only (2 x 4 on AVX-512, 1 x 2 on
+ * AVX2), and each FMA waits on the widening uops of its block on the same vector ports
+ * (BF16 prefill ran at ~40 % of the double-FMA peak on AVX-512, 6.6 G multiply-adds/s per
+ * Zen 3 core on AVX2).  A panel widens 4 rows x K3_PANEL_K weights ONCE into an L1 buffer
+ * of doubles and runs every token of a block over it, 4 rows x 3 tokens at a time (the
+ * widened rows loaded once per 3 tokens); between k-blocks each (row, token)'s 16 lane
+ * sums wait in a small buffer.  AVX-512 holds all 16 lanes of the 12 (row, token) pairs in
+ * 24 registers; AVX2 has 16 registers, so it makes 4 passes over the k-block, one per
+ * 4-lane quarter (12 accumulators, 3 inputs, 1 weight vector), reading the block again
+ * from L1.  Each lane still sums its elements in ascending order from +0.0 and meets the
+ * others in the same tree, then the tail: the same bits as the tile (tests/test_kernels.py,
+ * T = 1..50 against one-token calls, a ragged k-block, ragged row and token tiles, every
+ * ISA at 1 and 2 threads). */
 #define K3_PANEL_MIN_TOKENS 5      /* below: the tiles (T = 2..4 measured as fast or faster) */
 static long k3_panel_min_tokens = K3_PANEL_MIN_TOKENS;    /* benchmarks A/B it */
 static void k3_set_panel_min_tokens(long t) {
@@ -331,43 +335,54 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
 #define K3_PANEL_MAX_TOKENS 48    /* per token block: 16 tiles of lane sums, 24 KB */
 #define K3_PANEL_X_BYTES (1L << 20)  /* a block's widened inputs stay in L2 across rows */
 
-K3_AVX512_ATTR K3_INLINE void k3_panel_tile(const double *wb, const double *x, long ldx,
-                                            double *sums, int first, long kb, const int B) {
-    __m512d acc[K3_PANEL_R][K3_PANEL_B][2];
-    for (int r = 0; r < K3_PANEL_R; r++)
-        for (int b = 0; b < B; b++)
-            for (int k = 0; k < 2; k++)
-                acc[r][b][k] = first ? _mm512_setzero_pd()
-                                     : _mm512_loadu_pd(sums + (r * K3_PANEL_B + b) * 16 + 8 * k);
-    for (long i = 0; i < kb; i += 16)
-        for (int k = 0; k < 2; k++) {
-            __m512d xv[K3_PANEL_B];
-            for (int b = 0; b < B; b++) xv[b] = _mm512_loadu_pd(x + b * ldx + i + 8 * k);
-            for (int r = 0; r < K3_PANEL_R; r++) {
-                __m512d wv = _mm512_load_pd(wb + r * K3_PANEL_K + i + 8 * k);
-                /* keep wv in a register: folded into 3 FMAs as memory operands, the
-                 * panel became load-bound (30 loads per 24 FMAs, ~1.6x slower) */
-                __asm__("" : "+v"(wv));
-                for (int b = 0; b < B; b++) acc[r][b][k] = _mm512_fmadd_pd(wv, xv[b], acc[r][b][k]);
-            }
-        }
-    for (int r = 0; r < K3_PANEL_R; r++)
-        for (int b = 0; b < B; b++)
-            for (int k = 0; k < 2; k++)
-                _mm512_storeu_pd(sums + (r * K3_PANEL_B + b) * 16 + 8 * k, acc[r][b][k]);
-}
-#define K3_PANEL_TILE_INSTANCE(B)                                                           \
-    K3_AVX512_ATTR static void k3_panel_tile_##B(const double *wb, const double *x, long ldx, \
-                                                 double *sums, int first, long kb) {        \
-        k3_panel_tile(wb, x, ldx, sums, first, kb, B);                                      \
+/* One ISA's panel tile, 4 rows x B tokens: VEC holds VL doubles, NV = 16 / VL vectors
+ * hold a 16-lane block, KI of them are summed per pass over the k-block. */
+#define K3_PANEL_TILE(ISA, ATTR, VEC, VL, NV, KI, ZERO, LOAD, LOADA, STORE, FMADD)      \
+    ATTR K3_INLINE void k3_panel_tile_##ISA(const double *wb, const double *x, long ldx,    \
+                                            double *sums, int first, long kb, const int B) { \
+        for (int k0 = 0; k0 < NV; k0 += KI) {                                               \
+            VEC acc[K3_PANEL_R][K3_PANEL_B][KI];                                            \
+            for (int r = 0; r < K3_PANEL_R; r++)                                            \
+                for (int b = 0; b < B; b++)                                                 \
+                    for (int k = 0; k < KI; k++)                                            \
+                        acc[r][b][k] = first ? ZERO()                                       \
+                            : LOAD(sums + (r * K3_PANEL_B + b) * 16 + VL * (k0 + k));       \
+            for (long i = 0; i < kb; i += 16)                                               \
+                for (int k = 0; k < KI; k++) {                                              \
+                    VEC xv[K3_PANEL_B];                                                     \
+                    for (int b = 0; b < B; b++) xv[b] = LOAD(x + b * ldx + i + VL * (k0 + k)); \
+                    for (int r = 0; r < K3_PANEL_R; r++) {                                  \
+                        VEC wv = LOADA(wb + r * K3_PANEL_K + i + VL * (k0 + k));            \
+                        /* keep wv in a register: folded into 3 FMAs as memory operands, \
+                         * the panel became load-bound (30 loads per 24 FMAs, ~1.6x slower) */ \
+                        __asm__("" : "+v"(wv));                                             \
+                        for (int b = 0; b < B; b++)                                         \
+                            acc[r][b][k] = FMADD(wv, xv[b], acc[r][b][k]);                  \
+                    }                                                                       \
+                }                                                                           \
+            for (int r = 0; r < K3_PANEL_R; r++)                                            \
+                for (int b = 0; b < B; b++)                                                 \
+                    for (int k = 0; k < KI; k++)                                            \
+                        STORE(sums + (r * K3_PANEL_B + b) * 16 + VL * (k0 + k), acc[r][b][k]); \
+        }                                                                                   \
+    }                                                                                       \
+    K3_PANEL_TILE_INSTANCE(ISA, ATTR, 1) K3_PANEL_TILE_INSTANCE(ISA, ATTR, 2)                \
+    K3_PANEL_TILE_INSTANCE(ISA, ATTR, 3)
+#define K3_PANEL_TILE_INSTANCE(ISA, ATTR, B)                                                \
+    ATTR static void k3_panel_tile_##ISA##_##B(const double *wb, const double *x, long ldx, \
+                                               double *sums, int first, long kb) {          \
+        k3_panel_tile_##ISA(wb, x, ldx, sums, first, kb, B);                                \
     }
-K3_PANEL_TILE_INSTANCE(1) K3_PANEL_TILE_INSTANCE(2) K3_PANEL_TILE_INSTANCE(3)
+K3_PANEL_TILE(avx512, K3_AVX512_ATTR, __m512d, 8, 2, 2, _mm512_setzero_pd,
+              _mm512_loadu_pd, _mm512_load_pd, _mm512_storeu_pd, _mm512_fmadd_pd)
+K3_PANEL_TILE(avx2, K3_AVX2_ATTR, __m256d, 4, 4, 1, _mm256_setzero_pd,
+              _mm256_loadu_pd, _mm256_load_pd, _mm256_storeu_pd, _mm256_fmadd_pd)
 
 /* Rows [o0, o1) x tokens [0, ntok), as K3_MV_ROWS below (which calls it). */
-#define K3_MV_PANEL(NAME, T, WIDEN16, WIDEN)                                                \
-    K3_AVX512_ATTR static void NAME(const T *W, long ldw, long n, long o0, long o1,         \
-                                    const double *Xd, long ntok, const float *scale,        \
-                                    float *Y, long ldy) {                                   \
+#define K3_MV_PANEL(NAME, ISA, ATTR, VEC, VL, NV, LOAD, STORE, ZERO, TREE, T, WIDEN16, WIDEN) \
+    ATTR static void NAME(const T *W, long ldw, long n, long o0, long o1,                   \
+                          const double *Xd, long ntok, const float *scale,                  \
+                          float *Y, long ldy) {                                             \
         double wb[K3_PANEL_R * K3_PANEL_K] __attribute__((aligned(64)));                    \
         double sums[K3_PANEL_MAX_TOKENS / K3_PANEL_B * K3_PANEL_R * K3_PANEL_B * 16];       \
         const long nfull = n & ~15L, per_tile = K3_PANEL_R * K3_PANEL_B * 16;               \
@@ -383,19 +398,19 @@ K3_PANEL_TILE_INSTANCE(1) K3_PANEL_TILE_INSTANCE(2) K3_PANEL_TILE_INSTANCE(3)
                     for (int r = 0; r < K3_PANEL_R; r++) {   /* rows past R: row 0 again */ \
                         const T *w = W + (o + (r < R ? r : 0)) * ldw + k0;                  \
                         for (long i = 0; i < kb; i += 16) {                                 \
-                            __m512d v[2];                                                   \
+                            VEC v[NV];                                                      \
                             WIDEN16(w + i, v);                                              \
-                            _mm512_store_pd(wb + r * K3_PANEL_K + i, v[0]);                 \
-                            _mm512_store_pd(wb + r * K3_PANEL_K + i + 8, v[1]);             \
+                            for (int k = 0; k < NV; k++)                                    \
+                                STORE(wb + r * K3_PANEL_K + i + VL * k, v[k]);              \
                         }                                                                   \
                     }                                                                       \
                     double *s = sums;                                                       \
                     for (long t = t0; t < t1; t += K3_PANEL_B, s += per_tile) {             \
                         const double *x = Xd + t * n + k0;                                  \
                         switch (t1 - t < K3_PANEL_B ? t1 - t : K3_PANEL_B) {                \
-                        case 1: k3_panel_tile_1(wb, x, n, s, k0 == 0, kb); break;           \
-                        case 2: k3_panel_tile_2(wb, x, n, s, k0 == 0, kb); break;           \
-                        default: k3_panel_tile_3(wb, x, n, s, k0 == 0, kb); break;          \
+                        case 1: k3_panel_tile_##ISA##_1(wb, x, n, s, k0 == 0, kb); break;   \
+                        case 2: k3_panel_tile_##ISA##_2(wb, x, n, s, k0 == 0, kb); break;   \
+                        default: k3_panel_tile_##ISA##_3(wb, x, n, s, k0 == 0, kb); break;  \
                         }                                                                   \
                     }                                                                       \
                 }                                                                           \
@@ -405,9 +420,9 @@ K3_PANEL_TILE_INSTANCE(1) K3_PANEL_TILE_INSTANCE(2) K3_PANEL_TILE_INSTANCE(3)
                     for (int r = 0; r < R; r++)                                             \
                         for (int b = 0; b < B; b++) {                                       \
                             const double *a = s + (r * K3_PANEL_B + b) * 16;                \
-                            __m512d v[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};      \
-                            if (nfull) { v[0] = _mm512_loadu_pd(a); v[1] = _mm512_loadu_pd(a + 8); } \
-                            double d = k3_tree16_avx512(v);                                 \
+                            VEC v[NV];                                                      \
+                            for (int k = 0; k < NV; k++) v[k] = nfull ? LOAD(a + VL * k) : ZERO(); \
+                            double d = TREE(v);                                             \
                             const T *w = W + (o + r) * ldw;                                 \
                             const double *x = Xd + (t + b) * n;                             \
                             for (long j = nfull; j < n; j++) d += (double)WIDEN(w[j]) * x[j]; \
@@ -417,9 +432,20 @@ K3_PANEL_TILE_INSTANCE(1) K3_PANEL_TILE_INSTANCE(2) K3_PANEL_TILE_INSTANCE(3)
             }                                                                               \
         }                                                                                   \
     }
-K3_MV_PANEL(k3_mv_panel_f32, float, k3_w16_f32_avx512, K3_AS_IS)
-K3_MV_PANEL(k3_mv_panel_bf16, uint16_t, k3_w16_bf16_avx512, k3_bf16_to_f32)
-K3_MV_PANEL(k3_mv_panel_i8, int8_t, k3_w16_i8_avx512, K3_AS_IS)
+#define K3_MV_PANEL_AVX512(KIND, T, WIDEN)                                                  \
+    K3_MV_PANEL(k3_mv_panel_##KIND##_avx512, avx512, K3_AVX512_ATTR, __m512d, 8, 2,         \
+                _mm512_loadu_pd, _mm512_store_pd, _mm512_setzero_pd, k3_tree16_avx512, T,   \
+                k3_w16_##KIND##_avx512, WIDEN)
+#define K3_MV_PANEL_AVX2(KIND, T, WIDEN)                                                    \
+    K3_MV_PANEL(k3_mv_panel_##KIND##_avx2, avx2, K3_AVX2_ATTR, __m256d, 4, 4,               \
+                _mm256_loadu_pd, _mm256_store_pd, _mm256_setzero_pd, k3_tree16_avx2, T,     \
+                k3_w16_##KIND##_avx2, WIDEN)
+K3_MV_PANEL_AVX512(f32, float, K3_AS_IS)
+K3_MV_PANEL_AVX512(bf16, uint16_t, k3_bf16_to_f32)
+K3_MV_PANEL_AVX512(i8, int8_t, K3_AS_IS)
+K3_MV_PANEL_AVX2(f32, float, K3_AS_IS)
+K3_MV_PANEL_AVX2(bf16, uint16_t, k3_bf16_to_f32)
+K3_MV_PANEL_AVX2(i8, int8_t, K3_AS_IS)
 
 /* ---- MXFP4 tiles -------------------------------------------------------------------- */
 /* Element e of a group goes to lane e%8; vector k of a group holds elements 8k..8k+7, so
@@ -774,8 +800,11 @@ static inline long k3_token_block(long n, int bmax) {
     else if (isa == K3_ISA_AVX512) {                                                        \
         K3_TILE_SWITCH_MV(k3_mv_##KIND##_avx512, R, B, (w, ldw, x, n, n, out)) }
 #define K3_MV_PANEL_GENERIC(KIND, isa, W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy)       \
-    if (isa == K3_ISA_AVX512 && ntok >= k3_panel_min_tokens) {                              \
-        k3_mv_panel_##KIND(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);                     \
+    if (ntok >= k3_panel_min_tokens && isa != K3_ISA_SCALAR) {                              \
+        if (isa == K3_ISA_AVX512)                                                           \
+            k3_mv_panel_##KIND##_avx512(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);        \
+        else                                                                                \
+            k3_mv_panel_##KIND##_avx2(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);          \
         return;                                                                             \
     }
 #else
