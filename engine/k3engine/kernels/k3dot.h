@@ -14,7 +14,8 @@
  * 8 doubles per vector).  K3_KERNEL_ISA or k3_set_isa() forces one, so tests compare them.
  *
  * Tiles: a SIMD kernel computes R rows x B tokens at once (matvec R <= 4, B <= 2 on
- * AVX-512; MXFP4 on AVX-512 8 rows in lanes x B <= 4): each weight block is widened (or its
+ * AVX-512; MXFP4 on AVX-512 8 rows in lanes x B <= 4, on AVX2 4 rows or 4 tokens whose
+ * group sums share a vector): each weight block is widened (or its
  * nibbles decoded) once and applied to every token of the tile while it is in registers,
  * and each x block is loaded once for all rows of the tile.  Every (row, token) pair keeps
  * its own accumulators in its own order, so the tile shape never changes a bit
@@ -135,10 +136,8 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
     case 8 + 3: PREFIX##_1_3 ARGS; break;  case 8 + 4: PREFIX##_1_4 ARGS; break;            \
     case 16 + 1: PREFIX##_2_1 ARGS; break; case 16 + 2: PREFIX##_2_2 ARGS; break;           \
     case 16 + 3: PREFIX##_2_3 ARGS; break; case 16 + 4: PREFIX##_2_4 ARGS; break;
+/* the tiles also come 3 x 1 and 4 x 1 (T = 1: 4 rows per pass) */
 #define K3_TILE_SWITCH(PREFIX, R, B, ARGS)                                                  \
-    switch ((R) * 8 + (B)) { K3_TILE_CASES(PREFIX, ARGS) default: abort(); }
-/* the matvec tiles also come 3 x 1 and 4 x 1 (T = 1 on AVX-512: 4 rows per pass) */
-#define K3_TILE_SWITCH_MV(PREFIX, R, B, ARGS)                                               \
     switch ((R) * 8 + (B)) {                                                                \
     K3_TILE_CASES(PREFIX, ARGS)                                                             \
     case 24 + 1: PREFIX##_3_1 ARGS; break; case 32 + 1: PREFIX##_4_1 ARGS; break;           \
@@ -476,46 +475,66 @@ K3_AVX2_ATTR K3_INLINE void k3_mxfp4_codes_avx2(const uint8_t *p, __m128i *c0, _
     *c1 = _mm_unpackhi_epi8(lo, hi);   /* elements 16-31 */
 }
 
+/* Four group sums at once: bb[q] holds b0..b3 (b[l] = s[l] + s[l+4]) of pair q; the
+ * result's lane q is (b0+b1) + (b2+b3) of pair q, the scalar tree's order. */
+K3_AVX2_ATTR K3_INLINE __m256d k3_tree4x4_avx2(const __m256d *bb) {
+    __m256d h01 = _mm256_hadd_pd(bb[0], bb[1]);   /* [b0+b1 of 0, of 1, b2+b3 of 0, of 1] */
+    __m256d h23 = _mm256_hadd_pd(bb[2], bb[3]);
+    return _mm256_add_pd(_mm256_permute2f128_pd(h01, h23, 0x20),
+                         _mm256_permute2f128_pd(h01, h23, 0x31));
+}
+
+/* R rows x B tokens (R * B <= 8): (row r, token b) is pair q = r * B + b, lane q % 4 of
+ * accumulator q / 4.  Each row's group is decoded once for its B tokens; the group trees
+ * of 4 pairs, the scaling and the group-ordered accumulation are one vector op each
+ * (mul, then add: never fused).  Why: one horizontal tree and a scalar multiply-add per
+ * (row, token, group) cost as much as the products (AVX2 MXFP4 ran at ~4 G multiply-adds
+ * per second per Zen 3 core).  A dead group (scale byte 255) adds +0.0 to its lane, which
+ * leaves the sum's bits as the scalar's skip does: a sum that starts at +0.0 is never
+ * -0.0 under round-to-nearest, and x + 0.0 = x for every other x, NaN and inf included. */
 K3_AVX2_ATTR K3_INLINE void k3_mxfp4_tile_avx2(const uint8_t *p, long ldp, const uint8_t *s,
                                                long lds, const double *x, long ldx, long n,
                                                double *out, const int R, const int B) {
-    double acc[2][4];
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) acc[r][b] = 0.0;
+    const int Q = R * B, NA = (Q + 3) / 4;
+    __m256d acc[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
     long ngroups = n / 32;
     for (long g = 0; g < ngroups; g++) {
-        __m256d dv[2][8];
-        int live[2];
+        __m256d bb[8];
+        double sc[8];
         for (int r = 0; r < R; r++) {
-            live[r] = s[r * lds + g] != 255;
-            if (!live[r]) continue;
+            uint8_t sb = s[r * lds + g];
+            if (sb == 255) {
+                for (int b = 0; b < B; b++) { bb[r * B + b] = _mm256_setzero_pd(); sc[r * B + b] = 0.0; }
+                continue;
+            }
+            __m256d dv[8];
             __m128i c0, c1;
             k3_mxfp4_codes_avx2(p + r * ldp + g * 16, &c0, &c1);
-            k3_e2m1_decode8_avx2(c0, dv[r] + 0);
-            k3_e2m1_decode8_avx2(_mm_srli_si128(c0, 8), dv[r] + 2);
-            k3_e2m1_decode8_avx2(c1, dv[r] + 4);
-            k3_e2m1_decode8_avx2(_mm_srli_si128(c1, 8), dv[r] + 6);
-        }
-        for (int b = 0; b < B; b++) {
-            const double *xg = x + b * ldx + g * 32;
-            for (int r = 0; r < R; r++) {
-                if (!live[r]) continue;
+            k3_e2m1_decode8_avx2(c0, dv + 0);
+            k3_e2m1_decode8_avx2(_mm_srli_si128(c0, 8), dv + 2);
+            k3_e2m1_decode8_avx2(c1, dv + 4);
+            k3_e2m1_decode8_avx2(_mm_srli_si128(c1, 8), dv + 6);
+            for (int b = 0; b < B; b++) {
+                const double *xg = x + b * ldx + g * 32;
                 /* A = lanes 0-3, C = lanes 4-7; x read in place (16 registers are few) */
                 __m256d A = _mm256_setzero_pd(), C = _mm256_setzero_pd();
                 for (int k = 0; k < 4; k++) {
-                    A = _mm256_fmadd_pd(dv[r][2 * k], _mm256_loadu_pd(xg + 8 * k), A);
-                    C = _mm256_fmadd_pd(dv[r][2 * k + 1], _mm256_loadu_pd(xg + 8 * k + 4), C);
+                    A = _mm256_fmadd_pd(dv[2 * k], _mm256_loadu_pd(xg + 8 * k), A);
+                    C = _mm256_fmadd_pd(dv[2 * k + 1], _mm256_loadu_pd(xg + 8 * k + 4), C);
                 }
-                __m256d bb = _mm256_add_pd(A, C);          /* b[l] = s[l] + s[l+4] */
-                __m256d hs = _mm256_hadd_pd(bb, bb);       /* [b0+b1, ., b2+b3, .] */
-                __m128d sub = _mm_add_sd(_mm256_castpd256_pd128(hs),
-                                         _mm256_extractf128_pd(hs, 1));
-                acc[r][b] += _mm_cvtsd_f64(sub) * K3_E8M0_HALF[s[r * lds + g]];
+                bb[r * B + b] = _mm256_add_pd(A, C);
+                sc[r * B + b] = K3_E8M0_HALF[sb];
             }
         }
+        for (int q = Q; q < 4 * NA; q++) { bb[q] = _mm256_setzero_pd(); sc[q] = 0.0; }
+        for (int a = 0; a < NA; a++) {
+            __m256d scale = _mm256_setr_pd(sc[4 * a], sc[4 * a + 1], sc[4 * a + 2], sc[4 * a + 3]);
+            acc[a] = _mm256_add_pd(acc[a], _mm256_mul_pd(k3_tree4x4_avx2(bb + 4 * a), scale));
+        }
     }
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) out[r * B + b] = acc[r][b];
+    double t[8];
+    for (int a = 0; a < NA; a++) _mm256_storeu_pd(t + 4 * a, acc[a]);
+    for (int q = 0; q < Q; q++) out[q] = t[q];
 }
 
 /* AVX-512: rows in lanes.  Lane p of every vector belongs to row p of an 8-row block, so
@@ -688,7 +707,8 @@ K3_MXFP4_ROWS8_INSTANCE(4)
     K3_MXFP4_INSTANCE(ISA, ATTR, 1, 1) K3_MXFP4_INSTANCE(ISA, ATTR, 1, 2)                   \
     K3_MXFP4_INSTANCE(ISA, ATTR, 1, 3) K3_MXFP4_INSTANCE(ISA, ATTR, 1, 4)                   \
     K3_MXFP4_INSTANCE(ISA, ATTR, 2, 1) K3_MXFP4_INSTANCE(ISA, ATTR, 2, 2)                   \
-    K3_MXFP4_INSTANCE(ISA, ATTR, 2, 3) K3_MXFP4_INSTANCE(ISA, ATTR, 2, 4)
+    K3_MXFP4_INSTANCE(ISA, ATTR, 2, 3) K3_MXFP4_INSTANCE(ISA, ATTR, 2, 4)                   \
+    K3_MXFP4_INSTANCE(ISA, ATTR, 3, 1) K3_MXFP4_INSTANCE(ISA, ATTR, 4, 1)
 K3_MXFP4_INSTANCES(avx2, K3_AVX2_ATTR)
 
 #endif /* K3_HAVE_SIMD_PATHS */
@@ -743,9 +763,12 @@ static inline void k3_tile_shape(int isa, long ntok, int *rmax, int *bmax) {
 }
 
 /* MXFP4 tiles keep their own shape (their registers hold decoded groups, not rows). */
-static inline void k3_mxfp4_shape(int isa, int *rmax, int *bmax) {
+static inline void k3_mxfp4_shape(int isa, long ntok, int *rmax, int *bmax) {
     if (isa == K3_ISA_AVX512) { *rmax = 8; *bmax = 4; }
-    else if (isa == K3_ISA_AVX2) { *rmax = 1; *bmax = 2; }
+    else if (isa == K3_ISA_AVX2) {
+        *rmax = ntok == 1 ? 4 : 1;     /* 4 pairs per vector: 4 rows or 4 tokens */
+        *bmax = ntok == 1 ? 1 : 4;
+    }
     else { *rmax = 1; *bmax = 1; }
 }
 
@@ -796,9 +819,9 @@ static inline long k3_token_block(long n, int bmax) {
 #if K3_HAVE_SIMD_PATHS
 #define K3_MV_SIMD_GENERIC(KIND, isa, R, B, w, ldw, x, n, out)                              \
     if (isa == K3_ISA_AVX2) {                                                               \
-        K3_TILE_SWITCH_MV(k3_mv_##KIND##_avx2, R, B, (w, ldw, x, n, n, out)) }              \
+        K3_TILE_SWITCH(k3_mv_##KIND##_avx2, R, B, (w, ldw, x, n, n, out)) }              \
     else if (isa == K3_ISA_AVX512) {                                                        \
-        K3_TILE_SWITCH_MV(k3_mv_##KIND##_avx512, R, B, (w, ldw, x, n, n, out)) }
+        K3_TILE_SWITCH(k3_mv_##KIND##_avx512, R, B, (w, ldw, x, n, n, out)) }
 #define K3_MV_PANEL_GENERIC(KIND, isa, W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy)       \
     if (ntok >= k3_panel_min_tokens && isa != K3_ISA_SCALAR) {                              \
         if (isa == K3_ISA_AVX512)                                                           \
@@ -823,7 +846,7 @@ K3_MV_ROWS(k3_mv_rows_i8, int8_t, i8)
 static void k3_mv_rows_mxfp4(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
                              const double *Xd, long ntok, float *Y, long ldy) {
     int isa = k3_isa(), rmax, bmax;
-    k3_mxfp4_shape(isa, &rmax, &bmax);
+    k3_mxfp4_shape(isa, ntok, &rmax, &bmax);
     long ldp = n / 2, lds = n / 32;
     double out[32];
     long tb = k3_token_block(n, bmax);
