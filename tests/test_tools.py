@@ -332,6 +332,22 @@ def test_devbw_reads_stay_inside_the_file(tmp_path):
     assert [q.reads for q in r.results] == [20, 20, 20]    # no short read at EOF
 
 
+def test_devbw_read_errors_are_reported(tmp_path):
+    """A failed or short read from the native readers ends the measurement with a
+    DevbwError naming it (not a count that silently includes it)."""
+    f = tmp_path / "data"
+    f.write_bytes(os.urandom(4 * 8192))
+    with pytest.raises(devbw.DevbwError, match="read failed: Bad file descriptor"):
+        devbw.measure(-1, [0, 8192], 8192, 2, 30.0)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        with pytest.raises(devbw.DevbwError, match="short read: 4096 of 8192 bytes at offset 28672"):
+            devbw.measure(fd, [0, 28672], 8192, 1, 30.0)
+        assert devbw.measure(fd, [0, 8192, 16384], 8192, 2, 30.0).reads == 3
+    finally:
+        os.close(fd)
+
+
 def test_devbw_errors(capsys, tmp_path):
     tiny_file = tmp_path / "small"
     tiny_file.write_bytes(b"x" * 100)

@@ -2,8 +2,8 @@
 measured the way the engine reads experts (SYSTEM §10.2).
 
 Each measurement issues random 4096-aligned reads of one routed expert (17,547,264 B) with
-O_DIRECT into aligned buffers, at queue depth 1, 4 and 16 (QD threads, each taking every
-QD-th offset).  The gap between QD1 and QD16 is the headroom the batch prefetch can use;
+O_DIRECT into aligned buffers, at queue depth 1, 4 and 16 (QD reads kept in flight on the
+engine's native reader threads).  The gap between QD1 and QD16 is the headroom the batch prefetch can use;
 equal figures mean the device does not reward depth.  `dd` is one sequential stream at QD1
 and can mislead by a large factor on network storage.
 
@@ -18,13 +18,14 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, pread_into
+from ..diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming
+from ..kernels._k3io import ReadPool
 
 EXPERT_BYTES = 17_547_264          # one routed expert of the released checkpoint (§1.6)
 READS = 40                         # reads per measurement (§10.2)
@@ -68,61 +69,40 @@ def random_offsets(size: int, block: int, n: int, rng: random.Random) -> list[in
 
 
 def measure(fd: int, offsets: list[int], block: int, qd: int, seconds: float) -> QdResult:
-    """Read `offsets` with `qd` threads, thread t taking offsets[t::qd]; a thread stops
-    early once `seconds` have passed, so a slow device bounds the time, not the count.
-    os.preadv releases the GIL, so the threads' reads really are in flight together."""
+    """Read `offsets` in order keeping `qd` reads in flight, one buffer per slot, on the
+    engine's own native readers (kernels/_k3io: threads that never take the GIL, as the
+    expert cache and the trunk read); no read is issued once `seconds` have passed, so a
+    slow device bounds the time, not the count."""
     bufs = [AlignedBuffer(block) for _ in range(qd)]
-    for b in bufs:
-        # Touch every page before the clock starts: first-touch faults (and the pins
-        # O_DIRECT takes on fresh pages) would otherwise be timed as device time.  The
-        # engine's arenas are allocated once and reused, so they do not pay this per read.
-        np.frombuffer(b.view, np.uint8)[::ALIGN] = 0
-    done = [0] * qd
-    errors: list[BaseException] = []
-    start = threading.Barrier(qd + 1)
-    deadline = [0.0]
-
-    def worker(t: int) -> None:
-        try:
-            start.wait()
-            for off in offsets[t::qd]:
-                if time.monotonic() >= deadline[0]:
-                    break
-                got = pread_into(fd, bufs[t].view, off)
-                if got != block:
-                    raise DevbwError(f"short read: {got} of {block} bytes at offset {off}")
-                done[t] += 1
-        except threading.BrokenBarrierError:
-            pass                        # the measurement was abandoned before it began
-        except BaseException as e:      # reported by the caller, never lost in a thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(qd)]
+    pool = ReadPool(qd)
     try:
-        for th in threads:
-            th.start()
+        for b in bufs:
+            # Touch every page before the clock starts: first-touch faults (and the pins
+            # O_DIRECT takes on fresh pages) would otherwise be timed as device time.  The
+            # engine's arenas are allocated once and reused, so they do not pay this per read.
+            np.frombuffer(b.view, np.uint8)[::ALIGN] = 0
+        todo = iter(offsets)
+        inflight: deque[tuple[int, int, int]] = deque()     # (handle, slot, offset), oldest first
+        reads = 0
         t0 = time.monotonic()
-        deadline[0] = t0 + seconds
-        start.wait()
-        for th in threads:
-            th.join()
+        for slot, off in zip(range(qd), todo):
+            inflight.append((pool.submit(fd, bufs[slot].view, off), slot, off))
+        while inflight:
+            h, slot, off = inflight.popleft()
+            got, err, _, _ = pool.wait(h)
+            if err:
+                raise DevbwError(f"read failed: {os.strerror(err)}")
+            if got != block:
+                raise DevbwError(f"short read: {got} of {block} bytes at offset {off}")
+            reads += 1
+            nxt = next(todo, None) if time.monotonic() < t0 + seconds else None
+            if nxt is not None:
+                inflight.append((pool.submit(fd, bufs[slot].view, nxt), slot, nxt))
         elapsed = time.monotonic() - t0
-    except BaseException:
-        # Ctrl-C: let every worker finish its read in flight before the buffers it reads
-        # into are unmapped (an abandoned barrier releases any that had not started).
-        deadline[0] = 0.0
-        start.abort()
-        for th in threads:
-            th.join()
-        raise
     finally:
+        pool.close()        # the reads in flight finish before their buffers are unmapped
         for b in bufs:
             b.close()
-    if errors:
-        e = errors[0]
-        raise DevbwError(str(e) if isinstance(e, DevbwError) else
-                         f"read failed: {getattr(e, 'strerror', None) or e}") from e
-    reads = sum(done)
     return QdResult(qd, reads, reads * block, elapsed)
 
 
