@@ -9,8 +9,9 @@ For each kind, shape (rows x inputs) and token count it alternates, in one proce
 built-in path against one switched off, checks the outputs are bit-identical, and reports
 multiply-adds per second (median of --repeat pairs after a warm-up pair):
 
-* panel: the AVX-512 panels of BF16, F32 and I8R (T >= 5: a weight block widened once for
-  up to 48 tokens) against the tiles (K.set_panel_min_tokens off); MXFP4 has no panel;
+* panel: the panels of BF16, F32 and I8R on AVX2 or AVX-512 (T >= 5: a weight block
+  widened once for up to 48 tokens) against the tiles (K.set_panel_min_tokens off); MXFP4
+  has no panel;
 * block: with the panels off, the tiles' L2-sized token blocks against none
   (K.set_token_block_bytes).
 

@@ -909,43 +909,46 @@ def test_situ_glu_uses_libm_tanhf_expf():
 
 
 # glibc releases whose expf/tanhf benchmarks/check_libm_replica.c compared with k3math.h's
-# replicas over all 2^32 floats (0 differences); on these, an AVX-512 CPU must use them.
+# replicas over all 2^32 floats (0 differences, AVX2 and AVX-512); on these, a CPU with the
+# path must use them.
 LIBM_REPLICA_VERIFIED = {"2.36"}
 
 
-def test_libm_replicas_equal_libm_bitwise():
-    """k3math.h's AVX-512 expf/tanhf (SiTU's) against the linked libm, bitwise, on every
-    1021st float bit pattern (4.2 M: every sign, exponent and NaN class) plus the values
-    that reach each expm1f branch, and the two expf arguments only glibc's fused form gets
-    right.  The replicas must be active on a verified glibc with AVX-512: the load-time
-    check silently falls back to libm, so a broken replica would otherwise show only as
-    lost speed."""
-    if "avx512" not in K.isas_available():
-        pytest.skip("NOT RUN: this CPU has no AVX-512 (SiTU calls libm for every element)")
+@pytest.mark.parametrize("path", ["avx2", "avx512"])
+def test_libm_replicas_equal_libm_bitwise(path):
+    """k3math.h's expf/tanhf (SiTU's) on one SIMD path against the linked libm, bitwise, on
+    every 1021st float bit pattern (4.2 M: every sign, exponent and NaN class) plus the
+    values that reach each expm1f branch, and the two expf arguments only glibc's fused
+    form gets right.  The replicas must be active on a verified glibc: the load-time check
+    silently falls back to libm, so a broken replica would otherwise show only as lost
+    speed."""
+    if path not in K.isas_available():
+        pytest.skip(f"NOT RUN: this CPU has no {path} (its replicas cannot run here)")
     libc, ver = platform.libc_ver()
-    if not K.libm_replicas_active():
-        assert not (libc == "glibc" and ver in LIBM_REPLICA_VERIFIED), \
-            f"the replicas failed the load-time check on glibc {ver}, which was verified"
-        pytest.skip(f"NOT RUN: the replicas differ from this libm ({libc} {ver}) at load, "
-                    f"so SiTU calls libm (exact by construction)")
-    pats = np.arange(0, 1 << 32, 1021, dtype=np.uint64).astype(np.uint32)
-    edges = np.concatenate([np.linspace(-30, 30, 200_001), np.ldexp(1.0, np.arange(-60, 8)),
-                            -np.ldexp(1.0, np.arange(-60, 8)), [float.fromhex('0x1.04845ep+5'), float.fromhex('-0x1.f8cbb2p+5'),
-                            0.5 * np.log(2), 1.5 * np.log(2), 22.0, 88.0, -88.0, 88.72]])
-    x = np.concatenate([pats.view(np.float32), edges.astype(np.float32)])
-    x = np.concatenate([x, np.zeros(-x.size % 16, np.float32)])   # whole vectors only
-    t_rep, e_rep, t_lib, e_lib = (np.empty_like(x) for _ in range(4))
-    assert K.tanh_exp(x, t_rep, e_rep, True), "the replicas did not run"
-    assert not K.tanh_exp(x, t_lib, e_lib, False)
-    assert_bitwise("tanhf replica vs libm", t_rep, t_lib)
-    assert_bitwise("expf replica vs libm", e_rep, e_lib)
+    with isa(path):
+        if not K.libm_replicas_active():
+            assert not (libc == "glibc" and ver in LIBM_REPLICA_VERIFIED), \
+                f"the {path} replicas failed the load-time check on glibc {ver}, which was verified"
+            pytest.skip(f"NOT RUN: the {path} replicas differ from this libm ({libc} {ver}) at "
+                        f"load, so SiTU calls libm (exact by construction)")
+        pats = np.arange(0, 1 << 32, 1021, dtype=np.uint64).astype(np.uint32)
+        edges = np.concatenate([np.linspace(-30, 30, 200_001), np.ldexp(1.0, np.arange(-60, 8)),
+                                -np.ldexp(1.0, np.arange(-60, 8)), [float.fromhex('0x1.04845ep+5'), float.fromhex('-0x1.f8cbb2p+5'),
+                                0.5 * np.log(2), 1.5 * np.log(2), 22.0, 88.0, -88.0, 88.72]])
+        x = np.concatenate([pats.view(np.float32), edges.astype(np.float32)])
+        x = np.concatenate([x, np.zeros(-x.size % 16, np.float32)])   # whole vectors only
+        t_rep, e_rep, t_lib, e_lib = (np.empty_like(x) for _ in range(4))
+        assert K.tanh_exp(x, t_rep, e_rep, True), "the replicas did not run"
+        assert not K.tanh_exp(x, t_lib, e_lib, False)
+    assert_bitwise(f"{path} tanhf replica vs libm", t_rep, t_lib)
+    assert_bitwise(f"{path} expf replica vs libm", e_rep, e_lib)
 
 
 @pytest.mark.parametrize("nthreads", [1, 2])
 def test_situ_glu_replicas_equal_libm_path(nthreads):
-    """situ_glu (and through it the MoE's hidden rows) on the AVX-512 replicas equals the
-    per-element libm path (set_isa('scalar')) bitwise on 1 M values over 2^-20 .. 2^20 with
-    both signs, zeros, infinities and a ragged tail (not a multiple of 16)."""
+    """situ_glu (and through it the MoE's hidden rows) on each SIMD path's replicas equals
+    the per-element libm path (set_isa('scalar')) bitwise on 1 M values over 2^-20 .. 2^20
+    with both signs, zeros, infinities and a ragged tail (not a multiple of 16 or 8)."""
     r = rng(2836)
     n = (1 << 20) + 13
     mag = 2.0 ** r.uniform(-20, 20, (2, n))
@@ -954,11 +957,13 @@ def test_situ_glu_replicas_equal_libm_path(nthreads):
     G, U = G.reshape(1, n), U.reshape(1, n)
     fast, ref = np.empty_like(G), np.empty_like(G)
     with threads(nthreads):
-        K.situ_glu(G, U, np.float32(4.0), np.float32(25.0), fast)
         with isa("scalar"):
             K.situ_glu(G, U, np.float32(4.0), np.float32(25.0), ref)
-    print(f"[gate]   replicas active: {K.libm_replicas_active()} (ISA {K.isa()})")
-    assert_bitwise(f"situ_glu {K.isa()} vs scalar libm, {nthreads} thread(s)", fast, ref)
+        for name in simd_isas():
+            with isa(name):
+                K.situ_glu(G, U, np.float32(4.0), np.float32(25.0), fast)
+                print(f"[gate]   replicas active: {K.libm_replicas_active()} (ISA {name})")
+            assert_bitwise(f"situ_glu {name} vs scalar libm, {nthreads} thread(s)", fast, ref)
 
 
 # ---- 6. batch independence -------------------------------------------------------------------

@@ -7,7 +7,7 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
 * Cython writes `1.0` as a C double literal; a float expression that touches it is silently
   evaluated in double.  Every float32 chain below uses the typed constants F1/F0 instead.
 * expf/tanhf come from libm (NumPy's float32 SIMD versions differ in the last bit and fail
-  the peer's `moe` fixture); SiTU's and sigma's, on AVX-512, from k3math.h's replicas of
+  the peer's `moe` fixture); SiTU's and sigma's, on AVX2 and AVX-512, from k3math.h's replicas of
   glibc's own code, used only when they equal the linked libm at load
   (libm_replicas_active).
 * No FMA in float32 chains: the build passes -ffp-contract=off (setup.py).  The row kernels
@@ -166,9 +166,9 @@ cdef inline int _threads_for(long work) noexcept nogil:
 
 
 def libm_replicas_active():
-    """True when SiTU and sigma run on k3math.h's AVX-512 replicas of libm's expf/tanhf
-    (this CPU has AVX-512, the replicas equalled the linked libm at load, and the AVX-512
-    path is selected); False: every element calls libm."""
+    """True when SiTU and sigma run on k3math.h's replicas of libm's expf/tanhf for the
+    selected path (AVX2 or AVX-512: the CPU runs it and its replicas equalled the linked
+    libm at load); False: every element calls libm."""
     return bool(k3_math_active())
 
 

@@ -242,11 +242,12 @@ def check_engine(r: Report, st: State) -> None:
         r.warn(f"scalar kernels ({why}): the slow path, same bits")
     if flags:
         r.info(f"AVX-512: {'yes' if 'avx512f' in flags else 'no'} (information only)")
+    path = {"avx2": "AVX2", "avx512": "AVX-512"}.get(K.isa())
     if K.libm_replicas_active():
-        r.info("SiTU and sigmoid: AVX-512 copies of this libm's expf/tanhf (equal to it at load)")
-    elif K.isa() == "avx512":
+        r.info(f"SiTU and sigmoid: {path} copies of this libm's expf/tanhf (equal to it at load)")
+    elif path:
         r.info(f"SiTU and sigmoid: libm calls (this libm, {' '.join(platform.libc_ver())}, "
-               f"differs from the AVX-512 copies of glibc 2.36's; same bits, slower)")
+               f"differs from the {path} copies of glibc 2.36's; same bits, slower)")
     from ..session import default_threads, physical_cores
     logical, phys = os.cpu_count() or 1, physical_cores()
     r.ok(f"threads: {default_threads()} (cores: {logical} logical, {phys} physical"
