@@ -348,6 +348,14 @@ def test_devbw_read_errors_are_reported(tmp_path):
         os.close(fd)
 
 
+def test_devbw_without_the_native_readers_says_so(monkeypatch):
+    """A broken build: devbw (which doctor imports) still imports, and a measurement is
+    refused with a message naming the missing extension, not a traceback."""
+    monkeypatch.setitem(sys.modules, "k3engine.kernels._k3io", None)
+    with pytest.raises(devbw.DevbwError, match="native readers .* do not load"):
+        devbw.measure(0, [0], 4096, 1, 1.0)
+
+
 def test_devbw_errors(capsys, tmp_path):
     tiny_file = tmp_path / "small"
     tiny_file.write_bytes(b"x" * 100)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming
-from ..kernels._k3io import ReadPool
 
 EXPERT_BYTES = 17_547_264          # one routed expert of the released checkpoint (§1.6)
 READS = 40                         # reads per measurement (§10.2)
@@ -73,6 +72,11 @@ def measure(fd: int, offsets: list[int], block: int, qd: int, seconds: float) ->
     engine's own native readers (kernels/_k3io: threads that never take the GIL, as the
     expert cache and the trunk read); no read is issued once `seconds` have passed, so a
     slow device bounds the time, not the count."""
+    try:    # here, not at the top: doctor imports this module and must run without the build
+        from ..kernels._k3io import ReadPool
+    except ImportError as e:
+        raise DevbwError(f"the engine's native readers (k3engine.kernels._k3io) do not load: "
+                         f"{e}; reinstall the engine (pip install -e .)") from e
     bufs = [AlignedBuffer(block) for _ in range(qd)]
     pool = ReadPool(qd)
     try:
