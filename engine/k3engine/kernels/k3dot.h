@@ -439,12 +439,11 @@ K3_PANEL_TILE(avx2, K3_AVX2_ATTR, __m256d, 4, 4, 1, _mm256_setzero_pd,
     K3_MV_PANEL(k3_mv_panel_##KIND##_avx2, avx2, K3_AVX2_ATTR, __m256d, 4, 4,               \
                 _mm256_loadu_pd, _mm256_store_pd, _mm256_setzero_pd, k3_tree16_avx2, T,     \
                 k3_w16_##KIND##_avx2, WIDEN)
-K3_MV_PANEL_AVX512(f32, float, K3_AS_IS)
-K3_MV_PANEL_AVX512(bf16, uint16_t, k3_bf16_to_f32)
-K3_MV_PANEL_AVX512(i8, int8_t, K3_AS_IS)
-K3_MV_PANEL_AVX2(f32, float, K3_AS_IS)
-K3_MV_PANEL_AVX2(bf16, uint16_t, k3_bf16_to_f32)
-K3_MV_PANEL_AVX2(i8, int8_t, K3_AS_IS)
+/* the three matvec kinds: name, stored type, scalar widening */
+#define K3_MV_KINDS(M) \
+    M(f32, float, K3_AS_IS) M(bf16, uint16_t, k3_bf16_to_f32) M(i8, int8_t, K3_AS_IS)
+K3_MV_KINDS(K3_MV_PANEL_AVX512)
+K3_MV_KINDS(K3_MV_PANEL_AVX2)
 
 /* ---- MXFP4 tiles -------------------------------------------------------------------- */
 /* Element e of a group goes to lane e%8; vector k of a group holds elements 8k..8k+7, so
@@ -503,8 +502,11 @@ K3_AVX2_ATTR K3_INLINE void k3_mxfp4_tile_avx2(const uint8_t *p, long ldp, const
         double sc[8];
         for (int r = 0; r < R; r++) {
             uint8_t sb = s[r * lds + g];
-            if (sb == 255) {
-                for (int b = 0; b < B; b++) { bb[r * B + b] = _mm256_setzero_pd(); sc[r * B + b] = 0.0; }
+            if (sb == 255) {                  /* dead group: +0.0 for each of its pairs */
+                for (int b = 0; b < B; b++) {
+                    bb[r * B + b] = _mm256_setzero_pd();
+                    sc[r * B + b] = 0.0;
+                }
                 continue;
             }
             __m256d dv[8];

@@ -298,7 +298,8 @@ K3_AVX2_ATTR K3_INLINE __m256 k3_expf8_avx2(__m256 x) {
     __m256 y = _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
     __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20),
                                    K3_I32X8(0x7ff));
-    int odd = _mm256_movemask_ps(_mm256_castsi256_ps(K3_GT8(top, K3_I32X8((0x42b00000 >> 20) - 1))));
+    __m256i big = K3_GT8(top, K3_I32X8((0x42b00000 >> 20) - 1));     /* |x| >= 88 or NaN */
+    int odd = _mm256_movemask_ps(_mm256_castsi256_ps(big));
     return odd ? k3_libm_lanes8(x, y, odd, expf) : y;
 }
 
@@ -388,7 +389,8 @@ K3_AVX2_ATTR K3_INLINE __m256 k3_tanhf8_avx2(__m256 x) {
 
 K3_AVX2_ATTR K3_INLINE __m256 k3_sigm8_avx2(__m256 g) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    return _mm256_div_ps(one, _mm256_add_ps(one, k3_expf8_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    __m256 e = k3_expf8_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(one, _mm256_add_ps(one, e));
 }
 
 K3_AVX2_ATTR K3_INLINE __m256 k3_situ8_avx2(__m256 g, __m256 u, __m256 b1, __m256 b2) {
