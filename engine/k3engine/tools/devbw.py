@@ -3,9 +3,9 @@ measured the way the engine reads experts (SYSTEM §10.2).
 
 Each measurement issues random 4096-aligned reads of one routed expert (17,547,264 B) with
 O_DIRECT into aligned buffers, at queue depth 1, 4 and 16 (QD reads kept in flight on the
-engine's native reader threads).  The gap between QD1 and QD16 is the headroom the batch prefetch can use;
-equal figures mean the device does not reward depth.  `dd` is one sequential stream at QD1
-and can mislead by a large factor on network storage.
+engine's native reader threads).  The gap between QD1 and QD16 is the headroom the batch
+prefetch can use; equal figures mean the device does not reward depth.  `dd` is one
+sequential stream at QD1 and can mislead by a large factor on network storage.
 
 A FILE is only ever read.  A DIRECTORY gets a scratch file (written, measured, removed),
 which the device or host may still hold in a cache: point devbw at a large existing file,
@@ -77,9 +77,9 @@ def measure(fd: int, offsets: list[int], block: int, qd: int, seconds: float) ->
     except ImportError as e:
         raise DevbwError(f"the engine's native readers (k3engine.kernels._k3io) do not load: "
                          f"{e}; reinstall the engine (pip install -e .)") from e
-    bufs = [AlignedBuffer(block) for _ in range(qd)]
-    pool = ReadPool(qd)
+    pool, bufs = ReadPool(qd), []
     try:
+        bufs = [AlignedBuffer(block) for _ in range(qd)]
         for b in bufs:
             # Touch every page before the clock starts: first-touch faults (and the pins
             # O_DIRECT takes on fresh pages) would otherwise be timed as device time.  The
