@@ -341,7 +341,8 @@ def test_devbw_read_errors_are_reported(tmp_path):
         devbw.measure(-1, [0, 8192], 8192, 2, 30.0)
     fd = os.open(f, os.O_RDONLY)
     try:
-        with pytest.raises(devbw.DevbwError, match="short read: 4096 of 8192 bytes at offset 28672"):
+        with pytest.raises(devbw.DevbwError,
+                           match="short read: 4096 of 8192 bytes at offset 28672"):
             devbw.measure(fd, [0, 28672], 8192, 1, 30.0)
         assert devbw.measure(fd, [0, 8192, 16384], 8192, 2, 30.0).reads == 3
     finally:
