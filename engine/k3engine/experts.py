@@ -980,11 +980,12 @@ class ExpertCache:
             want = run.nbytes // 2 if short else run.nbytes
             r.kind, r.pad = "plain", 0
             r.jobs.append(self._io.submit(self._plain(run.shard), buf[:want], run.offset))
-        except OSError as e:
-            r.got, r.error, r.done = -1, f"read error ({e.strerror or e})", monotonic()
         except Exception as e:                   # never leave a reservation unanswered
-            r.got, r.error = -1, f"read error ({type(e).__name__}: {e})"
-            r.done = monotonic()
+            why = (e.strerror or e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            if r.jobs:                           # pieces already issued: let them return
+                self._io.wait_all(r.jobs)
+                r.jobs = []
+            r.got, r.error, r.done = -1, f"read error ({why})", monotonic()
 
     def _landed(self, r: _Read) -> bool:
         """Whether r's reads have all returned (collecting it would not wait)."""
