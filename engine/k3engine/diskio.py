@@ -42,17 +42,26 @@ class AlignedBuffer:
     """An anonymous mapping whose usable part starts on a 2 MiB boundary (O_DIRECT needs
     page alignment).  `view` is the writable memoryview of exactly `nbytes`.
 
-    4 KiB pages, on purpose: mmap's default mapping is shared (shmem), which ignores
-    MADV_HUGEPAGE, so the advice this once gave was a no-op (a 4.6 GB cache fill took
-    1.2 M page faults).  Made real (a private mapping, advised), huge pages filled the
-    cache slower: a 5-id resident mid run at 2 threads, 3 alternating pairs, TTFT 1.06 ->
-    1.39 s and the steps while the cache fills 0.240 -> 0.254 s (each fault zeroes and
-    compacts 2 MiB on the reader thread that pins it for O_DIRECT)."""
+    Private and advised for huge pages (where the kernel has them): an O_DIRECT read pins
+    its destination pages, faulting in every page it has not touched yet, so a cache
+    filling 4 KiB shmem pages (mmap's default, shared mapping, ignores MADV_HUGEPAGE) paid
+    ~2 s of kernel time per GB on its reader threads, CPU a 2-core prefill's kernels then
+    lacked (1.8 GB of expert reads into fresh buffers: 3.86 s sys shared 4 KiB, 0.77 s
+    private huge pages; docs/benchmarks-engine.md, 2026-12-02).  An earlier measurement of
+    the opposite (huge pages slower) ran on a VM whose never-touched guest memory costs
+    ~2.5 s/GB on first use, which falls on whichever run gets the fresh pages."""
 
     def __init__(self, nbytes: int, align: int = ARENA_ALIGN):
         self.nbytes = nbytes
         size = align_up(max(nbytes, 1), ALIGN)
-        self._map = mmap.mmap(-1, size + align)
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        self._map = mmap.mmap(-1, size + align, flags=private) if private else \
+            mmap.mmap(-1, size + align)
+        if private and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:                       # THP compiled out: 4 KiB pages
+                pass
         addr = _address(self._map)
         self.pad = (-addr) % align
         self.view = memoryview(self._map)[self.pad:self.pad + nbytes]
