@@ -45,7 +45,7 @@ class AlignedBuffer:
     Private and advised for huge pages (where the kernel has them): an O_DIRECT read pins
     its destination pages, faulting in every page it has not touched yet, so a cache
     filling 4 KiB shmem pages (mmap's default, shared mapping, ignores MADV_HUGEPAGE) paid
-    ~2 s of kernel time per GB on its reader threads, CPU a 2-core prefill's kernels then
+    ~0.9 s of kernel time per GB on its reader threads, CPU a 2-core prefill's kernels then
     lacked (1.8 GB of expert reads into fresh buffers: 3.86 s sys shared 4 KiB, 0.77 s
     private huge pages; docs/benchmarks-engine.md, 2026-12-02).  An earlier measurement of
     the opposite (huge pages slower) ran on a VM whose never-touched guest memory costs
