@@ -25,13 +25,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))
-from k3engine.diskio import AlignedBuffer  # noqa: E402
-
-KINDS = {
-    "engine (private, huge pages)": lambda n: AlignedBuffer(n),
-    "shared 4 KiB (mmap default)": lambda n: _Shared(n),
-}
+from k3engine.diskio import AlignedBuffer
 
 
 class _Shared:
@@ -42,6 +36,9 @@ class _Shared:
     def close(self) -> None:
         self.view.release()
         self._map.close()
+
+
+KINDS = {"engine (private, huge pages)": AlignedBuffer, "shared 4 KiB (mmap default)": _Shared}
 
 
 def fill(fd: int, buf, nbytes: int, piece: int) -> tuple[float, float, int]:
@@ -78,6 +75,7 @@ def main() -> int:
         w, s, f = (statistics.median(x[i] for x in rs) for i in range(3))
         print(f"{kind:30s} median {w:.2f} s wall ({a.mb / 1024 / w:.2f} GB/s), "
               f"{s:.2f} s sys, {f:.0f} faults for {a.mb} MB")
+    os.close(fd)
     return 0
 
 

@@ -46,10 +46,10 @@ class AlignedBuffer:
     its destination pages, faulting in every page it has not touched yet, so a cache
     filling 4 KiB shmem pages (mmap's default, shared mapping, ignores MADV_HUGEPAGE) paid
     ~0.9 s of kernel time per GB on its reader threads, CPU a 2-core prefill's kernels then
-    lacked (1.8 GB of expert reads into fresh buffers: 3.86 s sys shared 4 KiB, 0.77 s
-    private huge pages; docs/benchmarks-engine.md, 2026-12-02).  An earlier measurement of
-    the opposite (huge pages slower) ran on a VM whose never-touched guest memory costs
-    ~2.5 s/GB on first use, which falls on whichever run gets the fresh pages."""
+    lacked (benchmarks/bench_fill.py, 1.5 GB: 1.35 s sys shared 4 KiB, 0.12 s private huge
+    pages; docs/benchmarks-engine.md, 2026-12-02).  An earlier measurement of the opposite
+    (huge pages slower) was on the same kind of VM, where memory handed back to the host
+    costs ~2.5 s/GB on its next first touch and huge pages are the ones that get it."""
 
     def __init__(self, nbytes: int, align: int = ARENA_ALIGN):
         self.nbytes = nbytes
