@@ -209,6 +209,7 @@ cdef double[:, ::1] _widened(const float[:, ::1] X):
 # Rows per parallel work item: a multiple of every tile height, small enough to balance.
 DEF ROW_CHUNK = 16
 DEF PREFILL_TOKENS = 32     # from here on a matvec's work items are 4 x ROW_CHUNK rows
+DEF DECODE_ITEMS_PER_THREAD = 8   # T = 1: items as long as this many per thread allows
 
 
 cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
@@ -217,9 +218,19 @@ cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
     panels re-read a token block from L2 once per 4-row tile; 64-row items read them a
     quarter as often (BF16 2048 x 2048, T = 512, 1 thread, a C harness: 16.0 -> 21.8 G
     multiply-adds/s).  Only while that leaves >= 4 items per thread: with many cores the
-    balance matters more.  No bit depends on it."""
+    balance matters more.  Why larger for a decode step (T = 1): a 16-row item of a
+    2048-wide BF16 matrix is 64 KB, so each thread's stream broke off every 64 KB (and its
+    prefetch ran into the other thread's rows); 8 items per thread keep the dynamic
+    balance (a thread whose CPU is taken leaves its items to the others).  Intel Xeon,
+    2 threads, resident mid decode step 149-158 -> 133-139 ms quiet and 203-217 -> 196-204
+    ms with a busy loop on one CPU (docs/benchmarks-engine.md, 2026-12-02 Xeon).  No bit
+    depends on it."""
     if T >= PREFILL_TOKENS and rows >= 4 * ROW_CHUNK * 4 * _nthreads:
         return 4 * ROW_CHUNK
+    cdef Py_ssize_t rc
+    if T == 1:
+        rc = rows // (DECODE_ITEMS_PER_THREAD * _nthreads) // ROW_CHUNK * ROW_CHUNK
+        return max(rc, ROW_CHUNK)
     return ROW_CHUNK
 
 
