@@ -284,12 +284,16 @@ def _expert_batch(r, T: int, N: int = 12, L: int = 64, inter: int = 160, Lout: i
     return [(e, ex[e]) for e in range(N) if s[e + 1] > s[e]], Z, token, starts, S
 
 
-@pytest.mark.parametrize("T", [1, 5, 70])
-def test_moe_experts_equals_the_per_expert_calls(T):
+DECODE_BATCH = dict(N=16, L=128, inter=512, Lout=136, k=8)   # one token, above the threshold
+
+
+@pytest.mark.parametrize("T, shape", [(1, {}), (1, DECODE_BATCH), (5, {}), (70, {})])
+def test_moe_experts_equals_the_per_expert_calls(T, shape):
     """moe_experts (one thread region for a batch of experts) equals model.run_expert
     (gather_rows, three mxfp4_matvec and situ_glu per expert), bitwise, on every ISA at 1 and 2 threads (T = 70
-    crosses the parallel threshold), with row tails and skipped groups."""
-    group, Z, token, starts, S = _expert_batch(rng(90), T)
+    and the one-token DECODE_BATCH cross the parallel threshold; the latter's items span
+    several 16-row chunks, as a decode step's do), with row tails and skipped groups."""
+    group, Z, token, starts, S = _expert_batch(rng(90), T, **shape)
     s = starts.tolist()
     Lout = group[0][1].w2.shape[0]
     want = np.empty((S, Lout), np.float32)

@@ -1087,7 +1087,8 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     rows.  (A decode step otherwise opened 4 small regions per expert, and with 2 threads
     the joins cost about as much as the matvecs.)"""
     cdef Py_ssize_t G = len(group), L = Z.shape[1], Lout = D.shape[1], nS = starts.shape[0]
-    cdef Py_ssize_t gi, e, s, t, i, c, k, na = 0, nb = 0, nrows = 0, nh = 0, it
+    cdef Py_ssize_t gi, e, s, t, i, c, k, na = 0, nb = 0, nrows = 0, nh = 0, it, hrows = 0
+    cdef Py_ssize_t hc = ROW_CHUNK, oc = ROW_CHUNK     # rows per item: hidden, output
     cdef long work = 0
     if G == 0:
         return
@@ -1122,9 +1123,13 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
                                      f"{Z.shape[0]}")
             nrows += xs[gi].ntok
             nh += xs[gi].ntok * inter
-            na += (inter + ROW_CHUNK - 1) // ROW_CHUNK
-            nb += (Lout + ROW_CHUNK - 1) // ROW_CHUNK
+            hrows += inter
             work += xs[gi].ntok * inter * (2 * L + Lout)
+        if nrows == G:          # a decode step: longer items, for _row_chunk's reason
+            hc, oc = _row_chunk(1, hrows), _row_chunk(1, G * Lout)
+        for gi in range(G):
+            na += (xs[gi].inter + hc - 1) // hc
+            nb += (Lout + oc - 1) // oc
         zd = <double *>malloc(max(nrows * L, 1) * sizeof(double))
         hd = <double *>malloc(max(nh, 1) * sizeof(double))
         g = <float *>malloc(max(nh, 1) * sizeof(float))
@@ -1134,10 +1139,10 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
             raise MemoryError("moe_experts: no memory for the batch's inputs")
         it = 0                                  # (expert, row chunk): hidden, then output
         for gi in range(G):
-            for c in range((xs[gi].inter + ROW_CHUNK - 1) // ROW_CHUNK):
+            for c in range((xs[gi].inter + hc - 1) // hc):
                 items[2 * it], items[2 * it + 1], it = gi, c, it + 1
         for gi in range(G):
-            for c in range((Lout + ROW_CHUNK - 1) // ROW_CHUNK):
+            for c in range((Lout + oc - 1) // oc):
                 items[2 * it], items[2 * it + 1], it = gi, c, it + 1
         with nogil:
             for gi in range(G):                 # each slot's input row, widened once
@@ -1147,13 +1152,12 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
             with parallel(num_threads=_threads_for(work)):
                 for it in prange(na, schedule="dynamic"):
                     gi, c = items[2 * it], items[2 * it + 1]
-                    _expert_hidden(&xs[gi], c * ROW_CHUNK,
-                                   min(xs[gi].inter, (c + 1) * ROW_CHUNK), L, zd, g, u, hd,
-                                   b1, b2)
+                    _expert_hidden(&xs[gi], c * hc, min(xs[gi].inter, (c + 1) * hc), L, zd,
+                                   g, u, hd, b1, b2)
                 for it in prange(na, na + nb, schedule="dynamic"):
                     gi, c = items[2 * it], items[2 * it + 1]
-                    k3_mv_rows_mxfp4(xs[gi].p[2], xs[gi].s[2], xs[gi].inter, c * ROW_CHUNK,
-                                     min(Lout, (c + 1) * ROW_CHUNK), hd + xs[gi].hoff,
+                    k3_mv_rows_mxfp4(xs[gi].p[2], xs[gi].s[2], xs[gi].inter, c * oc,
+                                     min(Lout, (c + 1) * oc), hd + xs[gi].hoff,
                                      xs[gi].ntok, &D[xs[gi].slot0, 0], Lout)
     finally:
         free(xs)
