@@ -69,8 +69,8 @@ int main(void) {
             rates[rep] = (double)nt * ITERS * CHAINS * VL / dt / 1e9;
         }
         qsort(rates, 7, sizeof(double), cmp);
-        printf("%s, %d thread(s): %.1f G multiply-adds/s (median of 7; per core %.1f)%s\n",
-               NAME, nt, rates[3], rates[3] / nt, sink == 0.0 ? " " : "");
+        printf("%s, %d thread(s): %.1f G multiply-adds/s (median of 7; per core %.1f; "
+               "checksum %.3g)\n", NAME, nt, rates[3], rates[3] / nt, sink);
         if (nt == nmax) break;
     }
     return 0;

@@ -206,8 +206,12 @@ cdef double[:, ::1] _widened(const float[:, ::1] X):
     buffer starting on a 64-byte line.  Why aligned: the SIMD paths load x 64 bytes at a
     time, and NumPy's own buffers often start 16 bytes into a line (large ones are mmap'd
     after a 16-byte header), which splits every such load across two lines (BF16 panel,
-    2048 x 2048, T = 512, 1 thread, a C harness: 28 G multiply-adds/s aligned, 23 at +16)."""
+    2048 x 2048, T = 512, 1 thread, a C harness: 28 G multiply-adds/s aligned, 23 at +16).
+    Not for one token: its row is read from L1 for every weight row, and the aligned copy
+    would add ~1.4 us to each of a decode step's hundreds of calls."""
     cdef Py_ssize_t T = X.shape[0], n = X.shape[1]
+    if T == 1:
+        return np.asarray(X, dtype=np.float64)
     buf = np.empty(T * n + 8, np.float64)
     cdef Py_ssize_t off = (-buf.ctypes.data % 64) // 8
     Xd = buf[off:off + T * n].reshape(T, n)
@@ -236,10 +240,9 @@ cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
     depends on it."""
     if T >= PREFILL_TOKENS and rows >= 4 * ROW_CHUNK * 4 * _nthreads:
         return 4 * ROW_CHUNK
-    cdef Py_ssize_t rc
     if T == 1:
-        rc = rows // (DECODE_ITEMS_PER_THREAD * _nthreads) // ROW_CHUNK * ROW_CHUNK
-        return max(rc, ROW_CHUNK)
+        return max(rows // (DECODE_ITEMS_PER_THREAD * _nthreads) // ROW_CHUNK * ROW_CHUNK,
+                   ROW_CHUNK)
     return ROW_CHUNK
 
 
