@@ -221,8 +221,9 @@ K3_AVX2_ATTR K3_INLINE double k3_tree16_avx2(const __m256d *v) {
 
 /* R x B tile of the 16-lane matvec for one ISA: VEC holds VL doubles, NV = 16 / VL
  * vectors hold one block of 16 lanes; WIDEN16 widens 16 stored weights into NV vectors,
- * WIDEN is the scalar widening for the tail, TREE the lanes' fixed reduction tree. */
-#define K3_MV_TILE(NAME, ATTR, T, VEC, NV, VL, ZERO, LOAD, FMADD, WIDEN16, WIDEN, TREE)       \
+ * XLOAD16 loads the 16 matching inputs into NV vectors in the same lane order, WIDEN is
+ * the scalar widening for the tail, TREE the lanes' fixed reduction tree. */
+#define K3_MV_TILE(NAME, ATTR, T, VEC, NV, VL, ZERO, XLOAD16, FMADD, WIDEN16, WIDEN, TREE)    \
     ATTR K3_INLINE void NAME(const T *w, long ldw, const double *x, long ldx, long n,       \
                              double *out, const int R, const int B)                         \
     {                                                                                       \
@@ -235,12 +236,13 @@ K3_AVX2_ATTR K3_INLINE double k3_tree16_avx2(const __m256d *v) {
         for (i = 0; i < nfull; i += 16) {                                                   \
             K3_PREFETCH_ROWS(w, ldw, i, R)                                                  \
             for (int r = 0; r < R; r++) WIDEN16(w + r * ldw + i, wv[r]);                    \
-            for (int b = 0; b < B; b++)                                                     \
-                for (int k = 0; k < NV; k++) {                                              \
-                    VEC xv = LOAD(x + b * ldx + i + VL * k);                                \
+            for (int b = 0; b < B; b++) {                                                   \
+                VEC xv[NV];                                                                 \
+                XLOAD16(x + b * ldx + i, xv);                                               \
+                for (int k = 0; k < NV; k++)                                                \
                     for (int r = 0; r < R; r++)                                             \
-                        acc[r][b][k] = FMADD(wv[r][k], xv, acc[r][b][k]);                   \
-                }                                                                           \
+                        acc[r][b][k] = FMADD(wv[r][k], xv[k], acc[r][b][k]);                \
+            }                                                                               \
         }                                                                                   \
         for (int r = 0; r < R; r++)                                                         \
             for (int b = 0; b < B; b++) {                                                   \
@@ -250,9 +252,12 @@ K3_AVX2_ATTR K3_INLINE double k3_tree16_avx2(const __m256d *v) {
                 out[r * B + b] = d;                                                         \
             }                                                                               \
     }
+K3_AVX2_ATTR K3_INLINE void k3_x16_avx2(const double *x, __m256d *v) {
+    for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_pd(x + 4 * k);
+}
 #define K3_MV_TILE_AVX2(WIDEN16, WIDEN, T)                                                  \
     K3_MV_TILE(k3_mv_tile_avx2_##WIDEN16, K3_AVX2_ATTR, T, __m256d, 4, 4, _mm256_setzero_pd, \
-               _mm256_loadu_pd, _mm256_fmadd_pd, WIDEN16, WIDEN, k3_tree16_avx2)
+               k3_x16_avx2, _mm256_fmadd_pd, WIDEN16, WIDEN, k3_tree16_avx2)
 
 /* ---- AVX-512: 16 weights -> two 8-double vectors -------------------------------------- */
 /* v0 holds lanes 0-7, v1 lanes 8-15.  The tree: (lo4(v0) + hi4(v0)) = a[l] + a[l+4] and
@@ -283,23 +288,55 @@ K3_AVX512_ATTR K3_INLINE double k3_tree16_avx512(const __m512d *v) {
     return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-#define K3_MV_TILE_AVX512(WIDEN16, WIDEN, T)                                                \
+K3_AVX512_ATTR K3_INLINE void k3_x16_avx512(const double *x, __m512d *v) {
+    v[0] = _mm512_loadu_pd(x);
+    v[1] = _mm512_loadu_pd(x + 8);
+}
+
+/* BF16 in the tiles (decode): even lanes in v0, odd lanes in v1.  16 bf16 as 8 dwords hold
+ * element 2j in the low half and 2j+1 in the high half of dword j, so a shift gives the
+ * evens as float32 and a mask the odds, in 256-bit registers: no lane-crossing zero-extend
+ * and no extract.  Why: on Zen 4 those two 512-bit shuffles shared the vector ports with
+ * the converts, and a core widened 9.6-9.9 G weights/s from L2 (this: 13.2-13.7; /tmp C
+ * harness, 2026-12-02).  The inputs are permuted the same way (two permutes per block,
+ * shared by the tile's rows) and the sums un-permuted before the tree: each lane still sums
+ * the same elements in the same order, so the bits are the plain tile's
+ * (tests/test_kernels.py compares every path with the scalar reference). */
+K3_AVX512_ATTR K3_INLINE void k3_w16_bf16_eo_avx512(const uint16_t *w, __m512d *v) {
+    __m256i d = _mm256_loadu_si256((const __m256i *)w);
+    v[0] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(d, 16)));
+    v[1] = _mm512_cvtps_pd(_mm256_castsi256_ps(
+        _mm256_and_si256(d, _mm256_set1_epi32((int)0xFFFF0000u))));
+}
+K3_AVX512_ATTR K3_INLINE void k3_x16_eo_avx512(const double *x, __m512d *v) {
+    __m512d lo = _mm512_loadu_pd(x), hi = _mm512_loadu_pd(x + 8);
+    v[0] = _mm512_permutex2var_pd(lo, _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), hi);
+    v[1] = _mm512_permutex2var_pd(lo, _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), hi);
+}
+K3_AVX512_ATTR K3_INLINE double k3_tree16_eo_avx512(const __m512d *v) {
+    __m512d nat[2];   /* back to lanes 0-7 | 8-15 */
+    nat[0] = _mm512_permutex2var_pd(v[0], _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), v[1]);
+    nat[1] = _mm512_permutex2var_pd(v[0], _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), v[1]);
+    return k3_tree16_avx512(nat);
+}
+
+#define K3_MV_TILE_AVX512(WIDEN16, WIDEN, T, XLOAD16, TREE)                                 \
     K3_MV_TILE(k3_mv_tile_avx512_##WIDEN16, K3_AVX512_ATTR, T, __m512d, 2, 8,                 \
-               _mm512_setzero_pd, _mm512_loadu_pd, _mm512_fmadd_pd, WIDEN16, WIDEN,           \
-               k3_tree16_avx512)
+               _mm512_setzero_pd, XLOAD16, _mm512_fmadd_pd, WIDEN16, WIDEN, TREE)
 
 K3_MV_TILE_AVX2(k3_w16_f32_avx2, K3_AS_IS, float)
 K3_MV_TILE_AVX2(k3_w16_bf16_avx2, k3_bf16_to_f32, uint16_t)
 K3_MV_TILE_AVX2(k3_w16_i8_avx2, K3_AS_IS, int8_t)
-K3_MV_TILE_AVX512(k3_w16_f32_avx512, K3_AS_IS, float)
-K3_MV_TILE_AVX512(k3_w16_bf16_avx512, k3_bf16_to_f32, uint16_t)
-K3_MV_TILE_AVX512(k3_w16_i8_avx512, K3_AS_IS, int8_t)
+K3_MV_TILE_AVX512(k3_w16_f32_avx512, K3_AS_IS, float, k3_x16_avx512, k3_tree16_avx512)
+K3_MV_TILE_AVX512(k3_w16_bf16_eo_avx512, k3_bf16_to_f32, uint16_t, k3_x16_eo_avx512,
+                  k3_tree16_eo_avx512)
+K3_MV_TILE_AVX512(k3_w16_i8_avx512, K3_AS_IS, int8_t, k3_x16_avx512, k3_tree16_avx512)
 
 K3_TILE_INSTANCES(k3_mv_f32_avx2, K3_AVX2_ATTR, k3_mv_tile_avx2_k3_w16_f32_avx2, float)
 K3_TILE_INSTANCES(k3_mv_bf16_avx2, K3_AVX2_ATTR, k3_mv_tile_avx2_k3_w16_bf16_avx2, uint16_t)
 K3_TILE_INSTANCES(k3_mv_i8_avx2, K3_AVX2_ATTR, k3_mv_tile_avx2_k3_w16_i8_avx2, int8_t)
 K3_TILE_INSTANCES(k3_mv_f32_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_f32_avx512, float)
-K3_TILE_INSTANCES(k3_mv_bf16_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_bf16_avx512,
+K3_TILE_INSTANCES(k3_mv_bf16_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_bf16_eo_avx512,
                   uint16_t)
 K3_TILE_INSTANCES(k3_mv_i8_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_i8_avx512, int8_t)
 
