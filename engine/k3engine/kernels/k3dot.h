@@ -297,8 +297,9 @@ K3_AVX512_ATTR K3_INLINE void k3_x16_avx512(const double *x, __m512d *v) {
  * element 2j in the low half and 2j+1 in the high half of dword j, so a shift gives the
  * evens as float32 and a mask the odds, in 256-bit registers: no lane-crossing zero-extend
  * and no extract.  Why: on Zen 4 those two 512-bit shuffles shared the vector ports with
- * the converts, and a core widened 9.6-9.9 G weights/s from L2 (this: 13.2-13.7; /tmp C
- * harness, 2026-12-02).  The inputs are permuted the same way (two permutes per block,
+ * the converts (1 a cycle each); a core ran 6.2-9.3 G weights/s from L2/L3, this 8.0-12.1
+ * (benchmarks/bench_cached_kernels.py alternated with the old build, docs/benchmarks-
+ * kernels.md, Zen 4).  The inputs are permuted the same way (two permutes per block,
  * shared by the tile's rows) and the sums un-permuted before the tree: each lane still sums
  * the same elements in the same order, so the bits are the plain tile's
  * (tests/test_kernels.py compares every path with the scalar reference). */
