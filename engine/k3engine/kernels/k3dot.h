@@ -501,7 +501,7 @@ K3_MV_KINDS(K3_MV_PANEL_AVX2)
 
 /* AVX2 decode.  Each value 2*E2M1 (a small integer) is a double whose low six bytes are
  * zero, so two byte tables give its top two bytes and byte shuffles drop them into place:
- * no int -> double conversion (that decoded a group in ~5.4 ns, this in ~3.3 on Zen 3).
+ * no int -> double conversion (int8 -> int32 -> double took 3 uops per 4 values).
  * The group sum is then scaled by 0.5*2^(b-127) instead of 2^(b-127).  Every product and
  * partial sum is exactly twice the scalar one (no double overflow or underflow is
  * reachable from float32 x), so the scaled result rounds identically.  Code 8 (-0.0)
@@ -558,7 +558,8 @@ K3_AVX2_ATTR K3_INLINE __m256d k3_tree4x4_avx2(const __m256d *bb) {
                          _mm256_permute2f128_pd(h01, h23, 0x31));
 }
 
-/* R rows x B tokens (R * B <= 8): (row r, token b) is pair q = r * B + b, lane q % 4 of
+/* R rows x B tokens (R * B <= 8; at T = 1 only a single row: more go to
+ * k3_mxfp4_rows_avx2 below): (row r, token b) is pair q = r * B + b, lane q % 4 of
  * accumulator q / 4.  Each row's group is decoded once for its B tokens; the group trees
  * of 4 pairs, the scaling and the group-ordered accumulation are one vector op each
  * (mul, then add: never fused).  Why: one horizontal tree and a scalar multiply-add per
@@ -615,8 +616,10 @@ K3_AVX2_ATTR K3_INLINE void k3_mxfp4_tile_avx2(const uint8_t *p, long ldp, const
  * order) of both rows; b[l] = s[l] + s[l+4] is a[0] + a[2] and a[1] + a[3], and two
  * horizontal adds give each row's (b0+b1) + (b2+b3), rows 0, 2, 1, 3 in the lanes (pair 1
  * repeated when R <= 2).  Missing rows repeat row R-1 (read, never stored).  A dead group
- * masks its lane to +0.0, the tile's argument above.  Why: one row per vector left half of
- * each shuffle and FMA idle at T = 1 (4.9 -> 7.0 G multiply-adds per second, Zen 3). */
+ * masks its lane to +0.0, the tile's argument above.  Why: with one row per vector the
+ * decode and the tree were paid per row; with this and the table decode MXFP4 3072x3584
+ * at T = 1 went 2.72 -> 1.94 ms per call from DRAM on a Zen 3 core (docs/benchmarks-
+ * kernels.md, 2026-12-03). */
 K3_AVX2_ATTR K3_INLINE void k3_mxfp4_rows_avx2(const uint8_t *p, long ldp, const uint8_t *s,
                                                long lds, const double *x, long n,
                                                double *out, const int R) {
@@ -895,7 +898,7 @@ static inline void k3_tile_shape(int isa, long ntok, int *rmax, int *bmax) {
 static inline void k3_mxfp4_shape(int isa, long ntok, int *rmax, int *bmax) {
     if (isa == K3_ISA_AVX512) { *rmax = 8; *bmax = 4; }
     else if (isa == K3_ISA_AVX2) {
-        *rmax = ntok == 1 ? 4 : 1;     /* 4 pairs per vector: 4 rows or 4 tokens */
+        *rmax = ntok == 1 ? 4 : 1;     /* 4 rows, two per register; or 1 row x 4 tokens */
         *bmax = ntok == 1 ? 1 : 4;
     }
     else { *rmax = 1; *bmax = 1; }
