@@ -886,11 +886,13 @@ static inline int k3_isa(void) {
  * widened weights in 32 registers).  A 4 x 2 tile measured ~20 % faster at T = 4 under
  * load but, quiet (2026-12-01 13:37, bench_kernels.py), BF16 12288x7168 T = 4 took 43.4 ms
  * at 1 thread as 4 x 2 and 32.3 ms as 2 x 4 (17.9 / 17.1 at 2 threads).  AVX2: 2 rows at
- * T = 1 (8 chains in 16 registers), 1 row x 2 tokens otherwise.  BF16 12288x7168 at 1
- * thread, T = 1, with the prefetch: 24.4 -> ~15 ms (AVX-512), 31.6 -> ~21 ms (AVX2). */
+ * T = 1 (8 chains in 16 registers; 3 and 4 rows measured slower), 1 row x 4 tokens
+ * otherwise (from cache 1.1-1.5x the 1 x 2 tile at T = 3 and 4 for BF16, F32 and I8R,
+ * bench_cached_kernels.py on Zen 3, 2026-12-03).  BF16 12288x7168 at 1 thread, T = 1,
+ * with the prefetch: 24.4 -> ~15 ms (AVX-512), 31.6 -> ~21 ms (AVX2). */
 static inline void k3_tile_shape(int isa, long ntok, int *rmax, int *bmax) {
     if (isa == K3_ISA_AVX512) { *rmax = ntok == 1 ? 4 : 2; *bmax = ntok == 1 ? 1 : 4; }
-    else if (isa == K3_ISA_AVX2) { *rmax = ntok == 1 ? 2 : 1; *bmax = ntok == 1 ? 1 : 2; }
+    else if (isa == K3_ISA_AVX2) { *rmax = ntok == 1 ? 2 : 1; *bmax = ntok == 1 ? 1 : 4; }
     else { *rmax = 1; *bmax = 1; }
 }
 
