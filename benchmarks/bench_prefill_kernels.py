@@ -3,7 +3,7 @@
 
     python benchmarks/bench_prefill_kernels.py [--kinds bf16,f32,i8r,mxfp4]
         [--shapes 2048x2048,1024x2048,7168x7168] [--tokens 8,64,512] [--threads 1,2]
-        [--repeat 9] [--compare panel,block]
+        [--repeat 9] [--compare panel,block,mxdecode]
 
 For each kind, shape (rows x inputs) and token count it alternates, in one process, the
 built-in path against one switched off, checks the outputs are bit-identical, and reports
@@ -13,7 +13,9 @@ multiply-adds per second (median of --repeat pairs after a warm-up pair):
   widened once for up to 48 tokens) against the tiles (K.set_panel_min_tokens off); MXFP4
   has no panel;
 * block: with the panels off, the tiles' L2-sized token blocks against none
-  (K.set_token_block_bytes).
+  (K.set_token_block_bytes);
+* mxdecode: AVX-512 MXFP4 with each group decoded once for all the call's tokens (T >= 8)
+  against the 4-token tiles, which decode it per tile (K.set_mx_tokens_min off).
 
 Weights are the same matrix each call (they stay in L3 at these shapes), as a prefill
 reuses a layer's weights for every token of the prompt.
@@ -39,6 +41,7 @@ SWITCHES = {   # name: (set the path under test on or off, label on, label off)
               "panel", "tiles"),
     "block": (lambda on: (K.set_panel_min_tokens(OFF), K.set_token_block_bytes(0 if on else OFF)),
               "blocked", "unblocked"),
+    "mxdecode": (lambda on: K.set_mx_tokens_min(0 if on else OFF), "decoded once", "tiles"),
 }
 
 
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="8,64,512")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--compare", default="panel", help="panel and/or block")
+    ap.add_argument("--compare", default="panel", help="panel, block and/or mxdecode")
     a = ap.parse_args(argv)
     r = np.random.default_rng(11)
     print(f"machine: {machine_info()}; kernel path {K.isa()}; load average {loadavg()}")
@@ -109,6 +112,7 @@ def main(argv=None) -> int:
     switch(True)
     K.set_panel_min_tokens(0)
     K.set_token_block_bytes(0)
+    K.set_mx_tokens_min(0)
     return 0 if ok else 1
 
 

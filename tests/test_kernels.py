@@ -786,6 +786,44 @@ def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
                            ref_mxfp4_matvec(WW[0], WW[1], X[3]))
 
 
+def test_mxfp4_decoded_once_equals_tiles_and_one_token():
+    """The AVX-512 MXFP4 path that decodes each group once for all of a call's tokens
+    (T >= 8, k3_mxfp4_rows8_tokens_avx512) against the 4-token tiles (K.set_mx_tokens_min
+    off) and the one-token calls, bit for bit: 517 rows (a ragged 8-row block) x 2080
+    inputs (65 groups: a ragged 8-group chunk and 4-group stage), dead groups (scale 255)
+    and scales 0/254, special inputs, T = 8, 13 and 70 (across the 64-token chunk, ragged),
+    at 1 and 2 threads.  On a CPU without AVX-512 every path here is the tiles' and the
+    test says so."""
+    r = rng(4711)
+    rows, n = 517, 2080
+    P = r.integers(0, 256, (rows, n // 2), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(110, 130, (rows, n // 32), dtype=np.uint16).astype(np.uint8)
+    S.reshape(-1)[::7] = 255
+    S.reshape(-1)[1::11] = 0
+    S.reshape(-1)[2::13] = 254
+    X = rand_f32(r, (70, n))
+    X[5] = special_f32(r, (1, n))[0]
+    X[5][~np.isfinite(X[5])] = 0.0                  # finite: compared bit for bit
+    single = np.concatenate([mv4(P, S, X[t:t + 1]) for t in range(70)])
+    for nt in (1, 2):
+        with threads(nt):
+            for T in (8, 13, 70):
+                got = mv4(P, S, X[:T])
+                K.set_mx_tokens_min(1 << 40)
+                try:
+                    tiles = mv4(P, S, X[:T])
+                finally:
+                    K.set_mx_tokens_min(0)
+                assert_bitwise(f"mxfp4 decoded-once vs tiles T={T} threads={nt}", got, tiles)
+                assert_bitwise(f"mxfp4 decoded-once vs one-token T={T} threads={nt}", got,
+                               single[:T])
+    with isa("scalar"):
+        assert_bitwise("mxfp4 one-token (default path) vs scalar", single[:8], mv4(P, S, X[:8]))
+    print(f"[gate] mxfp4 {rows}x{n} decoded-once (path {K.isa()}"
+          f"{'' if 'avx512' in K.isas_available() else ': NOT RUN here, tiles only'}) == "
+          f"tiles == one-token, T = 8, 13, 70, 1 and 2 threads")
+
+
 def test_isa_selection_env_and_refusals():
     """K3_KERNEL_ISA forces a path at import (so a whole run can be pinned to one); a typo is
     ignored with a warning naming the variable; set_isa refuses unknown names and paths the

@@ -36,6 +36,7 @@ cdef extern from "k3dot.h" nogil:
     int k3_set_isa(int isa)
     void k3_set_token_block_bytes(long b)
     void k3_set_panel_min_tokens(long t)
+    void k3_set_mx_tokens_min(long t)
     enum: K3_PANEL_MIN_TOKENS
     int k3_isa()
     int k3_isa_best()
@@ -111,6 +112,13 @@ def set_panel_min_tokens(long ntok):
     built-in 5; a huge value: never, the tiles only).  No bit depends on it; benchmarks
     A/B it."""
     k3_set_panel_min_tokens(ntok)
+
+
+def set_mx_tokens_min(long ntok):
+    """The fewest tokens an AVX-512 MXFP4 matvec decodes each group once for (0: the
+    built-in 8; a huge value: never, the 4-token tiles only).  No bit depends on it;
+    benchmarks and tests A/B it."""
+    k3_set_mx_tokens_min(ntok)
 
 
 def isa():

@@ -715,105 +715,196 @@ K3_AVX512_ATTR K3_INLINE __m512d k3_e2m1_lanes_avx512(__m512i q0, __m512i q1, co
     return _mm512_permutex2var_pd(t_lo, q, t_hi);
 }
 
+/* Lane r of sc (r < R): the scale bytes of groups g0 .. g0+ng-1 (ng <= 8) of row r, padded
+ * with 255 (= skipped) past the row's end; offs[r] = r * lds for r < R, else 0. */
+K3_AVX512_ATTR K3_INLINE __m512i k3_mx_scales8_avx512(const uint8_t *s, long lds, __m512i offs,
+                                                      long g0, int ng, const int R) {
+    if (ng == 8) return _mm512_i64gather_epi64(offs, (const void *)(s + g0), 1);
+    uint64_t buf[8];
+    for (int r = 0; r < 8; r++) {
+        uint8_t bytes[8];
+        memset(bytes, 255, 8);
+        if (r < R) memcpy(bytes, s + r * lds + g0, (size_t)ng);
+        memcpy(&buf[r], bytes, 8);
+    }
+    return _mm512_loadu_si512((const void *)buf);
+}
+
+/* Group gi of an 8-group scale vector: its 2^(b-127) per lane, and the lanes it is live in. */
+K3_AVX512_ATTR K3_INLINE __m512d k3_mx_scale_avx512(__m512i sc8, int gi, __mmask8 *live) {
+    __m512i sb = _mm512_and_si512(_mm512_srl_epi64(sc8, _mm_cvtsi32_si128(8 * gi)),
+                                  _mm512_set1_epi64(255));
+    *live = _mm512_cmpneq_epi64_mask(sb, _mm512_set1_epi64(255));
+    /* 2^(b-127) as a double: biased exponent b - 127 + 1023, always normal */
+    return _mm512_castsi512_pd(
+        _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(1023 - 127)), 52));
+}
+
+/* Groups g4 .. g4+ng4-1 (ng4 <= 4) of 8 rows (lanes past R re-read row 0), transposed so
+ * lane r of qv[2i + j] is row r's j-th 8 packed bytes of group g4 + i; and a prefetch of
+ * one line per row 2 KB ahead (past a row's end: the next block's row). */
+K3_AVX512_ATTR K3_INLINE void k3_mx_words_avx512(const uint8_t *p, long ldp, long g4, int ng4,
+                                                 const int R, __m512i *qv) {
+    __m512i rowv[8];
+    const __mmask8 words = (__mmask8)((1u << (2 * ng4)) - 1);
+    for (int r = 0; r < 8; r++)
+        rowv[r] = _mm512_maskz_loadu_epi64(words, p + (r < R ? r : 0) * ldp + g4 * 16);
+    k3_transpose8_epi64(rowv, qv);
+    long off = g4 * 16 + K3_PF_BYTES;
+    const char *pf = (const char *)p + off + (off >= ldp ? 8 * ldp - ldp : 0);
+    for (int r = 0; r < 8; r++) _mm_prefetch(pf + r * ldp, _MM_HINT_T0);
+}
+
+/* One group of 8 rows against B tokens (xg: the group's first input of token 0, ldx
+ * between tokens): acc[b] += (the §5.6 tree of s[l]) * scale in the live lanes.  Element
+ * e's 8 row values come from dec[e] when dec is given (decoded once for many tokens),
+ * else from the words q0, q1 (both forms give the same doubles, so the same bits).
+ * Per token: b[l] = s[l] + s[l+4]; c[0] = b0 + b1 is formed before l = 2, 3 are computed
+ * (fewer live registers), c[1] = b2 + b3, sub = c[0] + c[1]. */
+K3_AVX512_ATTR K3_INLINE void k3_mx_group_avx512(__m512i q0, __m512i q1, const __m512d *dec,
+                                                 const double *xg, long ldx, __m512d scale,
+                                                 __mmask8 live, __m512d *acc, const int B) {
+    const __m512d zero = _mm512_setzero_pd();
+    __m512d c[2][4];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m512d bl[2][4];
+#pragma GCC unroll 2
+        for (int l2 = 0; l2 < 2; l2++) {
+            const int l = 2 * h + l2;
+            __m512d sl[4], sh[4];   /* s[l], s[l+4] of each token */
+#pragma GCC unroll 4
+            for (int b = 0; b < B; b++) sl[b] = sh[b] = zero;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {   /* elements l + 8j and l + 4 + 8j */
+                __m512d dl = dec ? dec[l + 8 * j] : k3_e2m1_lanes_avx512(q0, q1, l + 8 * j);
+                __m512d dh = dec ? dec[l + 4 + 8 * j]
+                                 : k3_e2m1_lanes_avx512(q0, q1, l + 4 + 8 * j);
+#pragma GCC unroll 4
+                for (int b = 0; b < B; b++) {
+                    const double *xb = xg + b * ldx;
+                    sl[b] = _mm512_fmadd_pd(dl, _mm512_set1_pd(xb[l + 8 * j]), sl[b]);
+                    sh[b] = _mm512_fmadd_pd(dh, _mm512_set1_pd(xb[l + 4 + 8 * j]), sh[b]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int b = 0; b < B; b++) bl[l2][b] = _mm512_add_pd(sl[b], sh[b]);
+        }
+#pragma GCC unroll 4
+        for (int b = 0; b < B; b++) c[h][b] = _mm512_add_pd(bl[0][b], bl[1][b]);
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < B; b++) {
+        __m512d sub = _mm512_add_pd(c[0][b], c[1][b]);
+        /* a skipped group adds +0.0: acc starts at +0.0 and so is never -0.0,
+         * hence acc + 0 = acc exactly like not adding */
+        acc[b] = _mm512_add_pd(acc[b], _mm512_maskz_mul_pd(live, sub, scale));
+    }
+}
+
+K3_AVX512_ATTR K3_INLINE __m512i k3_mx_offsets_avx512(long lds, const int R) {
+    const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    /* lanes past R re-read row 0 (in bounds); their sums are never stored */
+    return _mm512_maskz_mullo_epi64((__mmask8)((1u << R) - 1), lane, _mm512_set1_epi64(lds));
+}
+
 /* Rows o .. o+R-1 (R <= 8) of one 8-row block against B tokens; out[r * B + b]. */
 K3_AVX512_ATTR K3_INLINE void k3_mxfp4_rows8_avx512(const uint8_t *p, long ldp,
                                                     const uint8_t *s, long lds,
                                                     const double *x, long ldx, long n,
                                                     double *out, const int R, const int B) {
-    const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    const __mmask8 rows = (__mmask8)((1u << R) - 1);
-    /* lanes past R re-read row 0 (in bounds); their sums are never stored */
-    const __m512i offs = _mm512_maskz_mullo_epi64(rows, lane, _mm512_set1_epi64(lds));
-    const __m512d zero = _mm512_setzero_pd();
+    const __m512i offs = k3_mx_offsets_avx512(lds, R);
     __m512d acc[4];
-    for (int b = 0; b < B; b++) acc[b] = zero;
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_pd();
     long ngroups = n / 32;
-    const long pf_wrap = 8 * ldp - ldp;     /* past a row's end: the next block's row */
     for (long k = 0; k < 8 * lds; k += 64)  /* the next block's scale bytes */
         _mm_prefetch((const char *)s + 8 * lds + k, _MM_HINT_T0);
     for (long g0 = 0; g0 < ngroups; g0 += 8) {
         const int ng = ngroups - g0 < 8 ? (int)(ngroups - g0) : 8;
-        __m512i sc8;                        /* lane r: scale bytes of groups g0.. of row r */
-        if (ng == 8) {
-            sc8 = _mm512_i64gather_epi64(offs, (const void *)(s + g0), 1);
-        } else {                            /* row end: pad with 255 (= skipped) */
-            uint64_t buf[8];
-            for (int r = 0; r < 8; r++) {
-                uint8_t bytes[8];
-                memset(bytes, 255, 8);
-                if (r < R) memcpy(bytes, s + r * lds + g0, (size_t)ng);
-                memcpy(&buf[r], bytes, 8);
-            }
-            sc8 = _mm512_loadu_si512((const void *)buf);
-        }
+        __m512i sc8 = k3_mx_scales8_avx512(s, lds, offs, g0, ng, R);
         for (long g4 = g0; g4 < g0 + ng; g4 += 4) {
-        /* 4 groups = 64 packed bytes of each row, transposed so qv[2i + j] lane r is
-         * the row's j-th 8 bytes of group g4 + i */
-        const int ng4 = g0 + ng - g4 < 4 ? (int)(g0 + ng - g4) : 4;
-        __m512i rowv[8], qv[8];
-        const __mmask8 words = (__mmask8)((1u << (2 * ng4)) - 1);
-        for (int r = 0; r < 8; r++)
-            rowv[r] = _mm512_maskz_loadu_epi64(words, p + (r < R ? r : 0) * ldp + g4 * 16);
-        k3_transpose8_epi64(rowv, qv);
-        {                                   /* one line per row per 4 groups, 2 KB ahead */
-            long off = g4 * 16 + K3_PF_BYTES;
-            const char *pf = (const char *)p + off + (off >= ldp ? pf_wrap : 0);
-            for (int r = 0; r < 8; r++) _mm_prefetch(pf + r * ldp, _MM_HINT_T0);
-        }
+            const int ng4 = g0 + ng - g4 < 4 ? (int)(g0 + ng - g4) : 4;
+            __m512i qv[8];
+            k3_mx_words_avx512(p, ldp, g4, ng4, R, qv);
 #pragma GCC unroll 1
-        for (int gi4 = 0; gi4 < ng4; gi4++) {
-            const long g = g4 + gi4;
-            const int gi = (int)(g - g0);
-            __m512i q0 = qv[2 * gi4], q1 = qv[2 * gi4 + 1];
-            __m512i sb = _mm512_and_si512(_mm512_srl_epi64(sc8, _mm_cvtsi32_si128(8 * gi)),
-                                          _mm512_set1_epi64(255));
-            __mmask8 live = _mm512_cmpneq_epi64_mask(sb, _mm512_set1_epi64(255));
-            /* 2^(b-127) as a double: biased exponent b - 127 + 1023, always normal */
-            __m512d scale = _mm512_castsi512_pd(
-                _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(1023 - 127)), 52));
-            /* per token: b[l] = s[l] + s[l+4]; c[0] = b0 + b1 is formed before l = 2, 3 are
-             * computed (fewer live registers), c[1] = b2 + b3, sub = c[0] + c[1] */
-            __m512d c[2][4];
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                __m512d bl[2][4];
-#pragma GCC unroll 2
-                for (int l2 = 0; l2 < 2; l2++) {
-                    const int l = 2 * h + l2;
-                    __m512d sl[4], sh[4];   /* s[l], s[l+4] of each token */
-#pragma GCC unroll 4
-                    for (int b = 0; b < B; b++) sl[b] = sh[b] = zero;
-#pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) {   /* elements l + 8j and l + 4 + 8j */
-                        __m512d dl = k3_e2m1_lanes_avx512(q0, q1, l + 8 * j);
-                        __m512d dh = k3_e2m1_lanes_avx512(q0, q1, l + 4 + 8 * j);
-#pragma GCC unroll 4
-                        for (int b = 0; b < B; b++) {
-                            const double *xg = x + b * ldx + g * 32;
-                            sl[b] = _mm512_fmadd_pd(dl, _mm512_set1_pd(xg[l + 8 * j]), sl[b]);
-                            sh[b] = _mm512_fmadd_pd(dh, _mm512_set1_pd(xg[l + 4 + 8 * j]), sh[b]);
-                        }
-                    }
-#pragma GCC unroll 4
-                    for (int b = 0; b < B; b++) bl[l2][b] = _mm512_add_pd(sl[b], sh[b]);
-                }
-#pragma GCC unroll 4
-                for (int b = 0; b < B; b++) c[h][b] = _mm512_add_pd(bl[0][b], bl[1][b]);
+            for (int gi4 = 0; gi4 < ng4; gi4++) {
+                __mmask8 live;
+                __m512d scale = k3_mx_scale_avx512(sc8, (int)(g4 - g0) + gi4, &live);
+                k3_mx_group_avx512(qv[2 * gi4], qv[2 * gi4 + 1], NULL,
+                                   x + (g4 + gi4) * 32, ldx, scale, live, acc, B);
             }
-#pragma GCC unroll 4
-            for (int b = 0; b < B; b++) {
-                __m512d sub = _mm512_add_pd(c[0][b], c[1][b]);
-                /* a skipped group adds +0.0: acc starts at +0.0 and so is never -0.0,
-                 * hence acc + 0 = acc exactly like not adding */
-                acc[b] = _mm512_add_pd(acc[b], _mm512_maskz_mul_pd(live, sub, scale));
-            }
-        }
         }
     }
     for (int b = 0; b < B; b++) {
         double t[8];
         _mm512_storeu_pd(t, acc[b]);
         for (int r = 0; r < R; r++) out[r * B + b] = t[r];
+    }
+}
+
+/* B tokens over ng decoded groups; their 8 row sums each (acc8) in memory between calls. */
+K3_AVX512_ATTR K3_INLINE void k3_mx_tile_decoded_avx512(const double (*dec)[32][8],
+                                                        const __m512d *scale,
+                                                        const __mmask8 *live, int ng,
+                                                        const double *xt, long ldx,
+                                                        double (*acc8)[8], const int B) {
+    const __m512i none = _mm512_setzero_si512();
+    __m512d acc[4];
+    for (int b = 0; b < B; b++) acc[b] = _mm512_load_pd(acc8[b]);
+#pragma GCC unroll 1
+    for (int gi = 0; gi < ng; gi++)
+        k3_mx_group_avx512(none, none, (const __m512d *)dec[gi], xt + gi * 32, ldx,
+                           scale[gi], live[gi], acc, B);
+    for (int b = 0; b < B; b++) _mm512_store_pd(acc8[b], acc[b]);
+}
+
+/* Rows o .. o+R-1 (R <= 8) against ntok tokens at once, Y[t * ldy + r] = f32(sum): each
+ * chunk of 8 groups is decoded once into dec (16 KB, in L1) and every token runs over it,
+ * 4 at a time, its 8 row sums kept in accb between chunks.  Why: with a group decoded per
+ * 4-token tile (k3_mxfp4_rows8_avx512) the shift and permute of each element took a third
+ * of a prefill tile's uops; here they are paid once per K3_MX_TOKENS tokens.  Each token's
+ * order is the tile's (k3_mx_group_avx512 is the same code), whatever the chunking. */
+#define K3_MX_TOKENS 64
+K3_AVX512_ATTR static void k3_mxfp4_rows8_tokens_avx512(const uint8_t *p, long ldp,
+                                                        const uint8_t *s, long lds,
+                                                        const double *x, long ldx, long n,
+                                                        long ntok, float *Y, long ldy,
+                                                        const int R) {
+    _Alignas(64) double dec[8][32][8];
+    _Alignas(64) double accb[K3_MX_TOKENS][8];
+    const __m512i offs = k3_mx_offsets_avx512(lds, R);
+    long ngroups = n / 32;
+    for (long t0 = 0; t0 < ntok; t0 += K3_MX_TOKENS) {
+        const long nt = ntok - t0 < K3_MX_TOKENS ? ntok - t0 : K3_MX_TOKENS;
+        memset(accb, 0, sizeof accb);
+        for (long g0 = 0; g0 < ngroups; g0 += 8) {
+            const int ng = ngroups - g0 < 8 ? (int)(ngroups - g0) : 8;
+            __m512i sc8 = k3_mx_scales8_avx512(s, lds, offs, g0, ng, R);
+            __m512d scale[8];
+            __mmask8 live[8];
+            for (int gi = 0; gi < ng; gi++) scale[gi] = k3_mx_scale_avx512(sc8, gi, &live[gi]);
+            for (int g4 = 0; g4 < ng; g4 += 4) {
+                const int ng4 = ng - g4 < 4 ? ng - g4 : 4;
+                __m512i qv[8];
+                k3_mx_words_avx512(p, ldp, g0 + g4, ng4, R, qv);
+                for (int gi4 = 0; gi4 < ng4; gi4++)
+#pragma GCC unroll 32
+                    for (int e = 0; e < 32; e++)
+                        _mm512_store_pd(dec[g4 + gi4][e],
+                                        k3_e2m1_lanes_avx512(qv[2 * gi4], qv[2 * gi4 + 1], e));
+            }
+            for (long t = 0; t < nt; t += 4) {
+                const double *xt = x + (t0 + t) * ldx + g0 * 32;
+                switch (nt - t < 4 ? (int)(nt - t) : 4) {  /* B a constant in each call */
+                case 4: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 4); break;
+                case 3: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 3); break;
+                case 2: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 2); break;
+                default: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 1);
+                }
+            }
+        }
+        for (long t = 0; t < nt; t++)
+            for (int r = 0; r < R; r++) Y[(t0 + t) * ldy + r] = (float)accb[t][r];
     }
 }
 
@@ -976,12 +1067,27 @@ K3_MV_ROWS(k3_mv_rows_f32, float, f32)
 K3_MV_ROWS(k3_mv_rows_bf16, uint16_t, bf16)
 K3_MV_ROWS(k3_mv_rows_i8, int8_t, i8)
 
+/* Tokens from which an AVX-512 MXFP4 call decodes each group once (benchmarks A/B it; 0 = the default) */
+#ifndef K3_MX_TOKENS_MIN
+#define K3_MX_TOKENS_MIN 8
+#endif
+static long k3_mx_tokens_min = K3_MX_TOKENS_MIN;
+static void k3_set_mx_tokens_min(long t) { k3_mx_tokens_min = t > 0 ? t : K3_MX_TOKENS_MIN; }
+
 /* MXFP4 rows [o0, o1): P row stride n/2 bytes, S row stride n/32 bytes. */
 static void k3_mv_rows_mxfp4(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
                              const double *Xd, long ntok, float *Y, long ldy) {
     int isa = k3_isa(), rmax, bmax;
     k3_mxfp4_shape(isa, ntok, &rmax, &bmax);
     long ldp = n / 2, lds = n / 32;
+#if K3_HAVE_SIMD_PATHS
+    if (isa == K3_ISA_AVX512 && ntok >= k3_mx_tokens_min) {
+        for (long o = o0; o < o1; o += 8)
+            k3_mxfp4_rows8_tokens_avx512(P + o * ldp, ldp, S + o * lds, lds, Xd, n, n, ntok,
+                                         Y + o, ldy, o1 - o < 8 ? (int)(o1 - o) : 8);
+        return;
+    }
+#endif
     double out[32];
     long tb = k3_token_block(n, bmax);
     for (long t0 = 0; t0 < ntok; t0 += tb) {
