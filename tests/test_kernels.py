@@ -1358,6 +1358,35 @@ def test_float32_chains_shortconv_axpy_bitwise():
     Yr, hr = ref_shortconv(X, w, hist0)
     assert_bitwise("shortconv out (T=6, C=67, K=4, carried history)", Y, Yr)
     assert_bitwise("shortconv history after", hist, hr)
+    for T, C, Kt in ((1, 67, 4), (2, 67, 4), (3, 19, 4), (5, 33, 2)):   # T < K-1 included
+        X, w = rand_f32(r, (T, C), 2.0), rand_f32(r, (C, Kt), 0.6)
+        hist0 = rand_f32(r, (C, Kt - 1), 2.0)
+        hist, Y = hist0.copy(), np.empty_like(X)
+        K.shortconv(X, w, hist, Y)
+        Yr, hr = ref_shortconv(X, w, hist0)
+        assert n_diff(Y, Yr) == 0 and n_diff(hist, hr) == 0, f"shortconv T={T} K={Kt}"
+    # above the parallel threshold: 1 and 2 threads, and the same rows fed in pieces
+    # (1, 2, 3, ... positions per call, history carried) as incremental decode does
+    T, C, Kt = 700, 513, 4
+    assert T * C * Kt >= PAR_MIN_WORK
+    X, w = rand_f32(r, (T, C), 2.0), rand_f32(r, (C, Kt), 0.6)
+    hist0 = rand_f32(r, (C, Kt - 1), 2.0)
+    outs = []
+    for nt in (1, 2):
+        with threads(nt):
+            hist, Y = hist0.copy(), np.empty_like(X)
+            K.shortconv(X, w, hist, Y)
+            outs.append((Y, hist))
+    assert n_diff(outs[0][0], outs[1][0]) == 0 and n_diff(outs[0][1], outs[1][1]) == 0
+    hist, pieces, t, k = hist0.copy(), [], 0, 1
+    while t < T:
+        Yp = np.empty((min(k, T - t), C), np.float32)
+        K.shortconv(np.ascontiguousarray(X[t:t + k]), w, hist, Yp)
+        pieces.append(Yp)
+        t, k = t + k, k + 1
+    assert_bitwise(f"shortconv T={T} C={C} whole (1 == 2 threads) vs fed in pieces",
+                   outs[0][0], np.concatenate(pieces))
+    assert n_diff(outs[0][1], hist) == 0
     acc, d = rand_f32(r, 1031), rand_f32(r, 1031)
     wj = np.float32(0.3711)
     want = acc + wj * d                                   # two float32 roundings
@@ -1383,6 +1412,25 @@ def test_attnres_and_mla_exact_order():
     want = np.stack([ref_attnres(np.concatenate([stack[:, t], run[t][None]]), phi, 1e-5)
                      for t in range(T)])
     assert_bitwise(f"attnres {n_snap}+1 sources, T={T}, E={E}", out, want)
+    # 1..9 sources (the keys run four sources' chains side by side, then the rest one by
+    # one; K3 aggregates up to 9) and a T above the parallel threshold at 1 and 2 threads
+    T, E = 700, 513
+    assert T * E * 3 >= PAR_MIN_WORK
+    for n_snap in range(9):
+        stack = rand_f32(r, (max(n_snap, 1), T, E), 2.0)
+        run = rand_f32(r, (T, E), 3.0)
+        outs = []
+        for nt in (1, 2):
+            with threads(nt):
+                outs.append(np.empty((T, E), np.float32))
+                K.attnres(stack, n_snap, run, np.resize(phi, E), np.float32(1e-5), outs[-1])
+        assert n_diff(outs[0], outs[1]) == 0, f"attnres {n_snap}+1 sources: 1 vs 2 threads"
+        ph = np.resize(phi, E)
+        for t in (0, 351, T - 1):
+            want = ref_attnres(np.concatenate([stack[:n_snap, t], run[t][None]]), ph, 1e-5)
+            assert n_diff(outs[0][t], want) == 0, f"attnres {n_snap}+1 sources, token {t}"
+    print(f"[gate] attnres 1..9 sources, T={T}, E={E}: 1 == 2 threads, tokens 0/351/{T - 1} "
+          f"== ref, bitwise")
     H, dn, dr, dv, Tm, past = 3, 23, 7, 13, 5, 4
     Q = rand_f32(r, (Tm, H * (dn + dr)), 0.5)
     KV = rand_f32(r, (past + Tm + 2, H * (dn + dv)))
