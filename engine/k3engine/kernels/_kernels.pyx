@@ -229,7 +229,8 @@ cdef double[:, ::1] _widened(const float[:, ::1] X):
 
 # Rows per parallel work item: a multiple of every tile height, small enough to balance.
 DEF ROW_CHUNK = 16
-DEF PREFILL_TOKENS = 32     # from here on a matvec's work items are 4 x ROW_CHUNK rows
+DEF PREFILL_TOKENS = 32     # from here on a matvec's work items are 64..PREFILL_ROWS rows
+DEF PREFILL_ROWS = 256
 DEF DECODE_ITEMS_PER_THREAD = 8   # T = 1: items as long as this many per thread allows
 
 
@@ -238,7 +239,8 @@ cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
     each item streams its tokens' widened inputs (MBs at T = 512) from L3 once, and the
     panels re-read a token block from L2 once per 4-row tile; 64-row items read them a
     quarter as often (BF16 2048 x 2048, T = 512, 1 thread, a C harness: 16.0 -> 21.8 G
-    multiply-adds/s).  Only while that leaves >= 4 items per thread: with many cores the
+    multiply-adds/s), and 256-row items a sixteenth (T = 256, Xeon: 29.2 -> 34.4 G in
+    the harness).  Only while that leaves >= 4 items per thread: with many cores the
     balance matters more.  Why larger for a decode step (T = 1): a 16-row item of a
     2048-wide BF16 matrix is 64 KB, so each thread's stream broke off every 64 KB (and its
     prefetch ran into the other thread's rows); 8 items per thread keep the dynamic
@@ -246,8 +248,10 @@ cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
     2 threads, resident mid decode step 149-158 -> 133-139 ms quiet and 203-217 -> 196-204
     ms with a busy loop on one CPU (docs/benchmarks-engine.md, 2026-12-02 Xeon).  No bit
     depends on it."""
+    cdef Py_ssize_t rc
     if T >= PREFILL_TOKENS and rows >= 4 * ROW_CHUNK * 4 * _nthreads:
-        return 4 * ROW_CHUNK
+        rc = rows // (4 * _nthreads) // ROW_CHUNK * ROW_CHUNK
+        return min(rc, PREFILL_ROWS)
     if T == 1:
         return max(rows // (DECODE_ITEMS_PER_THREAD * _nthreads) // ROW_CHUNK * ROW_CHUNK,
                    ROW_CHUNK)
