@@ -139,7 +139,10 @@ class MachineFigures:
     def mxfp4_rate(self, tokens_per_run: float) -> float:
         """Expert bytes/s per token when each expert run serves `tokens_per_run` tokens:
         seconds per byte interpolated between 1 token (decode) and EXPERT_PROBE_TOKENS
-        (a tile decodes each weight once for up to 4 tokens), constant beyond."""
+        (a tile decodes each weight once for up to 4 tokens), constant beyond.  From 8
+        tokens an AVX-512 call decodes once for all of them (1.1-1.28x the tiles' rate on
+        the Xeon, docs/benchmarks-kernels.md): not credited, since K3's 896 experts see
+        ~4.6 tokens each in a 256-position chunk, so the forecast errs slow there."""
         if tokens_per_run <= 1 or not self.mxfp4_prefill_bps:
             return self.mxfp4_bps
         a = min((tokens_per_run - 1) / (EXPERT_PROBE_TOKENS - 1), 1.0)
