@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import device_bandwidth, run_once  # noqa: E402
+from bench_engine import device_bandwidth, prompt_ids, run_once  # noqa: E402
 
 from k3engine.diskio import AlignedBuffer, open_for_streaming, parallel_read, pread_into  # noqa: E402
 from k3engine.kernels._k3io import ReadPool  # noqa: E402
@@ -167,8 +167,7 @@ def streamed(model: str, trunk_dir: str, runs: int, gen: int) -> dict:
             for mode in ("off", "on"):
                 os.environ["K3_TRUNK_COMPRESS"] = mode
                 before = load()
-                r = run_once(model, ["--trunk", trunk_dir, *STREAMED], gen,
-                             os.path.join(tmp, "o.json"))
+                r = run_once(model, ["--trunk", trunk_dir, *STREAMED], gen, tmp, prompt_ids(5))
                 r["load_before"], r["load_after"] = before, load()
                 res[mode].append(r)
                 print(f"  run {i + 1} {mode:3s}: {r['spt']:.3f} s/token (steady "
@@ -212,7 +211,8 @@ def main() -> int:
     ensure_compressed(a.mid, a.trunk)
     out["ratio"].append(ratio_row(f"mid ({os.path.basename(os.path.abspath(a.mid))})", a.trunk))
     dec = decode_rates(a.trunk)
-    dev, direct = device_bandwidth(os.path.join(a.trunk, "trunk.bin"), reads=96, qd=4)
+    rates, direct = device_bandwidth(os.path.join(a.trunk, "trunk.bin"))
+    dev = rates[4]                       # MB/s at 4 reads in flight, as the trunk reads
     ratio = out["ratio"][-1]["ratio"]
     need = dev * 1e6 / (1 - ratio)
     print(f"decode: {dec['per_thread_bps'] / 1e9:.2f} GB/s per thread (blocks of "
