@@ -895,11 +895,12 @@ K3_AVX512_ATTR static void k3_mxfp4_rows8_tokens_avx512(const uint8_t *p, long l
             }
             for (long t = 0; t < nt; t += 4) {
                 const double *xt = x + (t0 + t) * ldx + g0 * 32;
+                double (*a8)[8] = accb + t;
                 switch (nt - t < 4 ? (int)(nt - t) : 4) {  /* B a constant in each call */
-                case 4: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 4); break;
-                case 3: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 3); break;
-                case 2: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 2); break;
-                default: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, accb + t, 1);
+                case 4: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, a8, 4); break;
+                case 3: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, a8, 3); break;
+                case 2: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, a8, 2); break;
+                default: k3_mx_tile_decoded_avx512(dec, scale, live, ng, xt, ldx, a8, 1);
                 }
             }
         }
@@ -1067,7 +1068,8 @@ K3_MV_ROWS(k3_mv_rows_f32, float, f32)
 K3_MV_ROWS(k3_mv_rows_bf16, uint16_t, bf16)
 K3_MV_ROWS(k3_mv_rows_i8, int8_t, i8)
 
-/* Tokens from which an AVX-512 MXFP4 call decodes each group once (benchmarks A/B it; 0 = the default) */
+/* Tokens from which an AVX-512 MXFP4 call decodes each group once (benchmarks and tests
+ * A/B it; 0 = the default) */
 #ifndef K3_MX_TOKENS_MIN
 #define K3_MX_TOKENS_MIN 8
 #endif
