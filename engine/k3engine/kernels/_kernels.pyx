@@ -880,43 +880,33 @@ cdef _select(const float[::1] s, const float[::1] bias, int k, bint renorm, floa
 cdef inline void _attnres_keys(const float **v, Py_ssize_t n, Py_ssize_t E, const float *phi,
                                double eps, float *sc) noexcept nogil:
     """sc[s] = f32(sum_i f32(v_s[i] * r_s) * phi[i]), r_s = f32(1 / sqrt(mean(v_s^2) + eps)),
-    each sum in double from 0.0 in element order.  Four sources' chains run side by side:
-    why: one chain is bound by the add's latency (4 cycles an element), and a 512-position
-    prefill spent 0.65 ms per position here; each chain's order is unchanged."""
+    each sum in double from 0.0 in element order.  Four sources' chains run side by side
+    (a last block of fewer repeats its last source; the repeats are not stored): why: one
+    chain is bound by the add's latency (4 cycles an element), and a 512-position prefill
+    spent 0.65 ms per position here; each chain's order is unchanged."""
     cdef Py_ssize_t s, i, k, m
     cdef double q[4]
     cdef double dot[4]
     cdef float r[4]
-    cdef const float *a
+    cdef const float *a[4]
     for s in range(0, n, 4):
         m = min(4, n - s)
         for k in range(4):
+            a[k] = v[s + min(k, m - 1)]
             q[k] = 0.0
-        if m == 4:
-            for i in range(E):
-                q[0] = q[0] + <double>v[s][i] * <double>v[s][i]
-                q[1] = q[1] + <double>v[s + 1][i] * <double>v[s + 1][i]
-                q[2] = q[2] + <double>v[s + 2][i] * <double>v[s + 2][i]
-                q[3] = q[3] + <double>v[s + 3][i] * <double>v[s + 3][i]
-        else:
-            for k in range(m):
-                a = v[s + k]
-                for i in range(E):
-                    q[k] = q[k] + <double>a[i] * <double>a[i]
+            dot[k] = 0.0
+        for i in range(E):
+            q[0] = q[0] + <double>a[0][i] * <double>a[0][i]
+            q[1] = q[1] + <double>a[1][i] * <double>a[1][i]
+            q[2] = q[2] + <double>a[2][i] * <double>a[2][i]
+            q[3] = q[3] + <double>a[3][i] * <double>a[3][i]
         for k in range(4):
             r[k] = <float>(1.0 / sqrt(q[k] / <double>E + eps))
-            dot[k] = 0.0
-        if m == 4:
-            for i in range(E):
-                dot[0] = dot[0] + <double>(v[s][i] * r[0]) * <double>phi[i]
-                dot[1] = dot[1] + <double>(v[s + 1][i] * r[1]) * <double>phi[i]
-                dot[2] = dot[2] + <double>(v[s + 2][i] * r[2]) * <double>phi[i]
-                dot[3] = dot[3] + <double>(v[s + 3][i] * r[3]) * <double>phi[i]
-        else:
-            for k in range(m):
-                a = v[s + k]
-                for i in range(E):
-                    dot[k] = dot[k] + <double>(a[i] * r[k]) * <double>phi[i]
+        for i in range(E):
+            dot[0] = dot[0] + <double>(a[0][i] * r[0]) * <double>phi[i]
+            dot[1] = dot[1] + <double>(a[1][i] * r[1]) * <double>phi[i]
+            dot[2] = dot[2] + <double>(a[2][i] * r[2]) * <double>phi[i]
+            dot[3] = dot[3] + <double>(a[3][i] * r[3]) * <double>phi[i]
         for k in range(m):
             sc[s + k] = <float>dot[k]
 
@@ -969,8 +959,8 @@ def attnres(const float[:, :, ::1] stack, Py_ssize_t n_snap, const float[:, ::1]
     cdef Py_ssize_t sstride = stack.shape[1] * E
     with nogil, parallel(num_threads=_threads_for(T * E * n * 3)):
         for t in prange(T, schedule="static"):
-            _attnres_token(st0 + t * E, sstride, n_snap, &run[t, 0], &phi[0], E, <double>eps,
-                           &out[t, 0])
+            _attnres_token(st0 + t * E if n_snap > 0 else NULL, sstride, n_snap, &run[t, 0],
+                           &phi[0], E, <double>eps, &out[t, 0])
 
 
 # ---- state-file payload hash (SYSTEM §6.9) -------------------------------------------
