@@ -355,12 +355,14 @@ K3_TILE_INSTANCES(k3_mv_i8_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_i8_a
  * AVX2), and each FMA waits on the widening uops of its block on the same vector ports
  * (BF16 prefill ran at ~40 % of the double-FMA peak on AVX-512, 6.6 G multiply-adds/s per
  * Zen 3 core on AVX2).  A panel widens 4 rows x K3_PANEL_K weights ONCE into an L1 buffer
- * of doubles and runs every token of a block over it, 4 rows x 3 tokens at a time (the
- * widened rows loaded once per 3 tokens); between k-blocks each (row, token)'s 16 lane
- * sums wait in a small buffer.  AVX-512 holds all 16 lanes of the 12 (row, token) pairs in
- * 24 registers; AVX2 has 16 registers, so it makes 4 passes over the k-block, one per
- * 4-lane quarter (12 accumulators, 3 inputs, 1 weight vector), reading the block again
- * from L1.  Each lane still sums its elements in ascending order from +0.0 and meets the
+ * of doubles and runs every token of a block over it, 4 rows x PB tokens at a time (the
+ * widened rows loaded once per PB tokens); between k-blocks each (row, token)'s 16 lane
+ * sums wait in a small buffer.  Each pass over the k-block sums one vector of the 16
+ * lanes (AVX-512: 2 passes of 8 lanes, 4 x 6 = 24 accumulators, 6 inputs, 1 weight
+ * vector; AVX2, 16 registers: 4 passes of 4 lanes, 4 x 3 = 12 accumulators), reading the
+ * block again from L1.  Why 4 x 6 on AVX-512, not all 16 lanes of 4 x 3: that loaded 7
+ * vectors per 12 FMAs, this 10 per 24, and the loop in L1 ran 38.5 -> 44.5 G
+ * multiply-adds/s (a /tmp harness; 4 x 5, 5 x 5 and 6 x 4 measured the same as 4 x 6).  Each lane still sums its elements in ascending order from +0.0 and meets the
  * others in the same tree, then the tail: the same bits as the tile (tests/test_kernels.py,
  * T = 1..50 against one-token calls, a ragged k-block, ragged row and token tiles, every
  * ISA at 1 and 2 threads). */
@@ -376,40 +378,35 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
     return tb < mult ? mult : tb / mult * mult;
 }
 #define K3_PANEL_R 4
-#define K3_PANEL_B 3
 #define K3_PANEL_K 256            /* 4 widened rows: 8 KB */
-#define K3_PANEL_MAX_TOKENS 48    /* per token block: 16 tiles of lane sums, 24 KB */
+#define K3_PANEL_MAX_TOKENS 48    /* per token block: 4 x 48 lane sums, 24 KB */
 #define K3_PANEL_X_BYTES (1L << 20)  /* a block's widened inputs stay in L2 across rows */
 
-/* One ISA's panel tile, 4 rows x B tokens: VEC holds VL doubles, NV = 16 / VL vectors
- * hold a 16-lane block, KI of them are summed per pass over the k-block. */
-#define K3_PANEL_TILE(ISA, ATTR, VEC, VL, NV, KI, ZERO, LOAD, LOADA, STORE, FMADD)      \
+/* One ISA's panel tile, 4 rows x B <= PB tokens: VEC holds VL doubles, NV = 16 / VL
+ * vectors hold a 16-lane block, one of them summed per pass over the k-block. */
+#define K3_PANEL_TILE(ISA, ATTR, VEC, VL, NV, PB, ZERO, LOAD, LOADA, STORE, FMADD)      \
     ATTR K3_INLINE void k3_panel_tile_##ISA(const double *wb, const double *x, long ldx,    \
                                             double *sums, int first, long kb, const int B) { \
-        for (int k0 = 0; k0 < NV; k0 += KI) {                                               \
-            VEC acc[K3_PANEL_R][K3_PANEL_B][KI];                                            \
+        for (int k = 0; k < NV; k++) {                                                      \
+            VEC acc[K3_PANEL_R][PB];                                                        \
             for (int r = 0; r < K3_PANEL_R; r++)                                            \
                 for (int b = 0; b < B; b++)                                                 \
-                    for (int k = 0; k < KI; k++)                                            \
-                        acc[r][b][k] = first ? ZERO()                                       \
-                            : LOAD(sums + (r * K3_PANEL_B + b) * 16 + VL * (k0 + k));       \
-            for (long i = 0; i < kb; i += 16)                                               \
-                for (int k = 0; k < KI; k++) {                                              \
-                    VEC xv[K3_PANEL_B];                                                     \
-                    for (int b = 0; b < B; b++) xv[b] = LOAD(x + b * ldx + i + VL * (k0 + k)); \
-                    for (int r = 0; r < K3_PANEL_R; r++) {                                  \
-                        VEC wv = LOADA(wb + r * K3_PANEL_K + i + VL * (k0 + k));            \
-                        /* keep wv in a register: folded into 3 FMAs as memory operands, \
-                         * the panel became load-bound (30 loads per 24 FMAs, ~1.6x slower) */ \
-                        __asm__("" : "+v"(wv));                                             \
-                        for (int b = 0; b < B; b++)                                         \
-                            acc[r][b][k] = FMADD(wv, xv[b], acc[r][b][k]);                  \
-                    }                                                                       \
+                    acc[r][b] = first ? ZERO() : LOAD(sums + (r * PB + b) * 16 + VL * k);   \
+            for (long i = 0; i < kb; i += 16) {                                             \
+                VEC xv[PB];                                                                 \
+                for (int b = 0; b < B; b++) xv[b] = LOAD(x + b * ldx + i + VL * k);         \
+                for (int r = 0; r < K3_PANEL_R; r++) {                                      \
+                    VEC wv = LOADA(wb + r * K3_PANEL_K + i + VL * k);                       \
+                    /* keep wv in a register: folded into B FMAs as memory operands, the   \
+                     * panel became load-bound (AVX2, 3 tokens: 30 loads per 24 FMAs,       \
+                     * ~1.6x slower) */                                                     \
+                    __asm__("" : "+v"(wv));                                                 \
+                    for (int b = 0; b < B; b++) acc[r][b] = FMADD(wv, xv[b], acc[r][b]);    \
                 }                                                                           \
+            }                                                                               \
             for (int r = 0; r < K3_PANEL_R; r++)                                            \
                 for (int b = 0; b < B; b++)                                                 \
-                    for (int k = 0; k < KI; k++)                                            \
-                        STORE(sums + (r * K3_PANEL_B + b) * 16 + VL * (k0 + k), acc[r][b][k]); \
+                    STORE(sums + (r * PB + b) * 16 + VL * k, acc[r][b]);                    \
         }                                                                                   \
     }                                                                                       \
     K3_PANEL_TILE_INSTANCE(ISA, ATTR, 1) K3_PANEL_TILE_INSTANCE(ISA, ATTR, 2)                \
@@ -419,22 +416,32 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
                                                double *sums, int first, long kb) {          \
         k3_panel_tile_##ISA(wb, x, ldx, sums, first, kb, B);                                \
     }
-K3_PANEL_TILE(avx512, K3_AVX512_ATTR, __m512d, 8, 2, 2, _mm512_setzero_pd,
+K3_PANEL_TILE(avx512, K3_AVX512_ATTR, __m512d, 8, 2, 6, _mm512_setzero_pd,
               _mm512_loadu_pd, _mm512_load_pd, _mm512_storeu_pd, _mm512_fmadd_pd)
-K3_PANEL_TILE(avx2, K3_AVX2_ATTR, __m256d, 4, 4, 1, _mm256_setzero_pd,
+K3_PANEL_TILE_INSTANCE(avx512, K3_AVX512_ATTR, 4) K3_PANEL_TILE_INSTANCE(avx512, K3_AVX512_ATTR, 5)
+K3_PANEL_TILE_INSTANCE(avx512, K3_AVX512_ATTR, 6)
+K3_PANEL_TILE(avx2, K3_AVX2_ATTR, __m256d, 4, 4, 3, _mm256_setzero_pd,
               _mm256_loadu_pd, _mm256_load_pd, _mm256_storeu_pd, _mm256_fmadd_pd)
+/* tiles of B = 1 .. PB tokens, entry B - 1 */
+typedef void (*k3_panel_tile_fn)(const double *, const double *, long, double *, int, long);
+static const k3_panel_tile_fn k3_panel_tiles_avx512[6] = {
+    k3_panel_tile_avx512_1, k3_panel_tile_avx512_2, k3_panel_tile_avx512_3,
+    k3_panel_tile_avx512_4, k3_panel_tile_avx512_5, k3_panel_tile_avx512_6};
+static const k3_panel_tile_fn k3_panel_tiles_avx2[3] = {
+    k3_panel_tile_avx2_1, k3_panel_tile_avx2_2, k3_panel_tile_avx2_3};
 
 /* Rows [o0, o1) x tokens [0, ntok), as K3_MV_ROWS below (which calls it). */
-#define K3_MV_PANEL(NAME, ISA, ATTR, VEC, VL, NV, LOAD, STORE, ZERO, TREE, T, WIDEN16, WIDEN) \
+#define K3_MV_PANEL(NAME, ISA, ATTR, VEC, VL, NV, PB, LOAD, STORE, ZERO, TREE, T, WIDEN16,    \
+                    WIDEN)                                                                  \
     ATTR static void NAME(const T *W, long ldw, long n, long o0, long o1,                   \
                           const double *Xd, long ntok, const float *scale,                  \
                           float *Y, long ldy) {                                             \
         double wb[K3_PANEL_R * K3_PANEL_K] __attribute__((aligned(64)));                    \
-        double sums[K3_PANEL_MAX_TOKENS / K3_PANEL_B * K3_PANEL_R * K3_PANEL_B * 16];       \
-        const long nfull = n & ~15L, per_tile = K3_PANEL_R * K3_PANEL_B * 16;               \
-        long tb = k3_tokens_fitting(K3_PANEL_X_BYTES, n, K3_PANEL_B);                      \
+        double sums[K3_PANEL_MAX_TOKENS * K3_PANEL_R * 16];                                 \
+        const long nfull = n & ~15L, per_tile = K3_PANEL_R * PB * 16;                       \
+        long tb = k3_tokens_fitting(K3_PANEL_X_BYTES, n, PB);                              \
         if (tb > K3_PANEL_MAX_TOKENS) tb = K3_PANEL_MAX_TOKENS;                             \
-        if (tb < 2 * K3_PANEL_B) tb = 2 * K3_PANEL_B;                                       \
+        if (tb < 2 * PB) tb = 2 * PB;                                                       \
         for (long t0 = 0; t0 < ntok; t0 += tb) {                                            \
             long t1 = ntok - t0 < tb ? ntok : t0 + tb;                                      \
             for (long o = o0; o < o1; o += K3_PANEL_R) {                                    \
@@ -451,21 +458,17 @@ K3_PANEL_TILE(avx2, K3_AVX2_ATTR, __m256d, 4, 4, 1, _mm256_setzero_pd,
                         }                                                                   \
                     }                                                                       \
                     double *s = sums;                                                       \
-                    for (long t = t0; t < t1; t += K3_PANEL_B, s += per_tile) {             \
-                        const double *x = Xd + t * n + k0;                                  \
-                        switch (t1 - t < K3_PANEL_B ? t1 - t : K3_PANEL_B) {                \
-                        case 1: k3_panel_tile_##ISA##_1(wb, x, n, s, k0 == 0, kb); break;   \
-                        case 2: k3_panel_tile_##ISA##_2(wb, x, n, s, k0 == 0, kb); break;   \
-                        default: k3_panel_tile_##ISA##_3(wb, x, n, s, k0 == 0, kb); break;  \
-                        }                                                                   \
+                    for (long t = t0; t < t1; t += PB, s += per_tile) {                     \
+                        const long B = t1 - t < PB ? t1 - t : PB;                           \
+                        k3_panel_tiles_##ISA[B - 1](wb, Xd + t * n + k0, n, s, k0 == 0, kb); \
                     }                                                                       \
                 }                                                                           \
                 const double *s = sums;                                                     \
-                for (long t = t0; t < t1; t += K3_PANEL_B, s += per_tile) {                 \
-                    int B = t1 - t < K3_PANEL_B ? (int)(t1 - t) : K3_PANEL_B;               \
+                for (long t = t0; t < t1; t += PB, s += per_tile) {                         \
+                    int B = t1 - t < PB ? (int)(t1 - t) : PB;                               \
                     for (int r = 0; r < R; r++)                                             \
                         for (int b = 0; b < B; b++) {                                       \
-                            const double *a = s + (r * K3_PANEL_B + b) * 16;                \
+                            const double *a = s + (r * PB + b) * 16;                        \
                             VEC v[NV];                                                      \
                             for (int k = 0; k < NV; k++) v[k] = nfull ? LOAD(a + VL * k) : ZERO(); \
                             double d = TREE(v);                                             \
@@ -479,11 +482,11 @@ K3_PANEL_TILE(avx2, K3_AVX2_ATTR, __m256d, 4, 4, 1, _mm256_setzero_pd,
         }                                                                                   \
     }
 #define K3_MV_PANEL_AVX512(KIND, T, WIDEN)                                                  \
-    K3_MV_PANEL(k3_mv_panel_##KIND##_avx512, avx512, K3_AVX512_ATTR, __m512d, 8, 2,         \
+    K3_MV_PANEL(k3_mv_panel_##KIND##_avx512, avx512, K3_AVX512_ATTR, __m512d, 8, 2, 6,      \
                 _mm512_loadu_pd, _mm512_store_pd, _mm512_setzero_pd, k3_tree16_avx512, T,   \
                 k3_w16_##KIND##_avx512, WIDEN)
 #define K3_MV_PANEL_AVX2(KIND, T, WIDEN)                                                    \
-    K3_MV_PANEL(k3_mv_panel_##KIND##_avx2, avx2, K3_AVX2_ATTR, __m256d, 4, 4,               \
+    K3_MV_PANEL(k3_mv_panel_##KIND##_avx2, avx2, K3_AVX2_ATTR, __m256d, 4, 4, 3,            \
                 _mm256_loadu_pd, _mm256_store_pd, _mm256_setzero_pd, k3_tree16_avx2, T,     \
                 k3_w16_##KIND##_avx2, WIDEN)
 /* the three matvec kinds: name, stored type, scalar widening */
