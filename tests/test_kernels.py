@@ -890,8 +890,128 @@ def test_results_independent_of_thread_count():
         one = run()
     with threads(2):
         two = run()
+        with pool(False):                      # OpenMP's regions instead of k3pool.h
+            omp = run()
     for name in one:
         assert_bitwise(f"threads 1 vs 2: {name}", two[name], one[name])
+        assert_bitwise(f"threads 1 vs 2 on OpenMP: {name}", omp[name], one[name])
+
+
+@contextlib.contextmanager
+def pool(on: bool):
+    K.set_pool(on)
+    try:
+        yield
+    finally:
+        K.set_pool(True)
+
+
+def _pool_work(r):
+    """A decode step's kinds of pool loop: T = 1 matvecs (16-row items or longer), MXFP4,
+    KDA heads, MLA heads; returns a function giving their outputs."""
+    Wb = random_bf16(r, (2048, 512))
+    x = rand_f32(r, (1, 512))
+    P = r.integers(0, 256, (1024, 512), dtype=np.uint16).astype(np.uint8)
+    S = r.integers(118, 125, (1024, 32), dtype=np.uint16).astype(np.uint8)
+    x4 = rand_f32(r, (1, 1024))
+    H, D = 16, 128
+    S0, Q, Kk, V, A, B = random_kda_inputs(r, 1, H, D)
+    assert Wb.size >= PAR_MIN_WORK and P.size * 2 >= PAR_MIN_WORK
+    assert H * D * D * 4 >= PAR_MIN_WORK
+
+    def run():
+        Skda, Okda = S0.copy(), np.empty((1, H * D), np.float32)
+        K.kda_recurrence(Skda, Q, Kk, V, A, B, K.kda_q_scale(D), Okda)
+        return [mv(Wb, x), mv4(P, S, x4), Okda, Skda]
+    return run
+
+
+def _rounds_until_workers_help(run, most=300) -> int:
+    """Rounds of run() until a pool worker has run an item (most + 1: never).  A caller
+    takes items too and never waits for a worker to wake, so a pool whose workers never
+    start or never see a task gives right answers on one thread; only this count shows it.
+    A working pool needs a round or two (a worker starts, or wakes, within a few ms)."""
+    before = K.pool_stats()[1]
+    for k in range(1, most + 1):
+        run()
+        if K.pool_stats()[1] > before:
+            return k
+    return most + 1
+
+
+def test_pool_workers_take_items():
+    """With 2 compute threads the pool's worker runs some of a decode step's items (the
+    matvecs', MXFP4's and KDA heads' loops), and with 1 it runs none."""
+    run = _pool_work(rng(79))
+    with threads(1):
+        before = K.pool_stats()[1]
+        for _ in range(20):
+            run()
+        alone = K.pool_stats()[1] - before
+    with threads(2):
+        k = _rounds_until_workers_help(run)
+    print(f"[threads] pool workers {K.pool_stats()[0]}; items they ran in 20 rounds at 1 "
+          f"thread: {alone}; rounds at 2 threads until they ran one: {k}")
+    assert alone == 0 and k <= 300
+
+
+def test_pool_callers_on_two_threads_at_once():
+    """k3pool.h runs one caller's task at a time; a second thread calling a kernel while a
+    task runs (the kernels release the GIL: the app's engine thread and a server thread
+    could) runs its items alone.  Two Python threads x 40 rounds of T = 1 matvecs, MXFP4,
+    KDA at 2 compute threads: every output equals the serial result bit for bit, and
+    neither hangs."""
+    import threading
+    run = _pool_work(rng(77))
+    with threads(1):
+        want = run()
+    errors, done = [], []
+
+    def caller():
+        try:
+            for _ in range(40):
+                for name, got, w in zip(("bf16", "mxfp4", "kda out", "kda state"), run(), want):
+                    if n_diff(got, w):
+                        errors.append(name)
+            done.append(1)
+        except Exception as e:          # noqa: BLE001 - reported below
+            errors.append(repr(e))
+    with threads(2):
+        ts = [threading.Thread(target=caller) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+    print(f"[threads] 2 callers x 40 rounds x 4 outputs at 2 compute threads: "
+          f"{len(done)} finished, {len(errors)} differ or failed {errors[:3]}")
+    assert len(done) == 2 and not errors
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="NOT RUN: no os.fork on this platform")
+def test_pool_works_in_a_forked_child():
+    """A forked child has none of the parent's pool workers (threads do not survive fork):
+    k3pool.h's atfork handler forgets them (and resets its lock, which a worker may have
+    held), so the child's first 2-thread kernel starts its own.  The child computes the
+    parent's outputs bit for bit, its own workers then take items, all within 60 s (an
+    alarm kills a hung child)."""
+    run = _pool_work(rng(78))
+    with threads(2):
+        want = run()                    # the parent has started its workers
+        pid = os.fork()
+        if pid == 0:                    # the child: exit status says what happened
+            import signal
+            signal.alarm(60)
+            try:
+                same = all(n_diff(g, w) == 0 for g, w in zip(run(), want))
+                helped = _rounds_until_workers_help(run) <= 300
+                os._exit(0 if same and helped else 3 if not same else 5)
+            except BaseException:       # noqa: BLE001 - any failure is a status
+                os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    print(f"[threads] forked child at 2 compute threads: wait status {status} "
+          f"(0: same bits, workers help; 3: differ; 4: raised; 5: no worker ran an item; "
+          f"signal 14: hung)")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 # ---- 5. C-library transcendentals -------------------------------------------------------------

@@ -9,13 +9,16 @@ import os
 # and 0.29-0.53 s passive (1 thread: 0.39-0.48; docs/benchmarks-engine.md, "Threads").
 # libgomp reads the variable when it is loaded, i.e. when _kernels is imported below; a
 # user's own setting wins.  tests/test_kernels.py::test_openmp_workers_wait_passively
+# (A decode step's loops - matvecs, experts, KDA heads, MLA heads - no longer use OpenMP:
+# they run on k3pool.h's threads, which stay awake between kernels yet yield their CPU;
+# OpenMP is left with prefill-only loops, where each region is long.)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 from ._kernels import (  # noqa: F401
     add, argmax, attnres, axpy, embed, fnv_fold_words, gather_rows, get_num_threads, kda_decay,
     kda_q_scale, moe_combine, moe_experts, moe_groups, route_tokens,
     i8r_matvec, isa, isas_available, kda_recurrence, l2norm_heads, libm_replicas_active, matvec, matvecs, mla_attention, mul_sigmoid, mxfp4_dequant,
     mxfp4_matvec, PANEL_MIN_TOKENS, par_min_work, rmsnorm, route_scores, router, set_isa, set_num_threads, set_simd,
-    set_mx_tokens_min, set_panel_min_tokens, set_token_block_bytes, shortconv,
+    set_mx_tokens_min, set_panel_min_tokens, set_pool, pool_stats, set_token_block_bytes, shortconv,
     sigmoid, simd_active, situ_glu, tanh_exp,
 )
 

@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""Every numeric kernel of the forward pass (ARCHITECTURE §4-§5), nogil, OpenMP over
+"""Every numeric kernel of the forward pass (ARCHITECTURE §4-§5), nogil, threads over
 independent outputs only (rows, heads, tokens, channels), never over one reduction, so
-results do not depend on the thread count.
+results do not depend on the thread count.  The loops a decode step runs hundreds of times
+(matvecs, experts, KDA and MLA heads) use k3pool.h's threads (`_run`); the rest OpenMP.
 
 Float32 traps handled here (each has a test in tests/test_kernels.py):
 * Cython writes `1.0` as a C double literal; a float expression that touches it is silently
@@ -16,7 +17,7 @@ Float32 traps handled here (each has a test in tests/test_kernels.py):
 """
 from libc.math cimport expf, tanhf, sqrt, sqrtf, ldexp
 from libc.stdint cimport int8_t, uint8_t, uint16_t, int32_t, int64_t, uint64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from cython.parallel cimport prange, parallel
 import os
 import warnings
@@ -42,6 +43,14 @@ cdef extern from "k3dot.h" nogil:
     int k3_isa_best()
     void k3_e8m0_init()
     const double K3_E2M1[16]
+
+cdef extern from "k3pool.h" nogil:
+    ctypedef void (*k3_task_fn)(void *ctx, long item) noexcept nogil
+    void k3_pool_run(k3_task_fn fn, void *ctx, long n, int threads)
+    void *k3_scratch(size_t bytes)
+    int k3_pool_started()
+    long k3_pool_items_by_workers()
+    long k3_pool_spin_us
 
 cdef extern from "k3math.h" nogil:
     float k3_sigm(float x)
@@ -173,6 +182,34 @@ cdef inline int _threads_for(long work) noexcept nogil:
     return _nthreads if work >= PAR_MIN_WORK else 1
 
 
+cdef bint _use_pool = True
+
+
+def set_pool(bint on, long spin_us=-1):
+    """The decode step's loops (matvecs, experts, KDA and MLA heads) on k3pool.h's threads
+    (on, the default) or on OpenMP regions (off: benchmarks and tests A/B them); spin_us
+    >= 0 sets how long an idle pool worker stays awake.  No bit depends on either."""
+    global _use_pool, k3_pool_spin_us
+    _use_pool = on
+    if spin_us >= 0:
+        k3_pool_spin_us = spin_us
+
+
+def pool_stats():
+    """(workers started, items the workers have run) of k3pool.h, for tests."""
+    return k3_pool_started(), k3_pool_items_by_workers()
+
+
+cdef void _run(k3_task_fn fn, void *ctx, Py_ssize_t n, int nt) noexcept nogil:
+    """fn(ctx, i) for every i < n on nt threads, items taken dynamically (k3pool.h)."""
+    cdef Py_ssize_t i
+    if _use_pool or nt <= 1:
+        k3_pool_run(fn, ctx, n, nt)
+    else:
+        for i in prange(n, num_threads=nt, schedule="dynamic"):
+            fn(ctx, i)
+
+
 def libm_replicas_active():
     """True when SiTU and sigma run on k3math.h's replicas of libm's expf/tanhf for the
     selected path (AVX2 or AVX-512: the CPU runs it and its replicas equalled the linked
@@ -258,6 +295,57 @@ cdef inline Py_ssize_t _row_chunk(Py_ssize_t T, Py_ssize_t rows) noexcept nogil:
     return ROW_CHUNK
 
 
+DEF MV_F32 = 0
+DEF MV_BF16 = 1
+DEF MV_I8 = 2
+DEF MV_MXFP4 = 3
+
+cdef struct _MvTask:               # row chunks of matrices sharing one input
+    const void **w                   # weights (packed nibbles for MXFP4)
+    const void **aux                 # I8R row scales / MXFP4 group scales, else NULL
+    int *kind
+    long *rows
+    float **y
+    const int32_t *items             # (matrix, chunk) pairs; NULL: matrix 0, chunk = item
+    long n, T, rc
+    const double *Xd
+
+
+cdef void _mv_item(void *ctx, long it) noexcept nogil:
+    cdef _MvTask *m = <_MvTask *>ctx
+    cdef long g = 0, c = it, o0, o1
+    if m.items != NULL:
+        g, c = m.items[2 * it], m.items[2 * it + 1]
+    o0, o1 = c * m.rc, min(m.rows[g], (c + 1) * m.rc)
+    if m.kind[g] == MV_BF16:
+        k3_mv_rows_bf16(<const uint16_t *>m.w[g], m.n, m.n, o0, o1, m.Xd, m.T, NULL, m.y[g],
+                        m.rows[g])
+    elif m.kind[g] == MV_F32:
+        k3_mv_rows_f32(<const float *>m.w[g], m.n, m.n, o0, o1, m.Xd, m.T, NULL, m.y[g],
+                       m.rows[g])
+    elif m.kind[g] == MV_I8:
+        k3_mv_rows_i8(<const int8_t *>m.w[g], m.n, m.n, o0, o1, m.Xd, m.T,
+                      <const float *>m.aux[g], m.y[g], m.rows[g])
+    else:
+        k3_mv_rows_mxfp4(<const uint8_t *>m.w[g], <const uint8_t *>m.aux[g], m.n, o0, o1,
+                         m.Xd, m.T, m.y[g], m.rows[g])
+
+
+cdef void _mv_one(int kind, const void *w, const void *aux, long rows, long n,
+                  const float[:, ::1] X, float[:, ::1] Y):
+    """One matrix's row chunks (mxfp4_matvec, i8r_matvec)."""
+    cdef long T = X.shape[0]
+    if rows == 0 or T == 0:
+        return
+    cdef double[:, ::1] Xd = _widened(X)
+    cdef float *yp = &Y[0, 0]
+    cdef _MvTask m
+    m.w, m.aux, m.kind, m.rows, m.y, m.items = &w, &aux, &kind, &rows, &yp, NULL
+    m.n, m.T, m.rc, m.Xd = n, T, _row_chunk(T, rows), &Xd[0, 0]
+    with nogil:
+        _run(_mv_item, &m, (rows + m.rc - 1) // m.rc, _threads_for(rows * n * T))
+
+
 def matvecs(list Ws, const float[:, ::1] X, list Ys):
     """Ys[i] = Ws[i] @ X for matrices sharing one input (a layer's projections of its normed
     x): X widened once and one thread region over every matrix's row chunks.  Each Ys[i]
@@ -271,26 +359,28 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
     if G == 0:
         return
     cdef const void **wp = <const void **>malloc(G * sizeof(void *))
+    cdef const void **aux = <const void **>calloc(G, sizeof(void *))
     cdef float **yp = <float **>malloc(G * sizeof(float *))
     cdef long *rows = <long *>malloc(G * sizeof(long))
-    cdef int *bf16 = <int *>malloc(G * sizeof(int))
+    cdef int *kind = <int *>malloc(G * sizeof(int))
     cdef int32_t *items = NULL
     cdef const uint16_t[:, ::1] Wb
     cdef const float[:, ::1] Wf
     cdef float[:, ::1] Yv
     cdef double[:, ::1] Xd
+    cdef _MvTask m
     try:
-        if wp == NULL or yp == NULL or rows == NULL or bf16 == NULL:
+        if wp == NULL or aux == NULL or yp == NULL or rows == NULL or kind == NULL:
             raise MemoryError("matvecs: no memory for the matrices")
         for g in range(G):
             W, Y = Ws[g], Ys[g]
             if W.dtype == np.uint16:
                 Wb = W
-                wp[g], rows[g], bf16[g] = &Wb[0, 0], Wb.shape[0], 1
+                wp[g], rows[g], kind[g] = &Wb[0, 0], Wb.shape[0], MV_BF16
                 _check_mv(Wb.shape[0], Wb.shape[1], X, Y)
             elif W.dtype == np.float32:
                 Wf = W
-                wp[g], rows[g], bf16[g] = &Wf[0, 0], Wf.shape[0], 0
+                wp[g], rows[g], kind[g] = &Wf[0, 0], Wf.shape[0], MV_F32
                 _check_mv(Wf.shape[0], Wf.shape[1], X, Y)
             else:
                 raise TypeError(f"matvec weights must be float32 or bf16 (uint16), got "
@@ -310,61 +400,41 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
             for c in range((rows[g] + rc - 1) // rc):
                 items[2 * it], items[2 * it + 1], it = g, c, it + 1
         Xd = _widened(X)
+        m.w, m.aux, m.kind, m.rows, m.y, m.items = wp, aux, kind, rows, yp, items
+        m.n, m.T, m.rc, m.Xd = n, T, rc, &Xd[0, 0]
         with nogil:
-            for it in prange(na, num_threads=_threads_for(work), schedule="dynamic"):
-                g, c = items[2 * it], items[2 * it + 1]
-                if bf16[g]:
-                    k3_mv_rows_bf16(<const uint16_t *>wp[g], n, n, c * rc,
-                                    min(rows[g], (c + 1) * rc), &Xd[0, 0], T, NULL,
-                                    yp[g], rows[g])
-                else:
-                    k3_mv_rows_f32(<const float *>wp[g], n, n, c * rc,
-                                   min(rows[g], (c + 1) * rc), &Xd[0, 0], T, NULL,
-                                   yp[g], rows[g])
+            _run(_mv_item, &m, na, _threads_for(work))
     finally:
         free(wp)
+        free(aux)
         free(yp)
         free(rows)
-        free(bf16)
+        free(kind)
         free(items)
 
 
 def mxfp4_matvec(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S,
                  const float[:, ::1] X, float[:, ::1] Y):
     """MXFP4 matvec straight from the nibbles (§5.6): P [out, n/2], S [out, n/32]."""
-    cdef Py_ssize_t c, nout = P.shape[0], n = P.shape[1] * 2, T = X.shape[0]
+    cdef Py_ssize_t nout = P.shape[0], n = P.shape[1] * 2
     if S.shape[0] != nout or S.shape[1] * 32 != n:
         raise ValueError(f"MXFP4 scales [{S.shape[0]},{S.shape[1]}] do not fit packed "
                          f"[{P.shape[0]},{P.shape[1]}] with groups of 32")
     _check_mv(nout, n, X, Y)
-    cdef int nt = _threads_for(nout * n * T)
-    cdef Py_ssize_t rc = _row_chunk(T, nout)
-    if nout == 0 or T == 0:
-        return
-    cdef double[:, ::1] Xd = _widened(X)
-    with nogil:
-        for c in prange((nout + rc - 1) // rc, num_threads=nt, schedule="dynamic"):
-            k3_mv_rows_mxfp4(&P[0, 0], &S[0, 0], n, c * rc,
-                             min(nout, (c + 1) * rc), &Xd[0, 0], T, &Y[0, 0], nout)
+    if nout:
+        _mv_one(MV_MXFP4, &P[0, 0], &S[0, 0], nout, n, X, Y)
 
 
 def i8r_matvec(const int8_t[:, ::1] Q, const float[::1] S, const float[:, ::1] X,
                float[:, ::1] Y):
     """Y[t, o] = S[o] * sum_i Q[o, i] * X[t, i]: int8 rows with one float32 scale each
     (a draft trunk's I8R matrices), the sum in the 16-lane double order."""
-    cdef Py_ssize_t c, nout = Q.shape[0], n = Q.shape[1], T = X.shape[0]
+    cdef Py_ssize_t nout = Q.shape[0], n = Q.shape[1]
     if S.shape[0] != nout:
         raise ValueError(f"I8R scales [{S.shape[0]}] do not fit rows [{nout}]")
     _check_mv(nout, n, X, Y)
-    cdef int nt = _threads_for(nout * n * T)
-    cdef Py_ssize_t rc = _row_chunk(T, nout)
-    if nout == 0 or T == 0:
-        return
-    cdef double[:, ::1] Xd = _widened(X)
-    with nogil:
-        for c in prange((nout + rc - 1) // rc, num_threads=nt, schedule="dynamic"):
-            k3_mv_rows_i8(&Q[0, 0], n, n, c * rc, min(nout, (c + 1) * rc),
-                          &Xd[0, 0], T, &S[0], &Y[0, 0], nout)
+    if nout:
+        _mv_one(MV_I8, &Q[0, 0], &S[0], nout, n, X, Y)
 
 
 def mxfp4_dequant(const uint8_t[:, ::1] P, const uint8_t[:, ::1] S):
@@ -626,6 +696,61 @@ def kda_q_scale(Py_ssize_t D):
     return F1 / sqrtf(d)
 
 
+cdef struct _KdaTask:               # kda_recurrence: one item per head
+    float *S
+    const float *Q
+    const float *K
+    const float *V
+    const float *alpha
+    const float *beta
+    float *O
+    float q_scale
+    long H, D, T
+    long lq, lk, lv, la, lb, lo       # row strides
+    int oom
+
+
+cdef void _kda_head(void *ctx, long h) noexcept nogil:
+    cdef _KdaTask *m = <_KdaTask *>ctx
+    cdef long D = m.D, base = h * m.D, t, i, j
+    cdef float *u = <float *>k3_scratch(4 * D * sizeof(float))
+    cdef float *qh
+    cdef float *o
+    cdef float *diff
+    cdef float *row
+    cdef float kb, a, ki, qi, p
+    if u == NULL:
+        m.oom = 1                            # reported after the loop (no raise in nogil)
+        return
+    qh, o, diff = u + D, u + 2 * D, u + 3 * D
+    for t in range(m.T):
+        for j in range(D):
+            qh[j] = m.Q[t * m.lq + base + j] * m.q_scale
+            u[j] = F0
+            o[j] = F0
+        for i in range(D):                         # 1. decay row i; 2. u += k_i S[i]
+            a = m.alpha[t * m.la + base + i]
+            ki = m.K[t * m.lk + base + i]
+            row = m.S + (h * D + i) * D
+            for j in range(D):
+                row[j] = row[j] * a
+                p = ki * row[j]
+                u[j] = u[j] + p
+        for j in range(D):
+            diff[j] = m.V[t * m.lv + base + j] - u[j]
+        for i in range(D):                         # 3. delta write; 4. read UPDATED row
+            kb = m.K[t * m.lk + base + i] * m.beta[t * m.lb + h]
+            qi = qh[i]
+            row = m.S + (h * D + i) * D
+            for j in range(D):
+                p = kb * diff[j]
+                row[j] = row[j] + p
+                p = qi * row[j]
+                o[j] = o[j] + p
+        for j in range(D):
+            m.O[t * m.lo + base + j] = o[j]
+
+
 def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1] K,
                    const float[:, ::1] V, const float[:, ::1] alpha, const float[:, ::1] beta,
                    float q_scale, float[:, ::1] O):
@@ -638,56 +763,19 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
     sums its float32 terms over the key channel i ascending from 0, and each S element sees
     the same two roundings in the same order, so the bits are those of the four-step form."""
     cdef Py_ssize_t H = S.shape[0], D = S.shape[1], T = Q.shape[0]
-    cdef Py_ssize_t h, t, i, j, base
-    cdef float *u
-    cdef float *qh
-    cdef float *o
-    cdef float *diff
-    cdef float *row
-    cdef float kb, a, ki, qi, p
-    cdef int oom[1]
     if S.shape[2] != D or Q.shape[1] != H * D or beta.shape[1] != H:
         raise ValueError("kda_recurrence shapes do not match")
-    oom[0] = 0
-    with nogil, parallel(num_threads=_threads_for(H * D * D * T * 4)):
-        u = <float *>malloc(4 * D * sizeof(float))
-        qh = u + D
-        o = u + 2 * D
-        diff = u + 3 * D
-        if u == NULL:
-            oom[0] = 1                       # reported after the region (no raise in nogil)
-        for h in prange(H, schedule="dynamic"):
-            if u == NULL:
-                continue
-            base = h * D
-            for t in range(T):
-                for j in range(D):
-                    qh[j] = Q[t, base + j] * q_scale
-                    u[j] = F0
-                    o[j] = F0
-                for i in range(D):                         # 1. decay row i; 2. u += k_i S[i]
-                    a = alpha[t, base + i]
-                    ki = K[t, base + i]
-                    row = &S[h, i, 0]
-                    for j in range(D):
-                        row[j] = row[j] * a
-                        p = ki * row[j]
-                        u[j] = u[j] + p
-                for j in range(D):
-                    diff[j] = V[t, base + j] - u[j]
-                for i in range(D):                         # 3. delta write; 4. read UPDATED row
-                    kb = K[t, base + i] * beta[t, h]
-                    qi = qh[i]
-                    row = &S[h, i, 0]
-                    for j in range(D):
-                        p = kb * diff[j]
-                        row[j] = row[j] + p
-                        p = qi * row[j]
-                        o[j] = o[j] + p
-                for j in range(D):
-                    O[t, base + j] = o[j]
-        free(u)
-    if oom[0]:
+    if H == 0 or D == 0 or T == 0:
+        return
+    cdef _KdaTask m
+    m.S, m.Q, m.K, m.V, m.alpha, m.beta, m.O = &S[0, 0, 0], &Q[0, 0], &K[0, 0], &V[0, 0], \
+        &alpha[0, 0], &beta[0, 0], &O[0, 0]
+    m.q_scale, m.H, m.D, m.T, m.oom = q_scale, H, D, T, 0
+    m.lq, m.lk, m.lv, m.la, m.lb, m.lo = Q.shape[1], K.shape[1], V.shape[1], alpha.shape[1], \
+        beta.shape[1], O.shape[1]
+    with nogil:
+        _run(_kda_head, &m, H, _threads_for(H * D * D * T * 4))
+    if m.oom:
         raise MemoryError("kda_recurrence: no memory for its per-thread buffers")
 
 
@@ -705,6 +793,99 @@ cdef inline double _qk(const float *q, const float *k, const float *qr, const fl
     return d
 
 
+cdef struct _MlaTask:               # mla_attention's items: (token, head) or (block, head)
+    const float *Q
+    const float *KV
+    const float *R
+    float *O
+    long lq, lkv, lr, lo              # row strides
+    long T, H, dn, dr, dv, n_past, npos
+    float kappa
+    int oom
+
+
+cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
+    """One (token, head) of the portable path."""
+    cdef _MlaTask *m = <_MlaTask *>ctx
+    cdef long H = m.H, dn = m.dn, dr = m.dr, dv = m.dv, dq = m.dn + m.dr, dkv = m.dn + m.dv
+    cdef long ldkv = m.lkv, t = th // H, h = th % H, p = m.n_past + th // H, s, i, j
+    cdef float *sc = <float *>k3_scratch((m.npos + dv) * sizeof(float))
+    cdef float *accv
+    cdef const float *q
+    cdef const float *qr
+    cdef const float *k0
+    cdef const float *r0
+    cdef const float *vrow
+    cdef double d, d0, d1, d2, d3, Z
+    cdef float mx, e, wgt
+    if sc == NULL:
+        m.oom = 1                            # reported after the loop (no raise in nogil)
+        return
+    accv = sc + m.npos
+    q = m.Q + t * m.lq + h * dq
+    qr = q + dn
+    s = 0
+    while s + 4 <= p + 1:                    # causal: s <= p, always (trap #21)
+        k0 = m.KV + s * ldkv + h * dkv
+        r0 = m.R + s * m.lr
+        d0 = 0.0
+        d1 = 0.0
+        d2 = 0.0
+        d3 = 0.0
+        for i in range(dn):
+            d0 = d0 + <double>q[i] * <double>k0[i]
+            d1 = d1 + <double>q[i] * <double>k0[ldkv + i]
+            d2 = d2 + <double>q[i] * <double>k0[2 * ldkv + i]
+            d3 = d3 + <double>q[i] * <double>k0[3 * ldkv + i]
+        for i in range(dr):
+            d0 = d0 + <double>qr[i] * <double>r0[i]
+            d1 = d1 + <double>qr[i] * <double>r0[m.lr + i]
+            d2 = d2 + <double>qr[i] * <double>r0[2 * m.lr + i]
+            d3 = d3 + <double>qr[i] * <double>r0[3 * m.lr + i]
+        sc[s] = (<float>d0) * m.kappa
+        sc[s + 1] = (<float>d1) * m.kappa
+        sc[s + 2] = (<float>d2) * m.kappa
+        sc[s + 3] = (<float>d3) * m.kappa
+        s = s + 4
+    while s <= p:
+        d = _qk(q, m.KV + s * ldkv + h * dkv, qr, m.R + s * m.lr, dn, dr)
+        sc[s] = (<float>d) * m.kappa
+        s = s + 1
+    mx = sc[0]
+    for s in range(1, p + 1):
+        if sc[s] > mx:
+            mx = sc[s]
+    Z = 0.0
+    for s in range(p + 1):
+        e = expf(sc[s] - mx)
+        sc[s] = e
+        Z = Z + <double>e
+    for s in range(p + 1):
+        sc[s] = <float>(<double>sc[s] / Z)
+    for j in range(dv):
+        accv[j] = F0
+    for s in range(p + 1):                   # row by row: v of position s is contiguous
+        wgt = sc[s]
+        vrow = m.KV + s * ldkv + h * dkv + dn
+        for j in range(dv):
+            accv[j] = accv[j] + wgt * vrow[j]
+    for j in range(dv):
+        m.O[t * m.lo + h * dv + j] = accv[j]
+
+
+cdef void _mla_block_head(void *ctx, long item) noexcept nogil:
+    """One (head, block of up to 8 consecutive tokens) of the AVX-512 path (k3mla.h)."""
+    cdef _MlaTask *m = <_MlaTask *>ctx
+    cdef long dq = m.dn + m.dr, h = item % m.H, t0 = (item // m.H) * 8
+    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.npos) * sizeof(double))
+    if work == NULL:
+        m.oom = 1
+        return
+    k3_mla_block_avx512(m.Q + t0 * m.lq + h * dq, m.lq, m.KV + h * (m.dn + m.dv), m.lkv,
+                        m.R, m.lr, m.dn, m.dr, m.dv, m.n_past + t0, <int>min(8, m.T - t0),
+                        m.kappa, m.O + t0 * m.lo + h * m.dv, m.lo, work)
+
+
 def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
                   Py_ssize_t n_past, Py_ssize_t H, Py_ssize_t dn, Py_ssize_t dv,
                   float[:, ::1] O):
@@ -712,128 +893,38 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
     the cache) over the cache.  Q [T, H*(dn+dr)]; KV [cap, H*(dn+dv)] (per head: k_nope then
     v); R [cap, dr] one shared rope key per position; O [T, H*dv].
 
-    Memory order, not summation order, is what the loops below choose: scores are computed
-    four positions at a time (four independent double chains, each in its own exact order,
-    so the chains overlap instead of waiting on each other's adds), and the value sum walks
+    Memory order, not summation order, is what the loops choose: scores are computed four
+    positions at a time (four independent double chains, each in its own exact order, so
+    the chains overlap instead of waiting on each other's adds), and the value sum walks
     the cache row by row (contiguous dv floats per position) into dv float32 accumulators,
-    each of which still adds its terms in ascending position order from 0."""
+    each of which still adds its terms in ascending position order from 0.  On the AVX-512
+    path the items are (head, block of up to 8 consecutive tokens), each computed by
+    k3mla.h with the same per-output orders; a decode step's one token runs there too (a
+    block of 1: its 16 heads are the items): 8 independent score chains and vector value
+    sums instead of the scalar loop, 2.1x on a 1,024-position context
+    (docs/benchmarks-kernels.md)."""
     cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
     cdef Py_ssize_t npos = n_past + T
-    cdef Py_ssize_t th, t, h, s, i, j, p, ldkv = KV.shape[1]
-    cdef float kappa = F1 / sqrtf(<float>dq)        # 1/sqrt(dn+dr), NOT 1/sqrt(dn) (trap #18)
-    cdef float *sc
-    cdef float *accv
-    cdef const float *q
-    cdef const float *qr
-    cdef const float *k0
-    cdef const float *vrow
-    cdef double d, d0, d1, d2, d3, Z
-    cdef float mx, e, wgt
     if Q.shape[1] != H * dq or KV.shape[1] != H * dkv or O.shape[1] != H * dv:
         raise ValueError("mla_attention shapes do not match")
     if npos > KV.shape[0] or npos > R.shape[0]:
         raise ValueError(f"MLA cache overflow: {npos} positions, capacity {KV.shape[0]}")
-    if T == 0:
+    if T == 0 or H == 0:
         return
-    if k3_isa() == 2:
-        _mla_blocks_avx512(Q, KV, R, n_past, H, dn, dv, kappa, O)
-        return
-    cdef int oom[1]
-    oom[0] = 0
-    with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
-        sc = <float *>malloc((npos + dv) * sizeof(float))
-        accv = sc + npos
-        if sc == NULL:
-            oom[0] = 1                       # reported after the region (no raise in nogil)
-        for th in prange(T * H, schedule="dynamic"):
-            if sc == NULL:
-                continue
-            t = th // H
-            h = th % H
-            p = n_past + t
-            q = &Q[t, h * dq]
-            qr = q + dn
-            s = 0
-            while s + 4 <= p + 1:                # causal: s <= p, always (trap #21)
-                k0 = &KV[s, h * dkv]
-                d0 = 0.0
-                d1 = 0.0
-                d2 = 0.0
-                d3 = 0.0
-                for i in range(dn):
-                    d0 = d0 + <double>q[i] * <double>k0[i]
-                    d1 = d1 + <double>q[i] * <double>k0[ldkv + i]
-                    d2 = d2 + <double>q[i] * <double>k0[2 * ldkv + i]
-                    d3 = d3 + <double>q[i] * <double>k0[3 * ldkv + i]
-                for i in range(dr):
-                    d0 = d0 + <double>qr[i] * <double>R[s, i]
-                    d1 = d1 + <double>qr[i] * <double>R[s + 1, i]
-                    d2 = d2 + <double>qr[i] * <double>R[s + 2, i]
-                    d3 = d3 + <double>qr[i] * <double>R[s + 3, i]
-                sc[s] = (<float>d0) * kappa
-                sc[s + 1] = (<float>d1) * kappa
-                sc[s + 2] = (<float>d2) * kappa
-                sc[s + 3] = (<float>d3) * kappa
-                s = s + 4
-            while s <= p:
-                d = _qk(q, &KV[s, h * dkv], qr, &R[s, 0], dn, dr)
-                sc[s] = (<float>d) * kappa
-                s = s + 1
-            mx = sc[0]
-            for s in range(1, p + 1):
-                if sc[s] > mx:
-                    mx = sc[s]
-            Z = 0.0
-            for s in range(p + 1):
-                e = expf(sc[s] - mx)
-                sc[s] = e
-                Z = Z + <double>e
-            for s in range(p + 1):
-                sc[s] = <float>(<double>sc[s] / Z)
-            for j in range(dv):
-                accv[j] = F0
-            for s in range(p + 1):               # row by row: v of position s is contiguous
-                wgt = sc[s]
-                vrow = &KV[s, h * dkv + dn]
-                for j in range(dv):
-                    accv[j] = accv[j] + wgt * vrow[j]
-            for j in range(dv):
-                O[t, h * dv + j] = accv[j]
-        free(sc)
-    if oom[0]:
-        raise MemoryError(f"mla_attention: no memory for {npos} scores per thread")
-
-
-cdef _mla_blocks_avx512(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
-                        Py_ssize_t n_past, Py_ssize_t H, Py_ssize_t dn, Py_ssize_t dv,
-                        float kappa, float[:, ::1] O):
-    """mla_attention on the AVX-512 path: work items are (head, block of up to 8
-    consecutive tokens), each computed by k3mla.h with the same per-output orders.  A
-    decode step's one token runs here too (a block of 1: its 16 heads are the work items):
-    8 independent score chains and vector value sums instead of the scalar loop, 2.1x on a
-    1,024-position context (docs/benchmarks-kernels.md)."""
-    cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
-    cdef Py_ssize_t npos = n_past + T, nblk = (T + 7) // 8, item, h, t0
-    cdef int nb
-    cdef double *work
-    cdef int oom[1]
-    oom[0] = 0
-    with nogil, parallel(num_threads=_threads_for(T * H * npos * dkv)):
-        work = <double *>malloc(k3_mla_block_work(dq, npos) * sizeof(double))
-        if work == NULL:
-            oom[0] = 1                       # reported after the region (no raise in nogil)
-        for item in prange(H * nblk, schedule="dynamic"):
-            if work == NULL:
-                continue
-            h = item % H
-            t0 = (item // H) * 8
-            nb = <int>min(8, T - t0)
-            k3_mla_block_avx512(&Q[t0, h * dq], Q.shape[1], &KV[0, h * dkv], KV.shape[1],
-                                &R[0, 0], R.shape[1], dn, dr, dv, n_past + t0, nb, kappa,
-                                &O[t0, h * dv], O.shape[1], work)
-        free(work)
-    if oom[0]:
-        raise MemoryError(f"mla_attention: no memory for the {npos}-position block work")
+    cdef _MlaTask m
+    m.Q, m.KV, m.R, m.O = &Q[0, 0], &KV[0, 0], &R[0, 0], &O[0, 0]
+    m.lq, m.lkv, m.lr, m.lo = Q.shape[1], KV.shape[1], R.shape[1], O.shape[1]
+    m.T, m.H, m.dn, m.dr, m.dv, m.n_past, m.npos = T, H, dn, dr, dv, n_past, npos
+    m.kappa = F1 / sqrtf(<float>dq)      # 1/sqrt(dn+dr), NOT 1/sqrt(dn) (trap #18)
+    m.oom = 0
+    cdef int nt = _threads_for(T * H * npos * dkv)
+    with nogil:
+        if k3_isa() == 2:
+            _run(_mla_block_head, &m, H * ((T + 7) // 8), nt)
+        else:
+            _run(_mla_token_head, &m, T * H, nt)
+    if m.oom:
+        raise MemoryError(f"mla_attention: no memory for its {npos}-position scores")
 
 
 # ---- router (§4.7.1) -----------------------------------------------------------------
@@ -1127,16 +1218,41 @@ cdef struct _Expert:              # one routed expert of a moe_experts batch
     long hoff                        # its first element of the batch's hidden buffers
 
 
-cdef void _expert_hidden(const _Expert *x, long r0, long r1, long L, const double *zd,
-                         float *g, float *u, double *hd, float b1, float b2) noexcept nogil:
-    """Hidden rows [r0, r1) of one expert for all its tokens: SiTU-GLU of the gate and up
-    matvecs, widened (exactly) for the down matvec."""
-    cdef long t, i
-    k3_mv_rows_mxfp4(x.p[0], x.s[0], L, r0, r1, zd + x.zrow * L, x.ntok, g + x.hoff, x.inter)
-    k3_mv_rows_mxfp4(x.p[1], x.s[1], L, r0, r1, zd + x.zrow * L, x.ntok, u + x.hoff, x.inter)
+cdef struct _MoeTask:              # a moe_experts batch's two loops over (expert, chunk)
+    const _Expert *xs
+    const int32_t *items             # hidden items first, then output items from na on
+    long na, hc, oc, L, Lout
+    const double *zd
+    float *g
+    float *u
+    double *hd
+    float b1, b2
+    float *D
+
+
+cdef void _expert_hidden(void *ctx, long it) noexcept nogil:
+    """Hidden rows of one item (an expert's row chunk) for all the expert's tokens: SiTU-GLU
+    of the gate and up matvecs, widened (exactly) for the down matvec."""
+    cdef _MoeTask *m = <_MoeTask *>ctx
+    cdef const _Expert *x = &m.xs[m.items[2 * it]]
+    cdef long t, i, r0 = m.items[2 * it + 1] * m.hc, r1 = min(x.inter, r0 + m.hc), L = m.L
+    k3_mv_rows_mxfp4(x.p[0], x.s[0], L, r0, r1, m.zd + x.zrow * L, x.ntok, m.g + x.hoff,
+                     x.inter)
+    k3_mv_rows_mxfp4(x.p[1], x.s[1], L, r0, r1, m.zd + x.zrow * L, x.ntok, m.u + x.hoff,
+                     x.inter)
     for t in range(x.ntok):
         i = x.hoff + t * x.inter + r0
-        k3_situ_rows(g + i, u + i, r1 - r0, b1, b2, NULL, hd + i)
+        k3_situ_rows(m.g + i, m.u + i, r1 - r0, m.b1, m.b2, NULL, m.hd + i)
+
+
+cdef void _expert_output(void *ctx, long it) noexcept nogil:
+    """Output rows of one item (an expert's row chunk of w2) for all the expert's tokens."""
+    cdef _MoeTask *m = <_MoeTask *>ctx
+    it += m.na
+    cdef const _Expert *x = &m.xs[m.items[2 * it]]
+    cdef long o0 = m.items[2 * it + 1] * m.oc
+    k3_mv_rows_mxfp4(x.p[2], x.s[2], x.inter, o0, min(m.Lout, o0 + m.oc), m.hd + x.hoff,
+                     x.ntok, m.D + x.slot0 * m.Lout, m.Lout)
 
 
 cdef _mxfp4_view(M, long rows, long cols, str what):
@@ -1176,6 +1292,7 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     cdef int32_t *items = NULL
     cdef const uint8_t[:, ::1] P
     cdef const uint8_t[:, ::1] S
+    cdef _MoeTask m
     try:
         for gi in range(G):
             e, ex = group[gi]
@@ -1223,16 +1340,10 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
                 for t in range(xs[gi].ntok):
                     for i in range(L):
                         zd[(xs[gi].zrow + t) * L + i] = Z[token[xs[gi].slot0 + t], i]
-            with parallel(num_threads=_threads_for(work)):
-                for it in prange(na, schedule="dynamic"):
-                    gi, c = items[2 * it], items[2 * it + 1]
-                    _expert_hidden(&xs[gi], c * hc, min(xs[gi].inter, (c + 1) * hc), L, zd,
-                                   g, u, hd, b1, b2)
-                for it in prange(na, na + nb, schedule="dynamic"):
-                    gi, c = items[2 * it], items[2 * it + 1]
-                    k3_mv_rows_mxfp4(xs[gi].p[2], xs[gi].s[2], xs[gi].inter, c * oc,
-                                     min(Lout, (c + 1) * oc), hd + xs[gi].hoff,
-                                     xs[gi].ntok, &D[xs[gi].slot0, 0], Lout)
+            m.xs, m.items, m.na, m.hc, m.oc, m.L, m.Lout = xs, items, na, hc, oc, L, Lout
+            m.zd, m.g, m.u, m.hd, m.b1, m.b2, m.D = zd, g, u, hd, b1, b2, &D[0, 0]
+            _run(_expert_hidden, &m, na, _threads_for(work))
+            _run(_expert_output, &m, nb, _threads_for(work))
     finally:
         free(xs)
         free(zd)
