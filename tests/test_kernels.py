@@ -858,8 +858,9 @@ def test_isa_selection_env_and_refusals():
 
 def test_results_independent_of_thread_count():
     """§5.1 (never split one reduction across threads; thread count must not change bits):
-    matvec, MXFP4 matvec, kda_recurrence and mla_attention at 1 and 2 threads, on shapes
-    above the parallel threshold (K.par_min_work() multiply-adds)."""
+    matvec, MXFP4 matvec, kda_recurrence and mla_attention at 1 and 2 threads (on k3pool.h's
+    threads and on OpenMP's), every ISA path, on shapes above the parallel threshold
+    (K.par_min_work() multiply-adds)."""
     r = rng(5)
     W = rand_f32(r, (512, 1029))
     Wb = random_bf16(r, (512, 1029))
@@ -886,15 +887,17 @@ def test_results_independent_of_thread_count():
                 "mxfp4 512x1024": mv4(P, S, X4), "kda_recurrence out": Okda,
                 "kda_recurrence state": Skda, "mla_attention": Om}
 
-    with threads(1):
-        one = run()
-    with threads(2):
-        two = run()
-        with pool(False):                      # OpenMP's regions instead of k3pool.h
-            omp = run()
-    for name in one:
-        assert_bitwise(f"threads 1 vs 2: {name}", two[name], one[name])
-        assert_bitwise(f"threads 1 vs 2 on OpenMP: {name}", omp[name], one[name])
+    for path in K.isas_available():            # MLA has a portable and an AVX-512 loop
+        with isa(path):
+            with threads(1):
+                one = run()
+            with threads(2):
+                two = run()
+                with pool(False):              # OpenMP's regions instead of k3pool.h
+                    omp = run()
+        for name in one:
+            assert_bitwise(f"{path} threads 1 vs 2: {name}", two[name], one[name])
+            assert_bitwise(f"{path} threads 1 vs 2 on OpenMP: {name}", omp[name], one[name])
 
 
 @contextlib.contextmanager

@@ -29,8 +29,11 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Warm resident mid step at 2 threads, spinning 50 / 300 / 2000 us: 129-144 / 121-135 /
+ * 119-123 ms quiet, 196-215 ms either way with another process busy on one CPU (the gaps
+ * between a step's kernels are mostly short, but the few long ones cost a wake-up each) */
 #ifndef K3_POOL_SPIN_US
-#define K3_POOL_SPIN_US 300   /* a decode step's gaps between kernels are 10-100 us */
+#define K3_POOL_SPIN_US 2000
 #endif
 #define K3_POOL_MAX 256
 
