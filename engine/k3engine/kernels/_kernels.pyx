@@ -236,7 +236,7 @@ def matvec(W, const float[:, ::1] X, float[:, ::1] Y):
     """Y[t, o] = sum_i W[o, i] * X[t, i] with the 16-lane double order, per token.
     W is float32 or BF16 bit patterns (uint16), row-major [out, in].  With T > 1 each weight
     block is widened once for a tile of up to 4 tokens (k3dot.h); per-token bits are those
-    of a T = 1 call.  (matvecs of one matrix: the same checks, region and row chunks.)"""
+    of a T = 1 call.  (matvecs of one matrix: the same checks, thread loop and row chunks.)"""
     matvecs([W], X, [Y])
 
 
@@ -348,9 +348,9 @@ cdef void _mv_one(int kind, const void *w, const void *aux, long rows, long n,
 
 def matvecs(list Ws, const float[:, ::1] X, list Ys):
     """Ys[i] = Ws[i] @ X for matrices sharing one input (a layer's projections of its normed
-    x): X widened once and one thread region over every matrix's row chunks.  Each Ys[i]
-    has the bits of `matvec(Ws[i], X, Ys[i])`; only the regions are merged (at 2 threads a
-    KDA layer's six projections took 2.89 ms as six calls, 2.57 ms as one region)."""
+    x): X widened once and one thread loop (`_run`) over every matrix's row chunks.  Each
+    Ys[i] has the bits of `matvec(Ws[i], X, Ys[i])`; only the loops are merged (at 2 threads
+    a KDA layer's six projections took 2.89 ms as six OpenMP regions, 2.57 ms as one)."""
     cdef Py_ssize_t G = len(Ws), T = X.shape[0], n = X.shape[1], g, c, it, na = 0
     cdef long work = 0
     cdef Py_ssize_t rc, all_rows = 0
@@ -1272,10 +1272,10 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     """One batch of routed MXFP4 experts: for each (e, ExpertWeights) of `group` and each of
     e's slots s (starts[e] .. starts[e+1]-1), D[s] = w2 @ SiTU-GLU(w1 @ Z[token[s]],
     w3 @ Z[token[s]]).  The per-token kernels, order and float32 roundings of the
-    per-expert calls (gather_rows, mxfp4_matvec x 3, situ_glu); only the thread regions are
-    merged, one for the whole batch: every expert's hidden rows, then every expert's output
-    rows.  (A decode step otherwise opened 4 small regions per expert, and with 2 threads
-    the joins cost about as much as the matvecs.)"""
+    per-expert calls (gather_rows, mxfp4_matvec x 3, situ_glu); only the thread loops are
+    merged, two for the whole batch: every expert's hidden rows, then every expert's output
+    rows.  (A decode step otherwise opened 4 small OpenMP regions per expert, and with 2
+    threads the joins cost about as much as the matvecs.)"""
     cdef Py_ssize_t G = len(group), L = Z.shape[1], Lout = D.shape[1], nS = starts.shape[0]
     cdef Py_ssize_t gi, e, s, t, i, c, k, na = 0, nb = 0, nrows = 0, nh = 0, it, hrows = 0
     cdef Py_ssize_t hc = ROW_CHUNK, oc = ROW_CHUNK     # rows per item: hidden, output

@@ -23,6 +23,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -85,6 +86,9 @@ static long k3_pool_work(uint32_t seq) {
 
 static void *k3_pool_worker(void *arg) {
     const int me = (int)(intptr_t)arg;
+    sigset_t all;                        /* signals (Ctrl-C, alarms) go to Python's threads */
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
     uint32_t seen = (uint32_t)(atomic_load(&k3_pool.ticket) >> 32);
     for (;;) {
         uint32_t seq;
@@ -174,13 +178,20 @@ static void k3_pool_run(k3_task_fn fn, void *ctx, long n, int threads) {
 
 /* Scratch space of the calling thread's own (pool workers and callers alike), grown as
  * needed and kept: for items that need a buffer (MLA's scores, KDA's row sums).  NULL
- * when it cannot grow; its contents do not carry from one use to the next. */
+ * when it cannot grow; its contents do not carry from one use to the next.  Freed when
+ * its thread ends (a key's destructor: a Python thread per request or per chat would
+ * otherwise leave its buffer behind, MBs at long contexts). */
 static __thread void *k3_tls_scratch;
 static __thread size_t k3_tls_cap;
+static pthread_key_t k3_scratch_key;
+static pthread_once_t k3_scratch_once = PTHREAD_ONCE_INIT;
+static void k3_scratch_key_make(void) { pthread_key_create(&k3_scratch_key, free); }
 static void *k3_scratch(size_t bytes) {
     if (bytes > k3_tls_cap) {
         void *p = realloc(k3_tls_scratch, bytes);
         if (p == NULL) return NULL;
+        pthread_once(&k3_scratch_once, k3_scratch_key_make);
+        pthread_setspecific(k3_scratch_key, p);
         k3_tls_scratch = p, k3_tls_cap = bytes;
     }
     return k3_tls_scratch;
