@@ -791,9 +791,9 @@ def test_mxfp4_decoded_once_equals_tiles_and_one_token():
     k3_mxfp4_rows8_tokens_avx512) against its 4-token tiles (K.set_mx_tokens_min off) and
     the scalar one-token calls, bit for bit (AVX2 keeps its tiles, which decode per tile:
     a decoded-once AVX2 form ran 0.92-0.98x on the Xeon; its T-token calls are held to the
-    scalar here too): 517 rows (a ragged 8-row block) x 2080 inputs (65 groups: a ragged 8-group chunk
-    and 4-group stage), dead groups (scale 255) and scales 0/254, special inputs, T = 8, 13
-    and 70 (across the 64-token chunk, ragged), at 1 and 2 threads."""
+    scalar here too): 517 rows (a ragged 8-row block) x 2080 inputs (65 groups: a ragged
+    8-group chunk and 4-group stage), dead groups (scale 255) and scales 0/254, special
+    inputs, T = 8, 13 and 70 (across the 64-token chunk, ragged), at 1 and 2 threads."""
     _need_simd()
     r = rng(4711)
     rows, n = 517, 2080

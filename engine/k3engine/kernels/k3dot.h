@@ -362,8 +362,9 @@ K3_TILE_INSTANCES(k3_mv_i8_avx512, K3_AVX512_ATTR, k3_mv_tile_avx512_k3_w16_i8_a
  * vector; AVX2, 16 registers: 4 passes of 4 lanes, 4 x 3 = 12 accumulators), reading the
  * block again from L1.  Why 4 x 6 on AVX-512, not all 16 lanes of 4 x 3: that loaded 7
  * vectors per 12 FMAs, this 10 per 24, and the loop in L1 ran 38.5 -> 44.5 G
- * multiply-adds/s (a /tmp harness; 4 x 5, 5 x 5 and 6 x 4 measured the same as 4 x 6).  Each lane still sums its elements in ascending order from +0.0 and meets the
- * others in the same tree, then the tail: the same bits as the tile (tests/test_kernels.py,
+ * multiply-adds/s (a /tmp harness; 4 x 5, 5 x 5 and 6 x 4 measured the same as 4 x 6).
+ * Each lane still sums its elements in ascending order from +0.0 and meets the others in
+ * the same tree, then the tail: the same bits as the tile (tests/test_kernels.py,
  * T = 1..50 against one-token calls, a ragged k-block, ragged row and token tiles, every
  * ISA at 1 and 2 threads). */
 #define K3_PANEL_MIN_TOKENS 5      /* below: the tiles (T = 2..4 measured as fast or faster) */
