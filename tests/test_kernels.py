@@ -826,6 +826,126 @@ def test_mxfp4_decoded_once_equals_tiles_and_one_token():
           f"{', '.join(simd_isas())}, T = 8, 13, 70, 1 and 2 threads")
 
 
+@pytest.fixture
+def narrow_rows_on_integers():
+    """The integer path at every row width (its default starts at 2048 inputs)."""
+    K.set_mxq(True, 0, 32)
+    try:
+        yield
+    finally:
+        K.set_mxq(True, 6, 2048)
+
+
+def _spanned_f32(r, n: int, spans) -> np.ndarray:
+    """One token whose group g has a chosen span (bits from its largest value's top to the
+    lowest set bit of any value): full 24-bit mantissas spread over spans[g] - 24 binades
+    (spans below 24: values with trailing zero bits), random signs."""
+    x = np.empty(n, np.float32)
+    for g, span in enumerate(spans):
+        top = int(r.integers(-20, 20))
+        if span >= 24:
+            e = top - r.integers(0, span - 23, 32)
+            e[0], e[1] = top, top - (span - 24)       # both ends present
+            m = r.integers(1 << 23, 1 << 24, 32) | 1  # lowest bit set
+            v = np.ldexp(m.astype(np.float64), e - 23)
+        else:                                         # span bits of integer mantissa
+            m = r.integers(1, 1 << span, 32)
+            m[0] = (1 << (span - 1)) | 1
+            v = np.ldexp(m.astype(np.float64), top)
+        x[32 * g:32 * g + 32] = v * r.choice([-1.0, 1.0], 32)
+    return x
+
+
+def test_mxfp4_integer_path_equals_scalar(narrow_rows_on_integers):
+    """The one-token MXFP4 matvec on VNNI byte products (k3mxint.h) against the scalar
+    reference, bit for bit: every group span from 1 to 60 bits (the integer path takes
+    spans <= 43; the rest, inf/NaN and subnormal-laden groups take the double path inside
+    the same row, and a token with fewer than 3/4 exact groups the old path), all-zero groups, -0.0, scales 0/254/255, rows 1..40 (ragged 16-row and
+    8-row blocks), 1 to 67 groups (ragged 8-group chunks), every digit-plane cap, 1 and 2
+    threads.  The groups' plan (mxq_groups) must show both paths taken."""
+    if not K.mxq_supported():
+        pytest.skip("NOT RUN: this CPU lacks AVX-512 VNNI/VBMI/CD, the integer path's "
+                    "instructions (its dispatcher keeps the double path)")
+    r = rng(5151)
+    seen_exact = seen_double = compared = unplanned = 0
+    cases = [(rows, ng) for rows in (1, 7, 8, 9, 15, 16, 17, 40) for ng in (1, 3, 9)]
+    cases += [(33, 67), (16, 60)]
+    spans = np.arange(1, 61)
+    for rows, ng in cases:
+        n = 32 * ng
+        P = r.integers(0, 256, (rows, n // 2), dtype=np.uint16).astype(np.uint8)
+        S = r.integers(100, 155, (rows, ng), dtype=np.uint16).astype(np.uint8)
+        S.reshape(-1)[::7] = 255
+        S.reshape(-1)[1::11] = 0
+        S.reshape(-1)[2::13] = 254
+        for rep in range(3):
+            x = _spanned_f32(r, n, r.choice(spans[:(43, 50, 60)[rep]], ng))
+            if rep == 1:
+                x[32 * int(r.integers(ng)):][:32] = 0.0
+                x[int(r.integers(n))] = np.float32(-0.0)
+                x[int(r.integers(n))] = np.float32(1e-45)
+            if rep == 2 and ng > 1:
+                x[int(r.integers(n))] = r.choice([np.inf, -np.inf, np.nan])
+            X = x[None, :]
+            with isa("scalar"):
+                want = mv4(P, S, X)
+            for cap in (6, 5, 4, 2):
+                K.set_mxq(True, planes=cap)
+                try:
+                    planes, exact = K.mxq_groups(x)
+                    for nt in (1, 2):
+                        with threads(nt):
+                            got = mv4(P, S, X)
+                        if n_diff(got, want):
+                            assert_bitwise(f"mxfp4 integer path {rows}x{n} cap {cap} "
+                                           f"{nt} threads", got, want)
+                        compared += got.size
+                finally:
+                    K.set_mxq(True, planes=6)
+                assert planes <= cap
+                if planes:
+                    seen_exact += int(exact.sum())
+                    seen_double += int((~exact).sum())
+                else:
+                    unplanned += 1
+    assert seen_exact > 500 and seen_double > 20 and unplanned > 20, \
+        (seen_exact, seen_double, unplanned)
+    print(f"[gate] mxfp4 integer path == scalar: {compared} outputs bit-compared over "
+          f"{len(cases)} shapes; in planned calls {seen_exact} groups on integers and "
+          f"{seen_double} on doubles; {unplanned} calls left to the old path")
+
+
+def test_mxfp4_integer_path_plans_spans_exactly(narrow_rows_on_integers):
+    """mxq_groups' plan is the proof's condition: a group runs on integers iff its span is
+    <= 43 bits and fits the plane cap (planes = ceil((span + 2) / 8)); all-zero groups run
+    on integers; inf/NaN never."""
+    if not K.mxq_supported():
+        pytest.skip("NOT RUN: this CPU lacks AVX-512 VNNI/VBMI/CD")
+    r = rng(5152)
+    spans = list(range(1, 61)) + list(range(1, 44)) * 3     # 3/4 exact or more: planned
+    x = _spanned_f32(r, 32 * len(spans), spans)
+    planes, exact = K.mxq_groups(x)
+    want = np.array([s <= 43 for s in spans])
+    assert (exact == want).all(), [s for s, e, w in zip(spans, exact, want) if e != w]
+    assert planes == 6
+    K.set_mxq(True, planes=5)
+    try:
+        _, exact5 = K.mxq_groups(x)
+    finally:
+        K.set_mxq(True, planes=6)
+    assert (exact5 == np.array([(s + 2 + 7) // 8 <= 5 for s in spans])).all()
+    z = np.zeros(128, np.float32)
+    z[40] = np.nan
+    planes, exact = K.mxq_groups(z)
+    assert planes == 1 and exact.tolist() == [True, False, True, True]
+    z[70] = np.inf                                           # half exact: not planned
+    assert K.mxq_groups(z)[0] == 0
+    K.set_mxq(True, 0, 2048)                                 # the default width floor
+    assert K.mxq_groups(x[-2016:])[0] == 0 and K.mxq_groups(x[-2048:])[0] > 0
+    print(f"[gate] integer-path plan: spans 1..43 exact, 44..60 double; cap 5 -> spans "
+          f"<= 38; zero group exact, NaN group double; under 3/4 exact -> no plan")
+
+
 def test_isa_selection_env_and_refusals():
     """K3_KERNEL_ISA forces a path at import (so a whole run can be pinned to one); a typo is
     ignored with a warning naming the variable; set_isa refuses unknown names and paths the

@@ -44,6 +44,20 @@ cdef extern from "k3dot.h" nogil:
     void k3_e8m0_init()
     const double K3_E2M1[16]
 
+cdef extern from "k3mxint.h" nogil:
+    ctypedef struct k3_mxq_group:
+        int32_t exact
+    ctypedef struct k3_mxq:
+        int planes
+        long ngroups, nexact
+        k3_mxq_group *g
+    k3_mxq *k3_mxq_make(const double *x, long n)
+    void k3_mv_rows_mxfp4q(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
+                           const double *Xd, long ntok, float *Y, long ldy, const k3_mxq *q)
+    int k3_set_mxq(int on, int planes, long min_inputs)
+    int k3_mxq_active()
+    int k3_mxq_supported()
+
 cdef extern from "k3pool.h" nogil:
     ctypedef void (*k3_task_fn)(void *ctx, long item) noexcept nogil
     void k3_pool_run(k3_task_fn fn, void *ctx, long n, int threads)
@@ -130,6 +144,48 @@ def set_mx_tokens_min(long ntok):
     k3_set_mx_tokens_min(ntok)
 
 
+def set_mxq(on=True, int planes=0, long min_inputs=0):
+    """Switch the one-token MXFP4 matvec's integer path (k3mxint.h: VNNI byte products
+    wherever a group's sum is exact in any order, the double path elsewhere).  `planes`
+    caps the digit planes a group may take (1..6; groups needing more take the double
+    path); `min_inputs` is the narrowest row width it takes (default 2048; tests use 32);
+    0 keeps either setting.  No bit depends on any of them; tests and benchmarks A/B them.
+    Returns whether the path is in use (False where the CPU lacks AVX-512 VNNI/VBMI)."""
+    return bool(k3_set_mxq(1 if on else 0, planes, min_inputs))
+
+
+def mxq_groups(const float[::1] x):
+    """How the integer path would take one token x (len a multiple of 32): (planes, exact)
+    with exact[g] True where group g's sum runs on integers (False: the double path).
+    (0, all False) when the path is off or fewer than 3/4 of the groups qualify (the whole
+    call then takes the double path)."""
+    cdef Py_ssize_t n = x.shape[0], i
+    exact = np.zeros(n // 32, dtype=bool)
+    cdef double[::1] xd = np.empty(max(n, 1), dtype=np.float64)
+    for i in range(n):
+        xd[i] = x[i]
+    cdef k3_mxq *q = k3_mxq_make(&xd[0], n)
+    if q == NULL:
+        return 0, exact
+    try:
+        for i in range(q.ngroups):
+            exact[i] = q.g[i].exact != 0
+        return q.planes, exact
+    finally:
+        free(q)
+
+
+def mxq_active():
+    """Whether one-token MXFP4 matvecs take the integer path (needs the avx512 row path
+    active and AVX-512 VNNI/VBMI/CD on the CPU)."""
+    return bool(k3_mxq_active())
+
+
+def mxq_supported():
+    """Whether this CPU can run the integer path at all."""
+    return bool(k3_mxq_supported())
+
+
 def isa():
     """The row-kernel path in use: 'scalar', 'avx2' or 'avx512'."""
     return ISA_NAMES[k3_isa()]
@@ -145,6 +201,10 @@ def _isa_from_env():
 
 
 _isa_from_env()
+# K3_MXFP4_INT=0 keeps one-token MXFP4 matvecs on the double path (benchmarks A/B whole
+# runs with it; the bits are the same either way).
+if os.environ.get("K3_MXFP4_INT", "1").strip() == "0":
+    k3_set_mxq(0, 0, 0)
 
 cdef int _nthreads = 1
 # Below this many multiply-adds a parallel region costs more than it saves (measured on the
@@ -309,6 +369,7 @@ cdef struct _MvTask:               # row chunks of matrices sharing one input
     const int32_t *items             # (matrix, chunk) pairs; NULL: matrix 0, chunk = item
     long n, T, rc
     const double *Xd
+    const k3_mxq *q                  # the token's integer-path form (MXFP4, T = 1) or NULL
 
 
 cdef void _mv_item(void *ctx, long it) noexcept nogil:
@@ -327,8 +388,8 @@ cdef void _mv_item(void *ctx, long it) noexcept nogil:
         k3_mv_rows_i8(<const int8_t *>m.w[g], m.n, m.n, o0, o1, m.Xd, m.T,
                       <const float *>m.aux[g], m.y[g], m.rows[g])
     else:
-        k3_mv_rows_mxfp4(<const uint8_t *>m.w[g], <const uint8_t *>m.aux[g], m.n, o0, o1,
-                         m.Xd, m.T, m.y[g], m.rows[g])
+        k3_mv_rows_mxfp4q(<const uint8_t *>m.w[g], <const uint8_t *>m.aux[g], m.n, o0, o1,
+                          m.Xd, m.T, m.y[g], m.rows[g], m.q)
 
 
 cdef void _mv_one(int kind, const void *w, const void *aux, long rows, long n,
@@ -342,8 +403,12 @@ cdef void _mv_one(int kind, const void *w, const void *aux, long rows, long n,
     cdef _MvTask m
     m.w, m.aux, m.kind, m.rows, m.y, m.items = &w, &aux, &kind, &rows, &yp, NULL
     m.n, m.T, m.rc, m.Xd = n, T, _row_chunk(T, rows), &Xd[0, 0]
-    with nogil:
-        _run(_mv_item, &m, (rows + m.rc - 1) // m.rc, _threads_for(rows * n * T))
+    m.q = k3_mxq_make(&Xd[0, 0], n) if kind == MV_MXFP4 and T == 1 else NULL
+    try:
+        with nogil:
+            _run(_mv_item, &m, (rows + m.rc - 1) // m.rc, _threads_for(rows * n * T))
+    finally:
+        free(<void *>m.q)
 
 
 def matvecs(list Ws, const float[:, ::1] X, list Ys):
@@ -401,7 +466,7 @@ def matvecs(list Ws, const float[:, ::1] X, list Ys):
                 items[2 * it], items[2 * it + 1], it = g, c, it + 1
         Xd = _widened(X)
         m.w, m.aux, m.kind, m.rows, m.y, m.items = wp, aux, kind, rows, yp, items
-        m.n, m.T, m.rc, m.Xd = n, T, rc, &Xd[0, 0]
+        m.n, m.T, m.rc, m.Xd, m.q = n, T, rc, &Xd[0, 0], NULL
         with nogil:
             _run(_mv_item, &m, na, _threads_for(work))
     finally:
@@ -1216,6 +1281,8 @@ cdef struct _Expert:              # one routed expert of a moe_experts batch
     long ntok                        # its slots
     long zrow                        # its first row of the batch's widened inputs
     long hoff                        # its first element of the batch's hidden buffers
+    k3_mxq *qz                       # one token (ntok 1): its input's integer-path form,
+    k3_mxq *qh                       # and its hidden's (k3mxint.h); else NULL
 
 
 cdef struct _MoeTask:              # a moe_experts batch's two loops over (expert, chunk)
@@ -1236,10 +1303,10 @@ cdef void _expert_hidden(void *ctx, long it) noexcept nogil:
     cdef _MoeTask *m = <_MoeTask *>ctx
     cdef const _Expert *x = &m.xs[m.items[2 * it]]
     cdef long t, i, r0 = m.items[2 * it + 1] * m.hc, r1 = min(x.inter, r0 + m.hc), L = m.L
-    k3_mv_rows_mxfp4(x.p[0], x.s[0], L, r0, r1, m.zd + x.zrow * L, x.ntok, m.g + x.hoff,
-                     x.inter)
-    k3_mv_rows_mxfp4(x.p[1], x.s[1], L, r0, r1, m.zd + x.zrow * L, x.ntok, m.u + x.hoff,
-                     x.inter)
+    k3_mv_rows_mxfp4q(x.p[0], x.s[0], L, r0, r1, m.zd + x.zrow * L, x.ntok, m.g + x.hoff,
+                      x.inter, x.qz)
+    k3_mv_rows_mxfp4q(x.p[1], x.s[1], L, r0, r1, m.zd + x.zrow * L, x.ntok, m.u + x.hoff,
+                      x.inter, x.qz)
     for t in range(x.ntok):
         i = x.hoff + t * x.inter + r0
         k3_situ_rows(m.g + i, m.u + i, r1 - r0, m.b1, m.b2, NULL, m.hd + i)
@@ -1251,8 +1318,16 @@ cdef void _expert_output(void *ctx, long it) noexcept nogil:
     it += m.na
     cdef const _Expert *x = &m.xs[m.items[2 * it]]
     cdef long o0 = m.items[2 * it + 1] * m.oc
-    k3_mv_rows_mxfp4(x.p[2], x.s[2], x.inter, o0, min(m.Lout, o0 + m.oc), m.hd + x.hoff,
-                     x.ntok, m.D + x.slot0 * m.Lout, m.Lout)
+    k3_mv_rows_mxfp4q(x.p[2], x.s[2], x.inter, o0, min(m.Lout, o0 + m.oc), m.hd + x.hoff,
+                      x.ntok, m.D + x.slot0 * m.Lout, m.Lout, x.qh)
+
+
+cdef void _expert_prepare(void *ctx, long gi) noexcept nogil:
+    """A one-token expert's hidden, prepared for the integer path of its output matvec."""
+    cdef _MoeTask *m = <_MoeTask *>ctx
+    cdef _Expert *x = <_Expert *>&m.xs[gi]
+    if x.ntok == 1:
+        x.qh = k3_mxq_make(m.hd + x.hoff, x.inter)
 
 
 cdef _mxfp4_view(M, long rows, long cols, str what):
@@ -1274,7 +1349,8 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     w3 @ Z[token[s]]).  The per-token kernels, order and float32 roundings of the
     per-expert calls (gather_rows, mxfp4_matvec x 3, situ_glu); only the thread loops are
     merged, two for the whole batch: every expert's hidden rows, then every expert's output
-    rows.  (A decode step otherwise opened 4 small OpenMP regions per expert, and with 2
+    rows (between them a short one preparing one-token experts' hidden for k3mxint.h's
+    integer path).  (A decode step otherwise opened 4 small OpenMP regions per expert, and with 2
     threads the joins cost about as much as the matvecs.)"""
     cdef Py_ssize_t G = len(group), L = Z.shape[1], Lout = D.shape[1], nS = starts.shape[0]
     cdef Py_ssize_t gi, e, s, t, i, c, k, na = 0, nb = 0, nrows = 0, nh = 0, it, hrows = 0
@@ -1282,7 +1358,8 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     cdef long work = 0
     if G == 0:
         return
-    cdef _Expert *xs = <_Expert *>malloc(G * sizeof(_Expert))
+    cdef _Expert *xs = <_Expert *>calloc(G, sizeof(_Expert))     # qz, qh start NULL
+    cdef k3_mxq **qtok = NULL
     if xs == NULL:
         raise MemoryError("moe_experts: no memory for the batch")
     cdef double *zd = NULL
@@ -1326,6 +1403,8 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
         g = <float *>malloc(max(nh, 1) * sizeof(float))
         u = <float *>malloc(max(nh, 1) * sizeof(float))
         items = <int32_t *>malloc(2 * (na + nb) * sizeof(int32_t))
+        if k3_mxq_active():
+            qtok = <k3_mxq **>calloc(max(Z.shape[0], 1), sizeof(k3_mxq *))
         if zd == NULL or hd == NULL or g == NULL or u == NULL or items == NULL:
             raise MemoryError("moe_experts: no memory for the batch's inputs")
         it = 0                                  # (expert, row chunk): hidden, then output
@@ -1342,9 +1421,23 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
                         zd[(xs[gi].zrow + t) * L + i] = Z[token[xs[gi].slot0 + t], i]
             m.xs, m.items, m.na, m.hc, m.oc, m.L, m.Lout = xs, items, na, hc, oc, L, Lout
             m.zd, m.g, m.u, m.hd, m.b1, m.b2, m.D = zd, g, u, hd, b1, b2, &D[0, 0]
+            for gi in range(G):                 # one-token experts: each input token once
+                if xs[gi].ntok == 1 and qtok != NULL:
+                    t = token[xs[gi].slot0]
+                    if qtok[t] == NULL:
+                        qtok[t] = k3_mxq_make(zd + xs[gi].zrow * L, L)
+                    xs[gi].qz = qtok[t]
             _run(_expert_hidden, &m, na, _threads_for(work))
+            if qtok != NULL:
+                _run(_expert_prepare, &m, G, _threads_for(work))
             _run(_expert_output, &m, nb, _threads_for(work))
     finally:
+        if qtok != NULL:
+            for t in range(Z.shape[0]):
+                free(qtok[t])
+            free(qtok)
+        for gi in range(G):
+            free(xs[gi].qh)
         free(xs)
         free(zd)
         free(hd)
