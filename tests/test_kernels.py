@@ -826,16 +826,6 @@ def test_mxfp4_decoded_once_equals_tiles_and_one_token():
           f"{', '.join(simd_isas())}, T = 8, 13, 70, 1 and 2 threads")
 
 
-@pytest.fixture
-def narrow_rows_on_integers():
-    """The integer path at every row width (its default starts at 2048 inputs)."""
-    K.set_mxq(True, 0, 32)
-    try:
-        yield
-    finally:
-        K.set_mxq(True, 6, 2048)
-
-
 def _spanned_f32(r, n: int, spans) -> np.ndarray:
     """One token whose group g has a chosen span (bits from its largest value's top to the
     lowest set bit of any value): full 24-bit mantissas spread over spans[g] - 24 binades
@@ -856,7 +846,7 @@ def _spanned_f32(r, n: int, spans) -> np.ndarray:
     return x
 
 
-def test_mxfp4_integer_path_equals_scalar(narrow_rows_on_integers):
+def test_mxfp4_integer_path_equals_scalar():
     """The one-token MXFP4 matvec on VNNI byte products (k3mxint.h) against the scalar
     reference, bit for bit: every group span from 1 to 60 bits (the integer path takes
     spans <= 43; the rest, inf/NaN and subnormal-laden groups take the double path inside
@@ -915,7 +905,7 @@ def test_mxfp4_integer_path_equals_scalar(narrow_rows_on_integers):
           f"{seen_double} on doubles; {unplanned} calls left to the old path")
 
 
-def test_mxfp4_integer_path_plans_spans_exactly(narrow_rows_on_integers):
+def test_mxfp4_integer_path_plans_spans_exactly():
     """mxq_groups' plan is the proof's condition: a group runs on integers iff its span is
     <= 43 bits and fits the plane cap (planes = ceil((span + 2) / 8)); all-zero groups run
     on integers; inf/NaN never."""
@@ -940,8 +930,6 @@ def test_mxfp4_integer_path_plans_spans_exactly(narrow_rows_on_integers):
     assert planes == 1 and exact.tolist() == [True, False, True, True]
     z[70] = np.inf                                           # half exact: not planned
     assert K.mxq_groups(z)[0] == 0
-    K.set_mxq(True, 0, 2048)                                 # the default width floor
-    assert K.mxq_groups(x[-2016:])[0] == 0 and K.mxq_groups(x[-2048:])[0] > 0
     print(f"[gate] integer-path plan: spans 1..43 exact, 44..60 double; cap 5 -> spans "
           f"<= 38; zero group exact, NaN group double; under 3/4 exact -> no plan")
 

@@ -294,14 +294,6 @@ def test_moe_experts_equals_the_per_expert_calls(T, shape):
     and the one-token DECODE_BATCH cross the parallel threshold; the latter's items span
     several 16-row chunks, as a decode step's do), with row tails and skipped groups."""
     group, Z, token, starts, S = _expert_batch(rng(90), T, **shape)
-    K.set_mxq(True, 0, 32)      # the one-token integer path at these narrow rows too
-    try:
-        _moe_experts_vs_per_expert(T, group, Z, token, starts, S)
-    finally:
-        K.set_mxq(True, 0, 2048)
-
-
-def _moe_experts_vs_per_expert(T, group, Z, token, starts, S):
     s = starts.tolist()
     Lout = group[0][1].w2.shape[0]
     want = np.empty((S, Lout), np.float32)

@@ -54,7 +54,7 @@ cdef extern from "k3mxint.h" nogil:
     k3_mxq *k3_mxq_make(const double *x, long n)
     void k3_mv_rows_mxfp4q(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
                            const double *Xd, long ntok, float *Y, long ldy, const k3_mxq *q)
-    int k3_set_mxq(int on, int planes, long min_inputs)
+    int k3_set_mxq(int on, int planes)
     int k3_mxq_active()
     int k3_mxq_supported()
 
@@ -144,14 +144,13 @@ def set_mx_tokens_min(long ntok):
     k3_set_mx_tokens_min(ntok)
 
 
-def set_mxq(on=True, int planes=0, long min_inputs=0):
+def set_mxq(on=True, int planes=0):
     """Switch the one-token MXFP4 matvec's integer path (k3mxint.h: VNNI byte products
     wherever a group's sum is exact in any order, the double path elsewhere).  `planes`
-    caps the digit planes a group may take (1..6; groups needing more take the double
-    path); `min_inputs` is the narrowest row width it takes (default 2048; tests use 32);
-    0 keeps either setting.  No bit depends on any of them; tests and benchmarks A/B them.
-    Returns whether the path is in use (False where the CPU lacks AVX-512 VNNI/VBMI)."""
-    return bool(k3_set_mxq(1 if on else 0, planes, min_inputs))
+    caps the digit planes a group may take (1..6; 0 keeps the cap; groups needing more take
+    the double path).  No bit depends on either; tests and benchmarks A/B them.  Returns
+    whether the path is in use (False where the CPU lacks AVX-512 VNNI/VBMI)."""
+    return bool(k3_set_mxq(1 if on else 0, planes))
 
 
 def mxq_groups(const float[::1] x):
@@ -204,7 +203,7 @@ _isa_from_env()
 # K3_MXFP4_INT=0 keeps one-token MXFP4 matvecs on the double path (benchmarks A/B whole
 # runs with it; the bits are the same either way).
 if os.environ.get("K3_MXFP4_INT", "1").strip() == "0":
-    k3_set_mxq(0, 0, 0)
+    k3_set_mxq(0, 0)
 
 cdef int _nthreads = 1
 # Below this many multiply-adds a parallel region costs more than it saves (measured on the

@@ -48,11 +48,6 @@ typedef struct {
 
 static int k3_mxq_on = -1;     /* -1: not yet probed; tests and benchmarks switch it */
 static int k3_mxq_pmax = K3_MXQ_PMAX;  /* groups needing more planes take the double path */
-/* Inputs per row from which a call takes the path.  Why: at K3's expert widths (3584 and
- * 3072) it ran 1.21-1.36x the double path from DRAM, at mid's (1024 and 1536) 0.81-1.07x
- * (Zen 4, docs/benchmarks-kernels.md): short rows pay its per-block setup more often. */
-#define K3_MXQ_MIN_INPUTS 2048
-static long k3_mxq_min_inputs = K3_MXQ_MIN_INPUTS;
 
 static int k3_mxq_supported(void) {
 #if K3_HAVE_SIMD_PATHS
@@ -67,17 +62,16 @@ static int k3_mxq_supported(void) {
 }
 
 /* on: 1 uses the integer path where the CPU has it, 0 never; planes: the most digit planes
- * a group may take (1..K3_MXQ_PMAX); min_inputs: the narrowest rows it takes (tests use 32);
- * either <= 0 keeps its setting.  Returns whether the path is now in use. */
-static int k3_set_mxq(int on, int planes, long min_inputs) {
+ * a group may take (1..K3_MXQ_PMAX; <= 0 keeps the setting).  Returns whether the path is
+ * now in use. */
+static int k3_set_mxq(int on, int planes) {
     k3_mxq_on = (on != 0) && k3_mxq_supported();
     if (planes > 0) k3_mxq_pmax = planes < K3_MXQ_PMAX ? planes : K3_MXQ_PMAX;
-    if (min_inputs > 0) k3_mxq_min_inputs = min_inputs;
     return k3_mxq_on;
 }
 
 static inline int k3_mxq_active(void) {
-    if (k3_mxq_on < 0) k3_set_mxq(1, 0, 0);
+    if (k3_mxq_on < 0) k3_set_mxq(1, 0);
     return k3_mxq_on && k3_isa() == K3_ISA_AVX512;
 }
 
@@ -247,13 +241,15 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_rows16(const uint8_t *p, long ldp, const uint
         __m512i sc8[2];
         sc8[0] = k3_mx_scales8_avx512(s, lds, offs0, g0, ng, R0);
         sc8[1] = R1 > 0 ? k3_mx_scales8_avx512(s + 8 * lds, lds, offs1, g0, ng, R1) : sc8[0];
-        /* one line per row 2 KB ahead (past a row's end: the next block's row); measured
-         * against the next block's bytes in order (0.74x) and no prefetch (0.84x), cold */
-        long off = g0 * 16 + K3_PF_BYTES;
-        const char *pf = (const char *)p + off + (off >= ldp ? 16 * ldp - ldp : 0);
+        /* the next block's lines this step will want there, into L2: one block (16 rows)
+         * ahead in the order they are read.  Measured cold (3072x3584 / 1024x1536, 1
+         * thread): 12 / 11 G multiply-adds/s with each row's line 2 KB ahead into L1 (the
+         * double path's scheme), 14-15.5 / 13-16 G this way; into L1 instead of L2 12-13 /
+         * 11; the next block's bytes in row order 9 / -; none 8 / 7. */
         for (int r = 0; r < 16; r++) {
-            _mm_prefetch(pf + r * ldp, _MM_HINT_T0);
-            _mm_prefetch(pf + r * ldp + 64, _MM_HINT_T0);
+            const char *pf = (const char *)p + (16 + r) * ldp + g0 * 16;
+            _mm_prefetch(pf, _MM_HINT_T1);
+            _mm_prefetch(pf + 64, _MM_HINT_T1);
         }
         for (int gi = 0; gi < ng; gi++) {
             const long g = g0 + gi;
@@ -303,15 +299,14 @@ static void k3_mxq_rows(const uint8_t *P, const uint8_t *S, long n, long o0, lon
 #endif /* K3_HAVE_SIMD_PATHS */
 
 /* x (n doubles, one token) prepared for the integer path, or NULL where it does not apply
- * (path off or absent, rows narrower than k3_mxq_min_inputs or not whole groups, fewer
- * than 3/4 of the groups exact, no memory): the caller then passes NULL and every row
- * takes the double path.  Why 3/4: a group left to the double path inside this kernel
+ * (path off or absent, n not whole groups, fewer than 3/4 of the groups exact, no
+ * memory): the caller then passes NULL and every row takes the double path.  Why 3/4: a group left to the double path inside this kernel
  * costs ~1.7x an old-path group (its 8-row words are transposed for it alone) and an exact
  * one ~0.7x, so below ~68 % exact the old path wins (3072x3584, Zen 4: 11 of 112 groups
  * exact ran 0.64x, 93 of 112 1.17x).  Free with free(). */
 static k3_mxq *k3_mxq_make(const double *x, long n) {
 #if K3_HAVE_SIMD_PATHS
-    if (n < k3_mxq_min_inputs || n % 32 || !k3_mxq_active()) return NULL;
+    if (n <= 0 || n % 32 || !k3_mxq_active()) return NULL;
     const size_t bytes = 64 + (size_t)(n / 32) * sizeof(k3_mxq_group);
     k3_mxq *q = (k3_mxq *)aligned_alloc(64, bytes);
     if (q == NULL) return NULL;

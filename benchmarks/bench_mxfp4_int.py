@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""The one-token MXFP4 matvec's integer path (k3mxint.h) against the double path, A/B in one
+process (a script, not a test; figures are reported, never asserted).
+
+    python benchmarks/bench_mxfp4_int.py [--reps 5] [--threads 1,2] [--mb 200]
+
+For each shape it times `mxfp4_matvec` of one token with the path on and off, alternated
+`--reps` times, over enough copies of the weights (`--mb`) that every call reads them from
+DRAM, as the engine's expert cache does; then a decode step's `moe_experts` batch (16 K3
+experts, 8 mid experts) the same way.  The input is Gaussian (digit planes 4-5 per group,
+all groups exact); the outputs are compared bit for bit between the two paths.  Median ms
+per call, G multiply-adds/s, the ratio, and the range over the alternations.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from k3engine import kernels as K
+from k3engine.weights import MXFP4, ExpertWeights
+
+MATVEC_SHAPES = [(3072, 3584), (3584, 3072), (1536, 1024), (1024, 1536)]
+MOE = {"K3": (16, 3584, 3072), "mid": (8, 1024, 1536)}     # experts, latent, width
+
+
+def rand_mxfp4(r, rows: int, n: int) -> MXFP4:
+    return MXFP4(r.integers(0, 256, (rows, n // 2), dtype=np.uint8),
+                 r.integers(118, 130, (rows, n // 32), dtype=np.uint8))
+
+
+def ab(call, reps: int) -> tuple[dict, dict]:
+    """{on: [median seconds per round]} and {on: last output} for the path on and off."""
+    res, out = {True: [], False: []}, {}
+    for _ in range(reps):
+        for on in (True, False):
+            K.set_mxq(on)
+            res[on].append(statistics.median(call()))
+            out[on] = call.last.copy()
+    K.set_mxq(True)
+    return res, out
+
+
+def report(label: str, work: int, res: dict, out: dict) -> None:
+    a, b = statistics.median(res[True]), statistics.median(res[False])
+    same = out[True].tobytes() == out[False].tobytes()
+    print(f"{label}: integer {a * 1e3:.3f} ms ({work / a / 1e9:.1f} G) double {b * 1e3:.3f} ms "
+          f"({work / b / 1e9:.1f} G) {b / a:.2f}x [integer {min(res[True]) * 1e3:.3f}-"
+          f"{max(res[True]) * 1e3:.3f}, double {min(res[False]) * 1e3:.3f}-"
+          f"{max(res[False]) * 1e3:.3f}] bits equal: {same}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--mb", type=float, default=200.0, help="weights rotated over, MB")
+    args = ap.parse_args()
+    if not K.mxq_supported():
+        raise SystemExit("this CPU lacks AVX-512 VNNI/VBMI/CD: the integer path never runs")
+    print(f"machine: {platform.processor() or platform.machine()}, kernels {K.isa()}")
+    r = np.random.default_rng(7)
+    nts = [int(t) for t in args.threads.split(",")]
+    for rows, n in MATVEC_SHAPES:
+        copies = max(2, int(args.mb * 1e6 // (rows * n // 2)))
+        mats = [rand_mxfp4(r, rows, n) for _ in range(copies)]
+        X = r.standard_normal((1, n), dtype=np.float32)
+        Y = np.empty((1, rows), np.float32)
+
+        def call():
+            ts = []
+            for i in range(3 * copies):
+                m = mats[i % copies]
+                t = time.perf_counter()
+                K.mxfp4_matvec(m.packed, m.scales, X, Y)
+                ts.append(time.perf_counter() - t)
+            return ts
+        call.last = Y
+        for nt in nts:
+            K.set_num_threads(nt)
+            report(f"mxfp4_matvec {rows}x{n} {nt}t", rows * n, *ab(call, args.reps))
+    for name, (k, L, inter) in MOE.items():
+        sets = max(2, int(args.mb * 1e6 // (3 * inter * L // 2 * k)))
+        experts = [{e: ExpertWeights(rand_mxfp4(r, inter, L), rand_mxfp4(r, inter, L),
+                                     rand_mxfp4(r, L, inter)) for e in range(k)}
+                   for _ in range(sets)]
+        Z = r.standard_normal((1, L), dtype=np.float32)
+        starts, token = np.empty(k + 1, np.int32), np.empty(k, np.int32)
+        S = K.moe_groups(np.arange(k, dtype=np.int32)[None, :], np.full(1, k, np.int32), k,
+                         starts, token, np.empty((1, k), np.int32))
+        D = np.empty((S, L), np.float32)
+
+        def call():
+            ts = []
+            for i in range(3 * sets):
+                ex = experts[i % sets]
+                t = time.perf_counter()
+                K.moe_experts([(e, ex[e]) for e in range(k)], Z, token, starts,
+                              np.float32(4.0), np.float32(25.0), D)
+                ts.append(time.perf_counter() - t)
+            return ts
+        call.last = D
+        for nt in nts:
+            K.set_num_threads(nt)
+            report(f"moe_experts {name} {k} x ({inter}x{L}, {inter}x{L}, {L}x{inter}) {nt}t",
+                   k * inter * L * 3, *ab(call, args.reps))
+
+
+if __name__ == "__main__":
+    main()
