@@ -23,7 +23,8 @@
  * remainder at T = 1).  From 5 tokens on, AVX-512 runs BF16, F32 and I8R through panels
  * instead (below the tiles): a row block widened once for up to 48 tokens.  MXFP4 has no
  * panel: there every FMA already waits on its own broadcast of x, and a panel adds a load
- * of the decoded weights to each (measured 0.67-0.95x the tiles).
+ * of the decoded weights to each (measured 0.67-0.95x the tiles).  A one-token MXFP4 call
+ * runs on integer byte products instead where a CPU has AVX-512 VNNI (k3mxint.h).
  */
 #ifndef K3DOT_H
 #define K3DOT_H
