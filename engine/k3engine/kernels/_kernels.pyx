@@ -156,7 +156,7 @@ def set_mxq(on=True, int planes=0):
 def mxq_groups(const float[::1] x):
     """How the integer path would take one token x (len a multiple of 32): (planes, exact)
     with exact[g] True where group g's sum runs on integers (False: the double path).
-    (0, all False) when the path is off or fewer than 3/4 of the groups qualify (the whole
+    (0, all False) when the path is off or fewer than 2/3 of the groups qualify (the whole
     call then takes the double path)."""
     cdef Py_ssize_t n = x.shape[0], i
     exact = np.zeros(n // 32, dtype=bool)

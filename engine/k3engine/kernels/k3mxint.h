@@ -167,6 +167,23 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_words16(const uint8_t *pg, const long *rowoff
     D[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+/* For a group left to the double path: lane r of q0 / q1 = packed bytes 0..7 / 8..15 of
+ * the group in the row at pg + rowoff[r] (r < 8), as k3_mx_words_avx512 gives them for 4
+ * groups at once; here 2 loads, 6 inserts and 2 permutes instead of its 8-row transpose. */
+K3_VNNI_ATTR K3_INLINE void k3_mxq_words8(const uint8_t *pg, const long *rowoff, __m512i *q0,
+                                          __m512i *q1) {
+    __m512i v[2];
+    for (int k = 0; k < 2; k++) {   /* lane L of v[k]: row 4k + L */
+        const long *ro = rowoff + 4 * k;
+        __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(pg + ro[0])));
+        t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[1])), 1);
+        t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[2])), 2);
+        v[k] = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[3])), 3);
+    }
+    *q0 = _mm512_permutex2var_epi64(v[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), v[1]);
+    *q1 = _mm512_permutex2var_epi64(v[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), v[1]);
+}
+
 /* 2^(E - 1 + b - 127) for the lanes' scale bytes (group gi of an 8-group scale vector),
  * and the lanes whose byte is not 255. */
 K3_VNNI_ATTR K3_INLINE __m512d k3_mxq_scale(__m512i sc8, int gi, int32_t ebias,
@@ -259,11 +276,11 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_rows16(const uint8_t *p, long ldp, const uint
                 continue;
             }
             for (int h = 0; h < 2 && 8 * h < R; h++) {  /* the double path, this group */
-                __m512i qv[8];
+                __m512i q0, q1;
                 __mmask8 live;
-                k3_mx_words_avx512(p + 8 * h * ldp, ldp, g, 1, h ? R1 : R0, qv);
+                k3_mxq_words8(p + 16 * g, rowoff + 8 * h, &q0, &q1);
                 __m512d sc = k3_mx_scale_avx512(sc8[h], gi, &live);
-                k3_mx_group_avx512(qv[0], qv[1], NULL, x + 32 * g, 0, sc, live, &acc[h], 1);
+                k3_mx_group_avx512(q0, q1, NULL, x + 32 * g, 0, sc, live, &acc[h], 1);
             }
         }
     }
@@ -299,11 +316,12 @@ static void k3_mxq_rows(const uint8_t *P, const uint8_t *S, long n, long o0, lon
 #endif /* K3_HAVE_SIMD_PATHS */
 
 /* x (n doubles, one token) prepared for the integer path, or NULL where it does not apply
- * (path off or absent, n not whole groups, fewer than 3/4 of the groups exact, no
- * memory): the caller then passes NULL and every row takes the double path.  Why 3/4: a group left to the double path inside this kernel
- * costs ~1.7x an old-path group (its 8-row words are transposed for it alone) and an exact
- * one ~0.7x, so below ~68 % exact the old path wins (3072x3584, Zen 4: 11 of 112 groups
- * exact ran 0.64x, 93 of 112 1.17x).  Free with free(). */
+ * (path off or absent, n not whole groups, fewer than 2/3 of the groups exact, no
+ * memory): the caller then passes NULL and every row takes the double path.  Why 2/3: a
+ * group left to the double path inside this kernel costs ~1.4x an old-path group and an
+ * exact one ~0.6x, so with fewer exact groups the old path wins (3072x3584, Zen 4, 1
+ * thread, hot: 11 of 112 groups exact 0.73x, 47 0.90x, 93 1.25x, 110 1.46x).  Free with
+ * free(). */
 static k3_mxq *k3_mxq_make(const double *x, long n) {
 #if K3_HAVE_SIMD_PATHS
     if (n <= 0 || n % 32 || !k3_mxq_active()) return NULL;
@@ -312,7 +330,7 @@ static k3_mxq *k3_mxq_make(const double *x, long n) {
     if (q == NULL) return NULL;
     q->g = (k3_mxq_group *)((char *)q + 64);
     k3_mxq_prepare(x, n, q);
-    if (q->planes > 0 && 4 * q->nexact >= 3 * q->ngroups) return q;
+    if (q->planes > 0 && 3 * q->nexact >= 2 * q->ngroups) return q;
     free(q);
 #else
     (void)x; (void)n;
