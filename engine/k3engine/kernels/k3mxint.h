@@ -1,8 +1,8 @@
 /* The decode-step MXFP4 matvec (one token) on integer dot products, where that is exact.
  *
  * Why: the double form of ARCHITECTURE §5.6 costs a shift, a table permute and an FMA per
- * element of 8 rows, so a T = 1 expert matvec ran at 13-18 % of the memory-read floor at
- * one thread on Zen 4 (29-31 % at two; docs/benchmarks-kernels.md).  VNNI's vpdpbusd does
+ * element of 8 rows, so a T = 1 expert matvec ran at 17-19 % of the memory-read floor on
+ * Zen 4, 9-10 G multiply-adds/s a core (docs/benchmarks-kernels.md).  VNNI's vpdpbusd does
  * 64 byte products a uop.
  *
  * Why the bits cannot change: within one 32-group every term is 2*E2M1 (an integer k,
