@@ -111,6 +111,25 @@ def test_doctor_healthy_setup(capsys, demo):
     assert scratch_files(model) == []
 
 
+def test_doctor_names_the_mxfp4_path(capsys):
+    """doctor says whether one-token MXFP4 matvecs run on integer byte products, and how to
+    turn that off; with the path switched off it says the double path runs."""
+    from k3engine import kernels as K
+    if not K.mxq_supported():
+        rc, out = run_doctor(capsys)
+        assert "MXFP4" not in section(out, "engine")
+        pytest.skip("NOT RUN (the rest): this CPU lacks AVX-512 VNNI/VBMI")
+    rc, out = run_doctor(capsys)
+    assert "MXFP4 matvecs: integer byte products" in section(out, "engine")
+    K.set_mxq(False)
+    try:
+        rc, out = run_doctor(capsys)
+    finally:
+        K.set_mxq(True)
+    assert "MXFP4 matvecs: the double path" in section(out, "engine")
+    print("[gate] doctor names the one-token MXFP4 path, on and off")
+
+
 @pytest.mark.parametrize("available, preset", [
     (400 * GiB, "server"), (192 * GiB, "server"), (192 * GiB - 1, "workstation"),
     (96 * GiB, "workstation"), (96 * GiB - 1, "desktop"), (32 * GiB, "desktop"),

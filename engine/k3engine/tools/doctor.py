@@ -242,6 +242,12 @@ def check_engine(r: Report, st: State) -> None:
         r.warn(f"scalar kernels ({why}): the slow path, same bits")
     if flags:
         r.info(f"AVX-512: {'yes' if 'avx512f' in flags else 'no'} (information only)")
+    if K.mxq_active():
+        r.info("one-token MXFP4 matvecs: integer byte products (AVX-512 VNNI) where exact; "
+               "K3_MXFP4_INT=0 turns them off")
+    elif K.mxq_supported():
+        r.info("one-token MXFP4 matvecs: the double path (the integer one is off: "
+               "K3_MXFP4_INT=0 or K3_KERNEL_ISA below avx512)")
     path = {"avx2": "AVX2", "avx512": "AVX-512"}.get(K.isa())
     if K.libm_replicas_active():
         r.info(f"SiTU and sigmoid: {path} copies of this libm's expf/tanhf (equal to it at load)")
