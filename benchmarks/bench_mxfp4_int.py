@@ -2,9 +2,10 @@
 """The one-token MXFP4 matvec's integer path (k3mxint.h) against the double path, A/B in one
 process (a script, not a test; figures are reported, never asserted).
 
-    python benchmarks/bench_mxfp4_int.py [--reps 5] [--threads 1,2] [--mb 200]
+    python benchmarks/bench_mxfp4_int.py [--reps 5] [--threads 1,2] [--mb 200] [--tokens 1,2,4]
 
-For each shape it times `mxfp4_matvec` of one token with the path on and off, alternated
+For each shape it times `mxfp4_matvec` of T tokens (--tokens; the path takes 1..7) with the
+path on and off, alternated
 `--reps` times, over enough copies of the weights (`--mb`) that every call reads them from
 DRAM, as the engine's expert cache does; then a decode step's `moe_experts` batch (16 K3
 experts, 8 mid experts) the same way.  The input is Gaussian (digit planes 4-5 per group,
@@ -58,17 +59,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--mb", type=float, default=200.0, help="weights rotated over, MB")
+    ap.add_argument("--tokens", default="1", help="comma-separated T for the matvec rows")
+    ap.add_argument("--no-moe", action="store_true", help="only the matvec rows")
     args = ap.parse_args()
     if not K.mxq_supported():
         raise SystemExit("this CPU lacks AVX-512 VNNI/VBMI/CD: the integer path never runs")
     print(f"machine: {platform.processor() or platform.machine()}, kernels {K.isa()}")
     r = np.random.default_rng(7)
     nts = [int(t) for t in args.threads.split(",")]
-    for rows, n in MATVEC_SHAPES:
+    for (rows, n), T in ((shape, int(t)) for shape in MATVEC_SHAPES
+                         for t in args.tokens.split(",")):
         copies = max(2, int(args.mb * 1e6 // (rows * n // 2)))
         mats = [rand_mxfp4(r, rows, n) for _ in range(copies)]
-        X = r.standard_normal((1, n), dtype=np.float32)
-        Y = np.empty((1, rows), np.float32)
+        X = r.standard_normal((T, n), dtype=np.float32)
+        Y = np.empty((T, rows), np.float32)
 
         def call():
             ts = []
@@ -81,8 +85,8 @@ def main() -> None:
         call.last = Y
         for nt in nts:
             K.set_num_threads(nt)
-            report(f"mxfp4_matvec {rows}x{n} {nt}t", rows * n, *ab(call, args.reps))
-    for name, (k, L, inter) in MOE.items():
+            report(f"mxfp4_matvec {rows}x{n} T={T} {nt}t", rows * n * T, *ab(call, args.reps))
+    for name, (k, L, inter) in ([] if args.no_moe else MOE.items()):
         sets = max(2, int(args.mb * 1e6 // (3 * inter * L // 2 * k)))
         experts = [{e: ExpertWeights(rand_mxfp4(r, inter, L), rand_mxfp4(r, inter, L),
                                      rand_mxfp4(r, L, inter)) for e in range(k)}

@@ -906,6 +906,41 @@ def test_mxfp4_integer_path_equals_scalar():
           f"{seen_double} on doubles; {unplanned} calls left to the old path")
 
 
+def test_mxfp4_integer_path_few_tokens_equals_scalar():
+    """Two-token calls take the integer path together (one weight transpose for both) when
+    both tokens have a plan: each token's own spans, planes and exact groups (a group exact
+    for one token and not the other takes both paths in one pass), against the scalar
+    form, bit for bit; calls with an unplanned token or of 3..8 tokens keep the double path
+    and agree too.  (The pair loop itself was checked at T = 3, 5, 7 with the limit raised:
+    mutations feeding the second token the first's inputs or a wrong weight offset failed
+    here.)"""
+    if not K.mxq_supported():
+        pytest.skip("NOT RUN: this CPU lacks AVX-512 VNNI/VBMI/CD")
+    r = rng(5153)
+    spans = np.arange(1, 61)
+    compared = 0
+    for rows, ng in ((1, 3), (9, 5), (16, 9), (33, 17), (40, 67)):
+        n = 32 * ng
+        P = r.integers(0, 256, (rows, n // 2), dtype=np.uint16).astype(np.uint8)
+        S = r.integers(100, 155, (rows, ng), dtype=np.uint16).astype(np.uint8)
+        S.reshape(-1)[::7] = 255
+        S.reshape(-1)[1::11] = 0
+        for T in (2, 3, 5, 7, 8):
+            X = np.stack([_spanned_f32(r, n, r.choice(spans[:(43, 50, 60)[t % 3]], ng))
+                          for t in range(T)])
+            with isa("scalar"):
+                want = mv4(P, S, X)
+            for nt in (1, 2):
+                with threads(nt):
+                    got = mv4(P, S, X)
+                if n_diff(got, want):
+                    assert_bitwise(f"mxfp4 integer path {rows}x{n} T={T} {nt} threads",
+                                   got, want)
+                compared += got.size
+    print(f"[gate] mxfp4 integer path, 2..8-token calls == scalar: {compared} outputs "
+          f"bit-compared")
+
+
 def test_mxfp4_integer_path_plans_spans_exactly():
     """mxq_groups' plan is the proof's condition: a group runs on integers iff its span is
     <= 43 bits and fits the plane cap (planes = ceil((span + 2) / 8)); all-zero groups run

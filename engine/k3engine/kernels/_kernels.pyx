@@ -53,7 +53,8 @@ cdef extern from "k3mxint.h" nogil:
         k3_mxq_group *g
     k3_mxq *k3_mxq_make(const double *x, long n)
     void k3_mv_rows_mxfp4q(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
-                           const double *Xd, long ntok, float *Y, long ldy, const k3_mxq *q)
+                           const double *Xd, long ntok, float *Y, long ldy, k3_mxq **qs)
+    enum: K3_MXQ_TOKENS_MAX
     int k3_set_mxq(int on, int planes)
     int k3_mxq_active()
     int k3_mxq_supported()
@@ -368,7 +369,7 @@ cdef struct _MvTask:               # row chunks of matrices sharing one input
     const int32_t *items             # (matrix, chunk) pairs; NULL: matrix 0, chunk = item
     long n, T, rc
     const double *Xd
-    const k3_mxq *q                  # the token's integer-path form (MXFP4, T = 1) or NULL
+    k3_mxq **q                       # each token's integer-path form (MXFP4, T <= 2) or NULL
 
 
 cdef void _mv_item(void *ctx, long it) noexcept nogil:
@@ -402,12 +403,33 @@ cdef void _mv_one(int kind, const void *w, const void *aux, long rows, long n,
     cdef _MvTask m
     m.w, m.aux, m.kind, m.rows, m.y, m.items = &w, &aux, &kind, &rows, &yp, NULL
     m.n, m.T, m.rc, m.Xd = n, T, _row_chunk(T, rows), &Xd[0, 0]
-    m.q = k3_mxq_make(&Xd[0, 0], n) if kind == MV_MXFP4 and T == 1 else NULL
+    m.q = _plans(&Xd[0, 0], n, T) if kind == MV_MXFP4 else NULL
     try:
         with nogil:
             _run(_mv_item, &m, (rows + m.rc - 1) // m.rc, _threads_for(rows * n * T))
     finally:
-        free(<void *>m.q)
+        _free_plans(m.q, T)
+
+
+cdef k3_mxq **_plans(const double *Xd, long n, long T) noexcept nogil:
+    """Each of T tokens (rows of Xd) prepared for the integer MXFP4 path (k3mxint.h), or
+    NULL where that path does not apply (more tokens than it takes, path off)."""
+    if T < 1 or T > K3_MXQ_TOKENS_MAX or not k3_mxq_active():
+        return NULL
+    cdef k3_mxq **qs = <k3_mxq **>calloc(T, sizeof(k3_mxq *))
+    cdef long t
+    if qs != NULL:
+        for t in range(T):
+            qs[t] = k3_mxq_make(Xd + t * n, n)
+    return qs
+
+
+cdef void _free_plans(k3_mxq **qs, long T) noexcept nogil:
+    cdef long t
+    if qs != NULL:
+        for t in range(T):
+            free(qs[t])
+        free(qs)
 
 
 def matvecs(list Ws, const float[:, ::1] X, list Ys):
@@ -1280,8 +1302,8 @@ cdef struct _Expert:              # one routed expert of a moe_experts batch
     long ntok                        # its slots
     long zrow                        # its first row of the batch's widened inputs
     long hoff                        # its first element of the batch's hidden buffers
-    k3_mxq *qz                       # one token (ntok 1): its input's integer-path form,
-    k3_mxq *qh                       # and its hidden's (k3mxint.h); else NULL
+    k3_mxq **qz                      # ntok <= 2: each slot's input's integer-path form
+    k3_mxq **qh                      # and its hidden's (k3mxint.h); else NULL
 
 
 cdef struct _MoeTask:              # a moe_experts batch's two loops over (expert, chunk)
@@ -1322,11 +1344,14 @@ cdef void _expert_output(void *ctx, long it) noexcept nogil:
 
 
 cdef void _expert_prepare(void *ctx, long gi) noexcept nogil:
-    """A one-token expert's hidden, prepared for the integer path of its output matvec."""
+    """An expert's hidden rows (ntok <= 2), prepared for the integer path of its output
+    matvec."""
     cdef _MoeTask *m = <_MoeTask *>ctx
-    cdef _Expert *x = <_Expert *>&m.xs[gi]
-    if x.ntok == 1:
-        x.qh = k3_mxq_make(m.hd + x.hoff, x.inter)
+    cdef const _Expert *x = &m.xs[gi]
+    cdef long t
+    if x.qh != NULL:
+        for t in range(x.ntok):
+            x.qh[t] = k3_mxq_make(m.hd + x.hoff + t * x.inter, x.inter)
 
 
 cdef _mxfp4_view(M, long rows, long cols, str what):
@@ -1358,7 +1383,9 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     if G == 0:
         return
     cdef _Expert *xs = <_Expert *>calloc(G, sizeof(_Expert))     # qz, qh start NULL
-    cdef k3_mxq **qtok = NULL
+    cdef k3_mxq **qtok = NULL        # each token's input plan (shared by its experts)
+    cdef k3_mxq **qslot = NULL       # each slot's: pointers into qtok
+    cdef k3_mxq **hslot = NULL       # each slot's hidden plan (owned)
     if xs == NULL:
         raise MemoryError("moe_experts: no memory for the batch")
     cdef double *zd = NULL
@@ -1404,6 +1431,10 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
         items = <int32_t *>malloc(2 * (na + nb) * sizeof(int32_t))
         if k3_mxq_active():
             qtok = <k3_mxq **>calloc(max(Z.shape[0], 1), sizeof(k3_mxq *))
+            qslot = <k3_mxq **>calloc(max(nrows, 1), sizeof(k3_mxq *))
+            hslot = <k3_mxq **>calloc(max(nrows, 1), sizeof(k3_mxq *))
+            if qtok == NULL or qslot == NULL or hslot == NULL:
+                raise MemoryError("moe_experts: no memory for the batch's plans")
         if zd == NULL or hd == NULL or g == NULL or u == NULL or items == NULL:
             raise MemoryError("moe_experts: no memory for the batch's inputs")
         it = 0                                  # (expert, row chunk): hidden, then output
@@ -1420,12 +1451,14 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
                         zd[(xs[gi].zrow + t) * L + i] = Z[token[xs[gi].slot0 + t], i]
             m.xs, m.items, m.na, m.hc, m.oc, m.L, m.Lout = xs, items, na, hc, oc, L, Lout
             m.zd, m.g, m.u, m.hd, m.b1, m.b2, m.D = zd, g, u, hd, b1, b2, &D[0, 0]
-            for gi in range(G):                 # one-token experts: each input token once
-                if xs[gi].ntok == 1 and qtok != NULL:
-                    t = token[xs[gi].slot0]
-                    if qtok[t] == NULL:
-                        qtok[t] = k3_mxq_make(zd + xs[gi].zrow * L, L)
-                    xs[gi].qz = qtok[t]
+            for gi in range(G):                 # experts of <= 2 tokens: each token once
+                if qtok != NULL and xs[gi].ntok <= K3_MXQ_TOKENS_MAX:
+                    xs[gi].qz, xs[gi].qh = qslot + xs[gi].zrow, hslot + xs[gi].zrow
+                    for i in range(xs[gi].ntok):
+                        t = token[xs[gi].slot0 + i]
+                        if qtok[t] == NULL:
+                            qtok[t] = k3_mxq_make(zd + (xs[gi].zrow + i) * L, L)
+                        qslot[xs[gi].zrow + i] = qtok[t]
             _run(_expert_hidden, &m, na, _threads_for(work))
             if qtok != NULL:
                 _run(_expert_prepare, &m, G, _threads_for(work))
@@ -1434,9 +1467,12 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
         if qtok != NULL:
             for t in range(Z.shape[0]):
                 free(qtok[t])
-            free(qtok)
-        for gi in range(G):
-            free(xs[gi].qh)
+        if hslot != NULL:
+            for i in range(nrows):
+                free(hslot[i])
+        free(qtok)
+        free(qslot)
+        free(hslot)
         free(xs)
         free(zd)
         free(hd)

@@ -195,28 +195,39 @@ K3_VNNI_ATTR K3_INLINE __m512d k3_mxq_scale(__m512i sc8, int gi, int32_t ebias,
         _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(ebias)), 52));
 }
 
-/* One exact group of 16 rows: acc[h] (rows 8h..8h+7) += its exact sum times the scale. */
-K3_VNNI_ATTR K3_INLINE void k3_mxq_group16(const uint8_t *pg, const long *rowoff,
-                                           const k3_mxq_group *qg, const __m512i *sc8, int gi,
-                                           __m512d *acc, const int P) {
+/* The 16 rows' weights of one group as bytes 2*E2M1 + 12: we[d] / wo[d] hold the even /
+ * odd elements of dword d (lane r: row r), the operands of every token's byte products. */
+K3_VNNI_ATTR K3_INLINE void k3_mxq_weights16(const uint8_t *pg, const long *rowoff,
+                                             __m512i *we, __m512i *wo) {
     /* code c -> 2*E2M1(c) + 12, indexed by a byte's low 6 bits (vpermb ignores the rest),
      * so the nibble needs no mask: the table repeats every 16 entries */
     const __m512i tbl = _mm512_broadcast_i32x4(
         _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    __m512i D[4], s[K3_MXQ_PMAX];
+    __m512i D[4];
     k3_mxq_words16(pg, rowoff, D);
+#pragma GCC unroll 4
+    for (int d = 0; d < 4; d++) {
+        we[d] = _mm512_permutexvar_epi8(D[d], tbl);
+        wo[d] = _mm512_permutexvar_epi8(_mm512_srli_epi32(D[d], 4), tbl);
+    }
+}
+
+/* One token's exact group over 16 rows: acc[h] (rows 8h..8h+7) += its exact sum times the
+ * scale. */
+K3_VNNI_ATTR K3_INLINE void k3_mxq_group16(const __m512i *we, const __m512i *wo,
+                                           const k3_mxq_group *qg, const __m512i *sc8, int gi,
+                                           __m512d *acc, const int P) {
+    __m512i s[K3_MXQ_PMAX];
     for (int k = 0; k < P; k++) s[k] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int d = 0; d < 4; d++) {
-        __m512i we = _mm512_permutexvar_epi8(D[d], tbl);
-        __m512i wo = _mm512_permutexvar_epi8(_mm512_srli_epi32(D[d], 4), tbl);
 #pragma GCC unroll 6
         for (int k = 0; k < P; k++) {
             int32_t de, dodd;
             memcpy(&de, qg->dig[k][d][0], 4);
             memcpy(&dodd, qg->dig[k][d][1], 4);
-            s[k] = _mm512_dpbusd_epi32(s[k], we, _mm512_set1_epi32(de));
-            s[k] = _mm512_dpbusd_epi32(s[k], wo, _mm512_set1_epi32(dodd));
+            s[k] = _mm512_dpbusd_epi32(s[k], we[d], _mm512_set1_epi32(de));
+            s[k] = _mm512_dpbusd_epi32(s[k], wo[d], _mm512_set1_epi32(dodd));
         }
     }
     /* planes in pairs: |s| <= 32 * 24 * 128 < 2^17, so s[2j] + 256 s[2j+1] fits int32 */
@@ -240,15 +251,19 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_group16(const uint8_t *pg, const long *rowoff
     }
 }
 
-/* Rows o .. o+R-1 (R <= 16) of one 16-row block, one token: Y[r] = f32(sum). */
+/* Rows o .. o+R-1 (R <= 16) of one 16-row block against B tokens (B <= 2; token b's input
+ * x + b * ldx, its plan qs[b]): Y[b * ldy + r] = f32(sum).  The weights are transposed and
+ * looked up once for the B tokens. */
 K3_VNNI_ATTR K3_INLINE void k3_mxq_rows16(const uint8_t *p, long ldp, const uint8_t *s,
-                                          long lds, const double *x, const k3_mxq *q,
-                                          float *Y, int R, const int P) {
+                                          long lds, const double *x, long ldx,
+                                          k3_mxq *const *qs, float *Y, long ldy, int R,
+                                          const int P, const int B) {
     const int R0 = R < 8 ? R : 8, R1 = R - R0;
     const __m512i offs0 = k3_mx_offsets_avx512(lds, R0);
     const __m512i offs1 = k3_mx_offsets_avx512(lds, R1 > 0 ? R1 : 1);
-    __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
-    const long ngroups = q->ngroups;
+    __m512d acc[2][2];
+    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm512_setzero_pd();
+    const long ngroups = qs[0]->ngroups;
     long rowoff[16];
     for (int r = 0; r < 16; r++) rowoff[r] = (r < R ? r : 0) * ldp;  /* past R: row 0 */
     for (long k = 0; k < 16 * lds; k += 64)  /* the next block's scale bytes */
@@ -270,47 +285,67 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_rows16(const uint8_t *p, long ldp, const uint
         }
         for (int gi = 0; gi < ng; gi++) {
             const long g = g0 + gi;
-            const k3_mxq_group *qg = &q->g[g];
-            if (__builtin_expect(qg->exact, 1)) {
-                k3_mxq_group16(p + 16 * g, rowoff, qg, sc8, gi, acc, P);
-                continue;
-            }
-            for (int h = 0; h < 2 && 8 * h < R; h++) {  /* the double path, this group */
-                __m512i q0, q1;
-                __mmask8 live;
-                k3_mxq_words8(p + 16 * g, rowoff + 8 * h, &q0, &q1);
-                __m512d sc = k3_mx_scale_avx512(sc8[h], gi, &live);
-                k3_mx_group_avx512(q0, q1, NULL, x + 32 * g, 0, sc, live, &acc[h], 1);
+            __m512i we[4], wo[4];
+            int done = 0;
+#pragma GCC unroll 2
+            for (int b = 0; b < B; b++) {
+                const k3_mxq_group *qg = &qs[b]->g[g];
+                if (__builtin_expect(qg->exact, 1)) {
+                    if (!done) k3_mxq_weights16(p + 16 * g, rowoff, we, wo);
+                    done = 1;
+                    k3_mxq_group16(we, wo, qg, sc8, gi, acc[b], P);
+                    continue;
+                }
+                for (int h = 0; h < 2 && 8 * h < R; h++) {  /* the double path, this group */
+                    __m512i q0, q1;
+                    __mmask8 live;
+                    k3_mxq_words8(p + 16 * g, rowoff + 8 * h, &q0, &q1);
+                    __m512d sc = k3_mx_scale_avx512(sc8[h], gi, &live);
+                    k3_mx_group_avx512(q0, q1, NULL, x + b * ldx + 32 * g, 0, sc, live,
+                                       &acc[b][h], 1);
+                }
             }
         }
     }
-    double t[16];
-    _mm512_storeu_pd(t, acc[0]);
-    _mm512_storeu_pd(t + 8, acc[1]);
-    for (int r = 0; r < R; r++) Y[r] = (float)t[r];
+    for (int b = 0; b < B; b++) {
+        double t[16];
+        _mm512_storeu_pd(t, acc[b][0]);
+        _mm512_storeu_pd(t + 8, acc[b][1]);
+        for (int r = 0; r < R; r++) Y[b * ldy + r] = (float)t[r];
+    }
 }
 
-#define K3_MXQ_INSTANCE(P)                                                                  \
-    K3_VNNI_ATTR static void k3_mxq_rows16_##P(const uint8_t *p, long ldp, const uint8_t *s,\
-                                               long lds, const double *x, const k3_mxq *q,  \
-                                               float *Y, int R) {                           \
-        k3_mxq_rows16(p, ldp, s, lds, x, q, Y, R, P);                                       \
+#define K3_MXQ_INSTANCE(P, B)                                                               \
+    K3_VNNI_ATTR static void k3_mxq_rows16_##P##_##B(                                        \
+        const uint8_t *p, long ldp, const uint8_t *s, long lds, const double *x, long ldx,   \
+        k3_mxq *const *qs, float *Y, long ldy, int R) {                                \
+        k3_mxq_rows16(p, ldp, s, lds, x, ldx, qs, Y, ldy, R, P, B);                           \
     }
-K3_MXQ_INSTANCE(1) K3_MXQ_INSTANCE(2) K3_MXQ_INSTANCE(3)
-K3_MXQ_INSTANCE(4) K3_MXQ_INSTANCE(5) K3_MXQ_INSTANCE(6)
+#define K3_MXQ_INSTANCES(P) K3_MXQ_INSTANCE(P, 1) K3_MXQ_INSTANCE(P, 2)
+K3_MXQ_INSTANCES(1) K3_MXQ_INSTANCES(2) K3_MXQ_INSTANCES(3)
+K3_MXQ_INSTANCES(4) K3_MXQ_INSTANCES(5) K3_MXQ_INSTANCES(6)
 
-/* MXFP4 rows [o0, o1) of one token through the integer path (q prepared from x). */
+/* MXFP4 rows [o0, o1) of ntok tokens (token t: x + t * n, plan qs[t], output Y + t * ldy)
+ * through the integer path, two tokens at a time. */
 static void k3_mxq_rows(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
-                        const double *x, const k3_mxq *q, float *Y) {
-    typedef void (*fn)(const uint8_t *, long, const uint8_t *, long, const double *,
-                       const k3_mxq *, float *, int);
-    static const fn by_planes[K3_MXQ_PMAX] = {k3_mxq_rows16_1, k3_mxq_rows16_2,
-                                              k3_mxq_rows16_3, k3_mxq_rows16_4,
-                                              k3_mxq_rows16_5, k3_mxq_rows16_6};
+                        const double *x, long ntok, k3_mxq *const *qs, float *Y,
+                        long ldy) {
+    typedef void (*fn)(const uint8_t *, long, const uint8_t *, long, const double *, long,
+                       k3_mxq *const *, float *, long, int);
+    static const fn by_planes[K3_MXQ_PMAX][2] = {
+        {k3_mxq_rows16_1_1, k3_mxq_rows16_1_2}, {k3_mxq_rows16_2_1, k3_mxq_rows16_2_2},
+        {k3_mxq_rows16_3_1, k3_mxq_rows16_3_2}, {k3_mxq_rows16_4_1, k3_mxq_rows16_4_2},
+        {k3_mxq_rows16_5_1, k3_mxq_rows16_5_2}, {k3_mxq_rows16_6_1, k3_mxq_rows16_6_2}};
     const long ldp = n / 2, lds = n / 32;
-    const fn f = by_planes[q->planes - 1];
-    for (long o = o0; o < o1; o += 16)
-        f(P + o * ldp, ldp, S + o * lds, lds, x, q, Y + o, o1 - o < 16 ? (int)(o1 - o) : 16);
+    for (long t = 0; t < ntok; t += 2) {
+        const int B = ntok - t < 2 ? 1 : 2;
+        int planes = qs[t]->planes;
+        if (B == 2 && qs[t + 1]->planes > planes) planes = qs[t + 1]->planes;
+        const fn f = by_planes[planes - 1][B - 1];
+        for (long o = o0; o < o1; o += 16)
+            f(P + o * ldp, ldp, S + o * lds, lds, x + t * n, n, qs + t, Y + t * ldy + o, ldy,
+              o1 - o < 16 ? (int)(o1 - o) : 16);
+    }
 }
 
 #endif /* K3_HAVE_SIMD_PATHS */
@@ -338,13 +373,20 @@ static k3_mxq *k3_mxq_make(const double *x, long n) {
     return NULL;
 }
 
-/* k3_mv_rows_mxfp4, through the integer path when q (k3_mxq_make of this token) is given. */
+/* k3_mv_rows_mxfp4, through the integer path when qs[t] (k3_mxq_make of token t) is given
+ * for each of the ntok tokens; qs NULL (or a NULL entry) keeps the double path.  Up to
+ * K3_MXQ_TOKENS_MAX tokens: from 3 on the double path's 4-token tiles (and from 8 its
+ * decoded-once groups) ran as fast as pairs of tokens here (Zen 4, from DRAM: T = 1
+ * 1.16-1.55x the double path, T = 2 1.14-1.41x, T = 3 0.93-1.12x, T = 4 0.98-1.18x). */
+#define K3_MXQ_TOKENS_MAX 2
 static void k3_mv_rows_mxfp4q(const uint8_t *P, const uint8_t *S, long n, long o0, long o1,
                               const double *Xd, long ntok, float *Y, long ldy,
-                              const k3_mxq *q) {
+                              k3_mxq *const *qs) {
 #if K3_HAVE_SIMD_PATHS
-    if (q != NULL && ntok == 1 && k3_mxq_active()) {
-        k3_mxq_rows(P, S, n, o0, o1, Xd, q, Y);
+    int all = qs != NULL && ntok >= 1 && ntok <= K3_MXQ_TOKENS_MAX && k3_mxq_active();
+    for (long t = 0; all && t < ntok; t++) all = qs[t] != NULL;
+    if (all) {
+        k3_mxq_rows(P, S, n, o0, o1, Xd, ntok, qs, Y, ldy);
         return;
     }
 #endif
