@@ -33,16 +33,22 @@ def rand_mxfp4(r, rows: int, n: int) -> MXFP4:
                  r.integers(118, 130, (rows, n // 32), dtype=np.uint8))
 
 
-def ab(call, reps: int) -> tuple[dict, dict]:
-    """{on: [median seconds per round]} and {on: last output} for the path on and off."""
-    res, out = {True: [], False: []}, {}
+def ab(run_one, copies: int, out: np.ndarray, reps: int) -> tuple[dict, dict]:
+    """{on: [median seconds per round]} and {on: output} for the path on and off; a round
+    calls run_one(i) for i over 3 x `copies` (each a different copy of the weights)."""
+    res, outs = {True: [], False: []}, {}
     for _ in range(reps):
         for on in (True, False):
             K.set_mxq(on)
-            res[on].append(statistics.median(call()))
-            out[on] = call.last.copy()
+            ts = []
+            for i in range(3 * copies):
+                t = time.perf_counter()
+                run_one(i % copies)
+                ts.append(time.perf_counter() - t)
+            res[on].append(statistics.median(ts))
+            outs[on] = out.copy()
     K.set_mxq(True)
-    return res, out
+    return res, outs
 
 
 def report(label: str, work: int, res: dict, out: dict) -> None:
@@ -74,18 +80,12 @@ def main() -> None:
         X = r.standard_normal((T, n), dtype=np.float32)
         Y = np.empty((T, rows), np.float32)
 
-        def call():
-            ts = []
-            for i in range(3 * copies):
-                m = mats[i % copies]
-                t = time.perf_counter()
-                K.mxfp4_matvec(m.packed, m.scales, X, Y)
-                ts.append(time.perf_counter() - t)
-            return ts
-        call.last = Y
+        def matvec(i, X=X, Y=Y, mats=mats):
+            K.mxfp4_matvec(mats[i].packed, mats[i].scales, X, Y)
         for nt in nts:
             K.set_num_threads(nt)
-            report(f"mxfp4_matvec {rows}x{n} T={T} {nt}t", rows * n * T, *ab(call, args.reps))
+            report(f"mxfp4_matvec {rows}x{n} T={T} {nt}t", rows * n * T,
+                   *ab(matvec, copies, Y, args.reps))
     for name, (k, L, inter) in ([] if args.no_moe else MOE.items()):
         sets = max(2, int(args.mb * 1e6 // (3 * inter * L // 2 * k)))
         experts = [{e: ExpertWeights(rand_mxfp4(r, inter, L), rand_mxfp4(r, inter, L),
@@ -97,20 +97,13 @@ def main() -> None:
                          starts, token, np.empty((1, k), np.int32))
         D = np.empty((S, L), np.float32)
 
-        def call():
-            ts = []
-            for i in range(3 * sets):
-                ex = experts[i % sets]
-                t = time.perf_counter()
-                K.moe_experts([(e, ex[e]) for e in range(k)], Z, token, starts,
-                              np.float32(4.0), np.float32(25.0), D)
-                ts.append(time.perf_counter() - t)
-            return ts
-        call.last = D
+        def batch(i, k=k, experts=experts, Z=Z, token=token, starts=starts, D=D):
+            K.moe_experts([(e, experts[i][e]) for e in range(k)], Z, token, starts,
+                          np.float32(4.0), np.float32(25.0), D)
         for nt in nts:
             K.set_num_threads(nt)
             report(f"moe_experts {name} {k} x ({inter}x{L}, {inter}x{L}, {L}x{inter}) {nt}t",
-                   k * inter * L * 3, *ab(call, args.reps))
+                   k * inter * L * 3, *ab(batch, sets, D, args.reps))
 
 
 if __name__ == "__main__":

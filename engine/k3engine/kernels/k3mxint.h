@@ -1,4 +1,5 @@
-/* The decode-step MXFP4 matvec (one token) on integer dot products, where that is exact.
+/* The MXFP4 matvec of one or two tokens (decode, short prefills) on integer dot products,
+ * where that is exact.
  *
  * Why: the double form of ARCHITECTURE §5.6 costs a shift, a table permute and an FMA per
  * element of 8 rows, so a T = 1 expert matvec ran at 17-19 % of the memory-read floor on
