@@ -44,7 +44,7 @@ _Static_assert(sizeof(k3_mxq_group) == 256, "k3_mxq_group is four cache lines");
 typedef struct {
     int planes;                /* digit planes the call runs (max over its groups); 0: none */
     long ngroups, nexact;      /* groups, and those on the integer path */
-    k3_mxq_group *g;           /* ngroups entries, 64-byte aligned */
+    k3_mxq_group *g;           /* ngroups entries */
 } k3_mxq;
 
 static int k3_mxq_on = -1;     /* -1: not yet probed; tests and benchmarks switch it */
@@ -362,7 +362,7 @@ static k3_mxq *k3_mxq_make(const double *x, long n) {
 #if K3_HAVE_SIMD_PATHS
     if (n <= 0 || n % 32 || !k3_mxq_active()) return NULL;
     const size_t bytes = 64 + (size_t)(n / 32) * sizeof(k3_mxq_group);
-    k3_mxq *q = (k3_mxq *)aligned_alloc(64, bytes);
+    k3_mxq *q = (k3_mxq *)malloc(bytes);   /* the kernel reads it unaligned */
     if (q == NULL) return NULL;
     q->g = (k3_mxq_group *)((char *)q + 64);
     k3_mxq_prepare(x, n, q);
