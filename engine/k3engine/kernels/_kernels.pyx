@@ -1373,9 +1373,9 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
     w3 @ Z[token[s]]).  The per-token kernels, order and float32 roundings of the
     per-expert calls (gather_rows, mxfp4_matvec x 3, situ_glu); only the thread loops are
     merged, two for the whole batch: every expert's hidden rows, then every expert's output
-    rows (between them a short one preparing one-token experts' hidden for k3mxint.h's
-    integer path).  (A decode step otherwise opened 4 small OpenMP regions per expert, and with 2
-    threads the joins cost about as much as the matvecs.)"""
+    rows (between them a short one preparing the hiddens of experts of <= 2 tokens for
+    k3mxint.h's integer path).  (A decode step otherwise opened 4 small OpenMP regions per
+    expert, and with 2 threads the joins cost about as much as the matvecs.)"""
     cdef Py_ssize_t G = len(group), L = Z.shape[1], Lout = D.shape[1], nS = starts.shape[0]
     cdef Py_ssize_t gi, e, s, t, i, c, k, na = 0, nb = 0, nrows = 0, nh = 0, it, hrows = 0
     cdef Py_ssize_t hc = ROW_CHUNK, oc = ROW_CHUNK     # rows per item: hidden, output
@@ -1384,6 +1384,7 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
         return
     cdef _Expert *xs = <_Expert *>calloc(G, sizeof(_Expert))     # qz, qh start NULL
     cdef k3_mxq **qtok = NULL        # each token's input plan (shared by its experts)
+    cdef char *tried = NULL          # tokens whose plan was made (it may be NULL: no plan)
     cdef k3_mxq **qslot = NULL       # each slot's: pointers into qtok
     cdef k3_mxq **hslot = NULL       # each slot's hidden plan (owned)
     if xs == NULL:
@@ -1431,9 +1432,10 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
         items = <int32_t *>malloc(2 * (na + nb) * sizeof(int32_t))
         if k3_mxq_active():
             qtok = <k3_mxq **>calloc(max(Z.shape[0], 1), sizeof(k3_mxq *))
+            tried = <char *>calloc(max(Z.shape[0], 1), 1)
             qslot = <k3_mxq **>calloc(max(nrows, 1), sizeof(k3_mxq *))
             hslot = <k3_mxq **>calloc(max(nrows, 1), sizeof(k3_mxq *))
-            if qtok == NULL or qslot == NULL or hslot == NULL:
+            if qtok == NULL or tried == NULL or qslot == NULL or hslot == NULL:
                 raise MemoryError("moe_experts: no memory for the batch's plans")
         if zd == NULL or hd == NULL or g == NULL or u == NULL or items == NULL:
             raise MemoryError("moe_experts: no memory for the batch's inputs")
@@ -1456,8 +1458,9 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
                     xs[gi].qz, xs[gi].qh = qslot + xs[gi].zrow, hslot + xs[gi].zrow
                     for i in range(xs[gi].ntok):
                         t = token[xs[gi].slot0 + i]
-                        if qtok[t] == NULL:
+                        if not tried[t]:
                             qtok[t] = k3_mxq_make(zd + (xs[gi].zrow + i) * L, L)
+                            tried[t] = 1
                         qslot[xs[gi].zrow + i] = qtok[t]
             _run(_expert_hidden, &m, na, _threads_for(work))
             if qtok != NULL:
@@ -1471,6 +1474,7 @@ def moe_experts(list group, const float[:, ::1] Z, const int32_t[::1] token,
             for i in range(nrows):
                 free(hslot[i])
         free(qtok)
+        free(tried)
         free(qslot)
         free(hslot)
         free(xs)

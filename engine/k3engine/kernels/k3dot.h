@@ -23,7 +23,7 @@
  * remainder at T = 1).  From 5 tokens on, AVX-512 runs BF16, F32 and I8R through panels
  * instead (below the tiles): a row block widened once for up to 48 tokens.  MXFP4 has no
  * panel: there every FMA already waits on its own broadcast of x, and a panel adds a load
- * of the decoded weights to each (measured 0.67-0.95x the tiles).  A one-token MXFP4 call
+ * of the decoded weights to each (measured 0.67-0.95x the tiles).  An MXFP4 call of 1-2 tokens
  * runs on integer byte products instead where a CPU has AVX-512 VNNI (k3mxint.h).
  */
 #ifndef K3DOT_H
@@ -735,14 +735,20 @@ K3_AVX512_ATTR K3_INLINE __m512i k3_mx_scales8_avx512(const uint8_t *s, long lds
     return _mm512_loadu_si512((const void *)buf);
 }
 
-/* Group gi of an 8-group scale vector: its 2^(b-127) per lane, and the lanes it is live in. */
-K3_AVX512_ATTR K3_INLINE __m512d k3_mx_scale_avx512(__m512i sc8, int gi, __mmask8 *live) {
+/* Group gi of an 8-group scale vector: 2^(b + bias - 1023) per lane for its scale byte b,
+ * and the lanes it is live in (b != 255).  bias 1023 - 127 gives the E8M0 scale 2^(b-127)
+ * (always normal); k3mxint.h folds its inputs' exponent into the bias. */
+K3_AVX512_ATTR K3_INLINE __m512d k3_mx_scale_biased_avx512(__m512i sc8, int gi, long bias,
+                                                          __mmask8 *live) {
     __m512i sb = _mm512_and_si512(_mm512_srl_epi64(sc8, _mm_cvtsi32_si128(8 * gi)),
                                   _mm512_set1_epi64(255));
     *live = _mm512_cmpneq_epi64_mask(sb, _mm512_set1_epi64(255));
-    /* 2^(b-127) as a double: biased exponent b - 127 + 1023, always normal */
     return _mm512_castsi512_pd(
-        _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(1023 - 127)), 52));
+        _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(bias)), 52));
+}
+
+K3_AVX512_ATTR K3_INLINE __m512d k3_mx_scale_avx512(__m512i sc8, int gi, __mmask8 *live) {
+    return k3_mx_scale_biased_avx512(sc8, gi, 1023 - 127, live);
 }
 
 /* Groups g4 .. g4+ng4-1 (ng4 <= 4) of 8 rows (lanes past R re-read row 0), transposed so

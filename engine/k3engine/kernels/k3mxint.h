@@ -149,17 +149,21 @@ K3_VNNI_ATTR static void k3_mxq_prepare(const double *x, long n, k3_mxq *q) {
     q->planes = planes;
 }
 
+/* The 16 bytes at pg + ro[L * step] in 128-bit lane L (L < 4): four rows' words of one
+ * group side by side. */
+K3_VNNI_ATTR K3_INLINE __m512i k3_mxq_lanes4(const uint8_t *pg, const long *ro, int step) {
+    __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(pg + ro[0])));
+    t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[step])), 1);
+    t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[2 * step])), 2);
+    return _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[3 * step])), 3);
+}
+
 /* Lane r of D[d] (r < 16): packed bytes 4d..4d+3 of group g (elements 8d..8d+7) of the
  * row at pg + rowoff[r] - a 4 x 4 dword transpose inside each 128-bit lane. */
 K3_VNNI_ATTR K3_INLINE void k3_mxq_words16(const uint8_t *pg, const long *rowoff, __m512i *D) {
     __m512i v[4];
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {   /* lane L of v[k]: row 4L + k */
-        __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(pg + rowoff[k])));
-        t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + rowoff[4 + k])), 1);
-        t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + rowoff[8 + k])), 2);
-        v[k] = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + rowoff[12 + k])), 3);
-    }
+    for (int k = 0; k < 4; k++) v[k] = k3_mxq_lanes4(pg, rowoff + k, 4);  /* lane L: row 4L+k */
     __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
     __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
     D[0] = _mm512_unpacklo_epi64(t0, t2);
@@ -173,27 +177,9 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_words16(const uint8_t *pg, const long *rowoff
  * groups at once; here 2 loads, 6 inserts and 2 permutes instead of its 8-row transpose. */
 K3_VNNI_ATTR K3_INLINE void k3_mxq_words8(const uint8_t *pg, const long *rowoff, __m512i *q0,
                                           __m512i *q1) {
-    __m512i v[2];
-    for (int k = 0; k < 2; k++) {   /* lane L of v[k]: row 4k + L */
-        const long *ro = rowoff + 4 * k;
-        __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(pg + ro[0])));
-        t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[1])), 1);
-        t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[2])), 2);
-        v[k] = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i *)(pg + ro[3])), 3);
-    }
-    *q0 = _mm512_permutex2var_epi64(v[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), v[1]);
-    *q1 = _mm512_permutex2var_epi64(v[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), v[1]);
-}
-
-/* 2^(E - 1 + b - 127) for the lanes' scale bytes (group gi of an 8-group scale vector),
- * and the lanes whose byte is not 255. */
-K3_VNNI_ATTR K3_INLINE __m512d k3_mxq_scale(__m512i sc8, int gi, int32_t ebias,
-                                            __mmask8 *live) {
-    __m512i sb = _mm512_and_si512(_mm512_srl_epi64(sc8, _mm_cvtsi32_si128(8 * gi)),
-                                  _mm512_set1_epi64(255));
-    *live = _mm512_cmpneq_epi64_mask(sb, _mm512_set1_epi64(255));
-    return _mm512_castsi512_pd(
-        _mm512_slli_epi64(_mm512_add_epi64(sb, _mm512_set1_epi64(ebias)), 52));
+    const __m512i v0 = k3_mxq_lanes4(pg, rowoff, 1), v1 = k3_mxq_lanes4(pg, rowoff + 4, 1);
+    *q0 = _mm512_permutex2var_epi64(v0, _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), v1);
+    *q1 = _mm512_permutex2var_epi64(v0, _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), v1);
 }
 
 /* The 16 rows' weights of one group as bytes 2*E2M1 + 12: we[d] / wo[d] hold the even /
@@ -247,7 +233,7 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_group16(const __m512i *we, const __m512i *wo,
             tot = _mm512_fmadd_pd(tot, b16, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(c[j], h)));
         tot = _mm512_sub_pd(tot, corr);
         __mmask8 live;
-        __m512d sc = k3_mxq_scale(sc8[h], gi, qg->ebias, &live);
+        __m512d sc = k3_mx_scale_biased_avx512(sc8[h], gi, qg->ebias, &live);
         acc[h] = _mm512_mask3_fmadd_pd(tot, sc, acc[h], live);
     }
 }
