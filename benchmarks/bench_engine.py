@@ -19,7 +19,9 @@ budget instead, with the drafts accepted.  With --prefill it times prompts of th
 lengths instead, resident and streamed (trunk 0.5 + cache 0.5 GB): time to first token
 split into the engine's own step-0 phases (trunk reads, expert reads, the rest =
 compute), s/position, and the decode steps that follow (the ratio a position of prefill
-is faster than a decode step).
+is faster than a decode step), and the compute ceiling of that ratio: a position's
+multiply-adds (from the checkpoint's headers) at this machine's double-FMA peak
+(benchmarks/fma_peak.c, or --fma-gmadds), since every exact product is one double FMA.
 """
 from __future__ import annotations
 
@@ -271,6 +273,44 @@ ROW_MEDIANS = {"s_per_token": "spt", "steady_s_per_token": "steady",
                "process_wall_s": "process_wall", "peak_rss_gb": "peak"}
 
 
+def madds_per_position(model: str) -> tuple[int, int]:
+    """(dense, routed) multiply-adds of one prompt position's projections: every 2-D weight
+    once, except the embedding (a row lookup) and the LM head (the last position only), and
+    the routed experts' MXFP4 weights once per selected expert (two E2M1 a byte).  Attention
+    over the context (grows with the position) is not counted."""
+    from k3engine.checkpoint import parse_header
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    cfg = cfg.get("text_config", cfg)
+    dense = routed = 0
+    for shard in sorted(f for f in os.listdir(model) if f.endswith(".safetensors")):
+        for e in parse_header(os.path.join(model, shard))[0]:
+            if len(e.shape) != 2 or "embed_tokens" in e.name or "lm_head" in e.name:
+                continue
+            if ".experts." in e.name:
+                routed += 2 * e.nbytes if e.name.endswith("weight_packed") else 0
+            elif e.dtype in ("BF16", "F16", "F32"):
+                dense += e.shape[0] * e.shape[1]
+    return dense, routed * cfg["num_experts_per_token"] // cfg["num_experts"]
+
+
+def fma_ceiling(threads: int) -> float | None:
+    """G double multiply-adds/s of `threads` threads by benchmarks/fma_peak.c (None without a
+    compiler)."""
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "fma_peak")
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+        if subprocess.run([cc, "-O3", "-march=native", "-fopenmp", src, "-o", exe]).returncode:
+            return None
+        out = subprocess.run([exe], capture_output=True, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS=str(threads))).stdout
+    found = re.findall(r"(\d+) thread\(s\): ([\d.]+) G", out)
+    return next((float(g) for n, g in found if int(n) == threads), None)
+
+
 def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -342,6 +382,9 @@ def main() -> int:
     ap.add_argument("--ids", help="the prompt of --profile (default: the 5 ids of the tables)")
     ap.add_argument("--json")
     ap.add_argument("--hybrid", metavar="DRAFT_TRUNK_DIR")
+    ap.add_argument("--fma-gmadds", type=float,
+                    help="with --prefill: the FMA peak (G multiply-adds/s at --threads) "
+                         "instead of measuring it with benchmarks/fma_peak.c")
     a = ap.parse_args()
     budgets, topk, gen = BUDGETS, 0, a.gen
     lengths = [5]
@@ -383,6 +426,16 @@ def main() -> int:
           f"{dev[1]:.0f} / QD4 {dev[4]:.0f} / QD16 {dev[16]:.0f} MB/s (other load "
           f"{100 * (fl_dev.fraction or 0):.0f}%) | page cache dropped between runs: {dropped} "
           f"| threads {a.threads or 'engine default'} | load average {loadavg()}", flush=True)
+    ceiling_s = None            # a position's projections at the FMA peak
+    if a.prefill:
+        dense, routed = madds_per_position(a.model)
+        peak = a.fma_gmadds or fma_ceiling(a.threads or os.cpu_count())
+        if peak:
+            ceiling_s = (dense + routed) / (peak * 1e9)
+        print(f"a position's projections: {dense / 1e9:.3f} G dense + {routed / 1e9:.3f} G "
+              f"routed multiply-adds; FMA peak {peak or 'unknown'} G/s -> at least "
+              + (f"{ceiling_s:.4f} s/position" if ceiling_s else "(no compiler: --fma-gmadds)"),
+              flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in lengths:
@@ -397,7 +450,7 @@ def main() -> int:
                 ids = {tuple(r["ids"]) for r in runs}
                 row = dict(budget=name, prompt=n, runs=a.runs, threads=a.threads,
                            **{out: median_of(runs, key) for out, key in ROW_MEDIANS.items()})
-                row.update(io_floor_s=row["steady_gb_read"] * 1e3 / bw,
+                row.update(io_floor_s=row["steady_gb_read"] * 1e3 / bw, ceiling_s=ceiling_s,
                            ttft_io_floor_s=row["ttft_read_gb"] * 1e3 / bw,
                            s_per_position=row["ttft_s"] / n, peak_rss_gb=row["peak_rss_gb"] / 1e9,
                            plan_gb=runs[0]["plan"] / 1e9, ids=list(next(iter(ids))),
@@ -415,7 +468,9 @@ def main() -> int:
                           f"{row['ttft_expert_read_s']:.2f} + compute {comp:.2f} | "
                           f"{row['s_per_position']:.4f} s/position | decode step "
                           f"{row['steady_s_per_token']:.3f} s ({row['steady_s_per_token'] / row['s_per_position']:.1f}x"
-                          f" a position) | peak {row['peak_rss_gb']:.2f} GB | {load}", flush=True)
+                          f" a position; at the FMA peak it could be "
+                          + (f"{row['steady_s_per_token'] / ceiling_s:.1f}x" if ceiling_s else "?")
+                          + f") | peak {row['peak_rss_gb']:.2f} GB | {load}", flush=True)
                     continue
                 print(f"{name:40s} {row['s_per_token']:7.3f} s/tok (steady {row['steady_s_per_token']:.3f}"
                       f", CPU {row['steady_cpu_s_per_token']:.3f})"
