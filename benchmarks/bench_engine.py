@@ -10,7 +10,8 @@ For every budget row it runs the real `k3` process `--runs` times (page cache dr
 before each run when /proc/sys/vm/drop_caches is writable), and reports the median
 s/token, the steady step (median of steps 1..gen-1), GB read per step, the I/O floor of a
 step (its bytes read / the device rate that `k3 devbw`'s code measures here, 4 MiB
-O_DIRECT random reads, 16 in flight), I/O share, peak RSS next to the plan's TOTAL, and
+O_DIRECT random reads, 16 in flight, just before the row: a shared device's rate moves
+within the hour), I/O share, peak RSS next to the plan's TOTAL, and
 the load of the machine while the row ran (`uptime`'s load averages and the share of the
 CPUs other processes used: timings on a shared machine are only as good as that).
 --budgets picks rows of the table by index (0 = resident ... 4 = nothing pinned).
@@ -74,12 +75,12 @@ def drop_caches() -> bool:
         return False
 
 
-def device_bandwidth(path: str) -> tuple[dict, bool]:
+def device_bandwidth(path: str, depths=(1, 4, 16)) -> tuple[dict, bool]:
     """`k3 devbw`'s own measurement on an existing big file (read only, so cold): 4 MiB
-    O_DIRECT random reads at queue depths 1, 4 and 16 -- the way the engine reads trunk
+    O_DIRECT random reads at these queue depths -- the way the engine reads trunk
     chunks and expert batches.  ({depth: MB/s}, O_DIRECT)."""
     from k3engine.tools import devbw
-    res = devbw.measure_file(path, block=4 << 20, depths=(1, 4, 16), reads=48, seconds=4.0)
+    res = devbw.measure_file(path, block=4 << 20, depths=depths, reads=48, seconds=4.0)
     return {q.qd: q.mbs for q in res.results}, res.direct
 
 
@@ -352,13 +353,15 @@ def markdown(path: str) -> str:
         return "\n".join(out)
     dev = r["device_mb_s"]
     out = [f"device (k3 devbw's code, 4 MiB O_DIRECT): QD1 {dev['1']:.0f}, QD4 {dev['4']:.0f}, "
-           f"QD16 {dev['16']:.0f} MB/s; the I/O floor uses QD16", "",
+           f"QD16 {dev['16']:.0f} MB/s at the start; the I/O floor uses QD16 as measured just "
+           f"before its row (where the JSON has it)", "",
            "| budget | s/token | steady s/token | GB read per step | I/O floor s (GB / QD16) | "
            "engine's read timers s | I/O share | peak RSS GB | plan GB | other load / load avg |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for x in rows:
+        rate = f" ({x['device_qd16_mb_s']:.0f} MB/s)" if "device_qd16_mb_s" in x else ""
         out.append(f"| {x['budget']} | {x['s_per_token']:.3f} | {x['steady_s_per_token']:.3f} | "
-                   f"{x['steady_gb_read']:.3f} | {x['io_floor_s']:.3f} | {x['steady_io_s']:.3f} | "
+                   f"{x['steady_gb_read']:.3f} | {x['io_floor_s']:.3f}{rate} | {x['steady_io_s']:.3f} | "
                    f"{x['io_share']:.1f}% | {x['peak_rss_gb']:.2f} | {x['plan_gb']:.2f} | {load(x)} |")
     return "\n".join(out)
 
@@ -419,7 +422,6 @@ def main() -> int:
     shard = sorted(f for f in os.listdir(a.model) if f.endswith(".safetensors"))[0]
     with ForeignLoad() as fl_dev:
         dev, direct = device_bandwidth(os.path.join(a.model, shard))
-    bw = dev[16]
     dropped = drop_caches()
     print(f"machine: {platform.processor() or platform.machine()} | cores {os.cpu_count()} | "
           f"device read (k3 devbw's code, 4 MiB, {'O_DIRECT' if direct else 'buffered'}) QD1 "
@@ -443,6 +445,7 @@ def main() -> int:
             for name, args in budgets:
                 args = [x.format(trunk=a.trunk, draft=a.hybrid, topk=topk) for x in args] + extra
                 runs = []
+                bw = device_bandwidth(os.path.join(a.model, shard), depths=(16,))[0][16]
                 with ForeignLoad(children=True) as fl:
                     for _ in range(a.runs):
                         drop_caches()
@@ -450,7 +453,8 @@ def main() -> int:
                 ids = {tuple(r["ids"]) for r in runs}
                 row = dict(budget=name, prompt=n, runs=a.runs, threads=a.threads,
                            **{out: median_of(runs, key) for out, key in ROW_MEDIANS.items()})
-                row.update(io_floor_s=row["steady_gb_read"] * 1e3 / bw, ceiling_s=ceiling_s,
+                row.update(device_qd16_mb_s=bw, ceiling_s=ceiling_s,
+                           io_floor_s=row["steady_gb_read"] * 1e3 / bw,
                            ttft_io_floor_s=row["ttft_read_gb"] * 1e3 / bw,
                            s_per_position=row["ttft_s"] / n, peak_rss_gb=row["peak_rss_gb"] / 1e9,
                            plan_gb=runs[0]["plan"] / 1e9, ids=list(next(iter(ids))),
@@ -475,6 +479,7 @@ def main() -> int:
                 print(f"{name:40s} {row['s_per_token']:7.3f} s/tok (steady {row['steady_s_per_token']:.3f}"
                       f", CPU {row['steady_cpu_s_per_token']:.3f})"
                       f"  {row['steady_gb_read']:6.3f} GB/step, I/O floor {row['io_floor_s']:.3f} s"
+                      f" (device {bw:.0f} MB/s)"
                       f"  I/O {row['io_share']:5.1f}%  "
                       f"peak {row['peak_rss_gb']:5.2f} GB (plan {row['plan_gb']:5.2f})"
                       + (f"  accepted {row['accepted']}/{row['drafted']}" if row["drafted"] else "")
