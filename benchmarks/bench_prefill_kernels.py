@@ -3,7 +3,7 @@
 
     python benchmarks/bench_prefill_kernels.py [--kinds bf16,f32,i8r,mxfp4]
         [--shapes 2048x2048,1024x2048,7168x7168] [--tokens 8,64,512] [--threads 1,2]
-        [--repeat 9] [--compare panel,block,mxdecode]
+        [--repeat 9] [--compare panel,wide,block,mxdecode]
 
 For each kind, shape (rows x inputs) and token count it alternates, in one process, the
 built-in path against one switched off, checks the outputs are bit-identical, and reports
@@ -12,6 +12,8 @@ multiply-adds per second (median of --repeat pairs after a warm-up pair):
 * panel: the panels of BF16, F32 and I8R on AVX2 or AVX-512 (T >= 5: a weight block
   widened once for up to 48 tokens) against the tiles (K.set_panel_min_tokens off); MXFP4
   has no panel;
+* wide: what the CPU runs above 2,730 inputs (AMD's AVX-512: the tiles; K.set_panel_wide_tiles)
+  against the panels;
 * block: with the panels off, the tiles' L2-sized token blocks against none
   (K.set_token_block_bytes);
 * mxdecode: AVX-512 MXFP4 with each group decoded once for all the call's tokens (T >= 8)
@@ -37,8 +39,10 @@ from bench_kernels import loadavg, machine_info  # noqa: E402
 
 OFF = 1 << 40
 SWITCHES = {   # name: (set the path under test on or off, label on, label off)
-    "panel": (lambda on: (K.set_token_block_bytes(0), K.set_panel_min_tokens(0 if on else OFF)),
-              "panel", "tiles"),
+    "panel": (lambda on: (K.set_token_block_bytes(0), K.set_panel_wide_tiles(0),
+                          K.set_panel_min_tokens(0 if on else OFF)), "panel", "tiles"),
+    "wide": (lambda on: (K.set_token_block_bytes(0), K.set_panel_min_tokens(0),
+                         K.set_panel_wide_tiles(-1 if on else 0)), "CPU's choice", "panel"),
     "block": (lambda on: (K.set_panel_min_tokens(OFF), K.set_token_block_bytes(0 if on else OFF)),
               "blocked", "unblocked"),
     "mxdecode": (lambda on: K.set_mx_tokens_min(0 if on else OFF), "decoded once", "tiles"),
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="8,64,512")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--compare", default="panel", help="panel, block and/or mxdecode")
+    ap.add_argument("--compare", default="panel", help="panel, wide, block and/or mxdecode")
     a = ap.parse_args(argv)
     r = np.random.default_rng(11)
     print(f"machine: {machine_info()}; kernel path {K.isa()}; load average {loadavg()}")

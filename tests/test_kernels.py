@@ -786,6 +786,38 @@ def test_token_blocked_equals_one_token_every_T_isa_threads(kind):
                            ref_mxfp4_matvec(WW[0], WW[1], X[3]))
 
 
+@pytest.mark.parametrize("kind", ("f32", "bf16", "i8r"))
+def test_wide_inputs_tiles_equal_panels(kind):
+    """Above 2,730 inputs a panel's token block holds fewer than 48 tokens, and AMD's
+    AVX-512 cores run such matvecs on the 2 x 4 tiles instead (K.set_panel_wide_tiles,
+    k3dot.h says why).  Both choices, and the CPU's own, give the one-token calls' bits:
+    389 rows (a ragged row tile) x 2803 inputs (a ragged tail; 20 tokens a panel block),
+    T = 5, 13 and 50 (ragged tiles, two token blocks of the panel, three of the tiles), at 1
+    and 2 threads."""
+    if "avx512" not in K.isas_available():
+        pytest.skip("NOT RUN: this CPU has no AVX-512 (the switch is AVX-512's)")
+    r = rng(2803 + KINDS.index(kind))
+    rows, n = 389, 2803
+    assert rows * n >= PAR_MIN_WORK
+    WW, X = _blocking_inputs(r, kind, rows, n)
+    with isa("avx512"):
+        with threads(1):
+            single = np.concatenate([mv_kind(kind, WW, X[t:t + 1]) for t in range(TOKENS)])
+        try:
+            for mode in (0, 1, -1):
+                K.set_panel_wide_tiles(mode)
+                for nt in (1, 2):
+                    with threads(nt):
+                        for T in (5, 13, 50):
+                            got = mv_kind(kind, WW, X[:T])
+                            assert n_diff(got, single[:T]) == 0, \
+                                f"{kind} wide mode {mode} T={T} threads={nt}: != one-token"
+        finally:
+            K.set_panel_wide_tiles(-1)
+    print(f"[gate] {kind} {rows}x{n}: T=5,13,50 on panels, on tiles and by the CPU == one-token "
+          f"calls, bitwise, at 1 and 2 threads")
+
+
 def test_mxfp4_decoded_once_equals_tiles_and_one_token():
     """AVX-512's MXFP4 path that decodes each group once for all of a call's tokens (T >= 8,
     k3_mxfp4_rows8_tokens_avx512) against its 4-token tiles (K.set_mx_tokens_min off) and

@@ -37,6 +37,7 @@ cdef extern from "k3dot.h" nogil:
     int k3_set_isa(int isa)
     void k3_set_token_block_bytes(long b)
     void k3_set_panel_min_tokens(long t)
+    void k3_set_panel_wide_tiles(int mode)
     void k3_set_mx_tokens_min(long t)
     enum: K3_PANEL_MIN_TOKENS
     int k3_isa()
@@ -136,6 +137,13 @@ def set_panel_min_tokens(long ntok):
     built-in 5; a huge value: never, the tiles only).  No bit depends on it; benchmarks
     A/B it."""
     k3_set_panel_min_tokens(ntok)
+
+
+def set_panel_wide_tiles(int mode):
+    """Whether AVX-512 matvecs wider than 2,730 inputs (a panel token block short of 48
+    tokens) take the tiles instead of the panels: -1 by the CPU (AMD: tiles, k3dot.h says
+    why), 0 panels, 1 tiles.  No bit depends on it; tests and benchmarks A/B it."""
+    k3_set_panel_wide_tiles(mode)
 
 
 def set_mx_tokens_min(long ntok):

@@ -383,6 +383,29 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
 #define K3_PANEL_K 256            /* 4 widened rows: 8 KB */
 #define K3_PANEL_MAX_TOKENS 48    /* per token block: 4 x 48 lane sums, 24 KB */
 #define K3_PANEL_X_BYTES (1L << 20)  /* a block's widened inputs stay in L2 across rows */
+/* Inputs wider than K3_PANEL_X_BYTES / 48 doubles (2,730) cut a panel's token block short
+ * of K3_PANEL_MAX_TOKENS, so each widened k-block serves fewer tokens (18 at 7,168).  On
+ * AMD's AVX-512 cores the 2 x 4 tiles then run faster: Zen 4, T = 64, 1 and 2 threads,
+ * panel / tiles 0.74-0.82 for BF16 at 7168 x 7168, 1536 x 7168 and 2048 x 7168, 0.77-0.78
+ * for F32 and I8R at 2048 x 7168, against 0.91-1.18 at 512-3,072 inputs; a 4 MiB block
+ * (48 tokens) brought the panel to 0.89-0.91 (docs/benchmarks-kernels.md, 2026-12-03
+ * 20:17).  Elsewhere the panels measured ahead at these widths (the 2026-12-01 table),
+ * so other CPUs keep them.  -1: decide by the CPU; 0: panels; 1: tiles.  No bit depends
+ * on it (tests/test_kernels.py runs both). */
+static int k3_panel_wide_tiles = -1;
+static void k3_set_panel_wide_tiles(int mode) { k3_panel_wide_tiles = mode < 0 ? -1 : !!mode; }
+static inline int k3_panel_takes(long n) {
+    if (n * (long)sizeof(double) * K3_PANEL_MAX_TOKENS <= K3_PANEL_X_BYTES) return 1;
+    if (k3_panel_wide_tiles < 0) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_cpu_init();
+        k3_panel_wide_tiles = __builtin_cpu_is("amd");
+#else
+        k3_panel_wide_tiles = 0;
+#endif
+    }
+    return !k3_panel_wide_tiles;
+}
 
 /* One ISA's panel tile, 4 rows x B <= PB tokens: VEC holds VL doubles, NV = 16 / VL
  * vectors hold a 16-lane block, one of them summed per pass over the k-block. */
@@ -1060,11 +1083,12 @@ static inline long k3_token_block(long n, int bmax) {
     else if (isa == K3_ISA_AVX512) {                                                        \
         K3_TILE_SWITCH(k3_mv_##KIND##_avx512, R, B, (w, ldw, x, n, n, out)) }
 #define K3_MV_PANEL_GENERIC(KIND, isa, W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy)       \
-    if (ntok >= k3_panel_min_tokens && isa != K3_ISA_SCALAR) {                              \
-        if (isa == K3_ISA_AVX512)                                                           \
-            k3_mv_panel_##KIND##_avx512(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);        \
-        else                                                                                \
-            k3_mv_panel_##KIND##_avx2(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);          \
+    if (ntok >= k3_panel_min_tokens && isa == K3_ISA_AVX512 && k3_panel_takes(n)) {         \
+        k3_mv_panel_##KIND##_avx512(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);            \
+        return;                                                                             \
+    }                                                                                       \
+    if (ntok >= k3_panel_min_tokens && isa == K3_ISA_AVX2) {                                \
+        k3_mv_panel_##KIND##_avx2(W, ldw, n, o0, o1, Xd, ntok, scale, Y, ldy);              \
         return;                                                                             \
     }
 #else
