@@ -96,6 +96,7 @@ DEF MAX_TOPK = 64                 # reference ceiling (config rule 5)
 
 k3_e8m0_init()                    # scale tables and the CPU probe, once, before any thread
 k3_isa_best()
+k3_set_panel_wide_tiles(-1)
 k3_math_init()                    # the libm replicas checked against this process's libm
 
 ISA_NAMES = ("scalar", "avx2", "avx512")   # index = the C enum (k3dot.h)

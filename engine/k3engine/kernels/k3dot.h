@@ -389,22 +389,25 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
  * panel / tiles 0.74-0.82 for BF16 at 7168 x 7168, 1536 x 7168 and 2048 x 7168, 0.77-0.78
  * for F32 and I8R at 2048 x 7168, against 0.91-1.18 at 512-3,072 inputs; a 4 MiB block
  * (48 tokens) brought the panel to 0.89-0.91 (docs/benchmarks-kernels.md, 2026-12-03
- * 20:17).  Elsewhere the panels measured ahead at these widths (the 2026-12-01 table),
+ * 20:17).  Elsewhere the panels measured ahead at these widths (the 2026-12-01 table,
+ * against the tiles of that day),
  * so other CPUs keep them.  -1: decide by the CPU; 0: panels; 1: tiles.  No bit depends
  * on it (tests/test_kernels.py runs both). */
-static int k3_panel_wide_tiles = -1;
-static void k3_set_panel_wide_tiles(int mode) { k3_panel_wide_tiles = mode < 0 ? -1 : !!mode; }
-static inline int k3_panel_takes(long n) {
-    if (n * (long)sizeof(double) * K3_PANEL_MAX_TOKENS <= K3_PANEL_X_BYTES) return 1;
-    if (k3_panel_wide_tiles < 0) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+static int k3_panel_wide_tiles = 0;   /* the CPU's choice is set at module load */
+static void k3_set_panel_wide_tiles(int mode) {
+    if (mode < 0) {
+#if K3_HAVE_SIMD_PATHS
         __builtin_cpu_init();
-        k3_panel_wide_tiles = __builtin_cpu_is("amd");
+        mode = __builtin_cpu_is("amd");
 #else
-        k3_panel_wide_tiles = 0;
+        mode = 0;
 #endif
     }
-    return !k3_panel_wide_tiles;
+    k3_panel_wide_tiles = mode != 0;
+}
+static inline int k3_panel_takes(long n) {
+    return n * (long)sizeof(double) * K3_PANEL_MAX_TOKENS <= K3_PANEL_X_BYTES
+           || !k3_panel_wide_tiles;
 }
 
 /* One ISA's panel tile, 4 rows x B <= PB tokens: VEC holds VL doubles, NV = 16 / VL
