@@ -390,9 +390,8 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
  * for F32 and I8R at 2048 x 7168, against 0.91-1.18 at 512-3,072 inputs; a 4 MiB block
  * (48 tokens) brought the panel to 0.89-0.91 (docs/benchmarks-kernels.md, 2026-12-03
  * 20:17).  Elsewhere the panels measured ahead at these widths (the 2026-12-01 table,
- * against the tiles of that day),
- * so other CPUs keep them.  -1: decide by the CPU; 0: panels; 1: tiles.  No bit depends
- * on it (tests/test_kernels.py runs both). */
+ * against that day's tiles), so other CPUs keep them.  -1: decide by the CPU; 0: panels;
+ * 1: tiles.  No bit depends on it (tests/test_kernels.py runs both). */
 static int k3_panel_wide_tiles = 0;   /* the CPU's choice is set at module load */
 static void k3_set_panel_wide_tiles(int mode) {
     if (mode < 0) {
