@@ -130,6 +130,28 @@ def test_doctor_names_the_mxfp4_path(capsys):
     print("[gate] doctor names the one-token MXFP4 path, on and off")
 
 
+def test_doctor_names_the_wide_matvec_path(capsys):
+    """On AVX-512 doctor says which path prefill matvecs wider than 2,730 inputs take, and
+    the default is the CPU's: the tiles on AMD (k3dot.h: faster there than the panels), the
+    panels elsewhere; forcing either one changes what doctor says."""
+    from k3engine import kernels as K
+    if K.isa() != "avx512":
+        pytest.skip("NOT RUN: the AVX-512 row path is not active on this CPU")
+    vendor = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("vendor_id")), None) if os.path.exists("/proc/cpuinfo") else None
+    if vendor is not None:
+        assert K.panel_wide_tiles() == (vendor == "AuthenticAMD"), vendor
+    try:
+        for mode, said in ((1, "the 2 x 4 tiles"), (0, "the panels")):
+            K.set_panel_wide_tiles(mode)
+            rc, out = run_doctor(capsys)
+            assert f"wider than 2,730 inputs: {said}" in section(out, "engine"), out
+    finally:
+        K.set_panel_wide_tiles(-1)
+    print(f"[gate] doctor names the wide-matvec path; CPU vendor {vendor}: tiles "
+          f"{K.panel_wide_tiles()}")
+
+
 @pytest.mark.parametrize("available, preset", [
     (400 * GiB, "server"), (192 * GiB, "server"), (192 * GiB - 1, "workstation"),
     (96 * GiB, "workstation"), (96 * GiB - 1, "desktop"), (32 * GiB, "desktop"),

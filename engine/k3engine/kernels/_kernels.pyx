@@ -38,6 +38,7 @@ cdef extern from "k3dot.h" nogil:
     void k3_set_token_block_bytes(long b)
     void k3_set_panel_min_tokens(long t)
     void k3_set_panel_wide_tiles(int mode)
+    int k3_panel_wide_tiles_on()
     void k3_set_mx_tokens_min(long t)
     enum: K3_PANEL_MIN_TOKENS
     int k3_isa()
@@ -145,6 +146,11 @@ def set_panel_wide_tiles(int mode):
     tokens) take the tiles instead of the panels: -1 by the CPU (AMD: tiles, k3dot.h says
     why), 0 panels, 1 tiles.  No bit depends on it; tests and benchmarks A/B it."""
     k3_set_panel_wide_tiles(mode)
+
+
+def panel_wide_tiles():
+    """Whether AVX-512 matvecs wider than 2,730 inputs take the tiles (set_panel_wide_tiles)."""
+    return bool(k3_panel_wide_tiles_on())
 
 
 def set_mx_tokens_min(long ntok):

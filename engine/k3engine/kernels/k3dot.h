@@ -404,6 +404,7 @@ static void k3_set_panel_wide_tiles(int mode) {
     }
     k3_panel_wide_tiles = mode != 0;
 }
+static int k3_panel_wide_tiles_on(void) { return k3_panel_wide_tiles; }
 static inline int k3_panel_takes(long n) {
     return n * (long)sizeof(double) * K3_PANEL_MAX_TOKENS <= K3_PANEL_X_BYTES
            || !k3_panel_wide_tiles;

@@ -248,6 +248,10 @@ def check_engine(r: Report, st: State) -> None:
     elif K.mxq_supported():
         r.info("one-token MXFP4 matvecs: the double path (the integer one is off: "
                "K3_MXFP4_INT=0 or K3_KERNEL_ISA below avx512)")
+    if K.isa() == "avx512":
+        r.info("prefill matvecs wider than 2,730 inputs: "
+               + ("the 2 x 4 tiles (AMD: faster there than the panels)" if K.panel_wide_tiles()
+                  else "the panels"))
     path = {"avx2": "AVX2", "avx512": "AVX-512"}.get(K.isa())
     if K.libm_replicas_active():
         r.info(f"SiTU and sigmoid: {path} copies of this libm's expf/tanhf (equal to it at load)")
