@@ -149,7 +149,8 @@ def set_panel_wide_tiles(int mode):
 
 
 def panel_wide_tiles():
-    """Whether AVX-512 matvecs wider than 2,730 inputs take the tiles (set_panel_wide_tiles)."""
+    """Whether AVX-512 matvecs wider than 2,730 inputs take the tiles
+    (set_panel_wide_tiles)."""
     return bool(k3_panel_wide_tiles_on())
 
 
@@ -161,8 +162,8 @@ def set_mx_tokens_min(long ntok):
 
 
 def set_mxq(on=True, int planes=0):
-    """Switch the one-token MXFP4 matvec's integer path (k3mxint.h: VNNI byte products
-    wherever a group's sum is exact in any order, the double path elsewhere).  `planes`
+    """Switch the integer path of MXFP4 matvecs of one or two tokens (k3mxint.h: VNNI byte
+    products wherever a group's sum is exact in any order, the double path elsewhere).  `planes`
     caps the digit planes a group may take (1..6; 0 keeps the cap; groups needing more take
     the double path).  No bit depends on either; tests and benchmarks A/B them.  Returns
     whether the path is in use (False where the CPU lacks AVX-512 VNNI/VBMI)."""
@@ -191,8 +192,8 @@ def mxq_groups(const float[::1] x):
 
 
 def mxq_active():
-    """Whether one-token MXFP4 matvecs take the integer path (needs the avx512 row path
-    active and AVX-512 VNNI/VBMI/CD on the CPU)."""
+    """Whether MXFP4 matvecs of one or two tokens take the integer path (needs the avx512
+    row path active and AVX-512 VNNI/VBMI/CD on the CPU)."""
     return bool(k3_mxq_active())
 
 
@@ -216,7 +217,7 @@ def _isa_from_env():
 
 
 _isa_from_env()
-# K3_MXFP4_INT=0 keeps one-token MXFP4 matvecs on the double path (benchmarks A/B whole
+# K3_MXFP4_INT=0 keeps 1-2-token MXFP4 matvecs on the double path (benchmarks A/B whole
 # runs with it; the bits are the same either way).
 if os.environ.get("K3_MXFP4_INT", "1").strip() == "0":
     k3_set_mxq(0, 0)

@@ -272,8 +272,8 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_rows16(const uint8_t *p, long ldp, const uint
         }
         for (int gi = 0; gi < ng; gi++) {
             const long g = g0 + gi;
-            __m512i we[4], wo[4];
-            int done = 0;
+            __m512i we[4], wo[4], q[2][2];   /* each form made once for the pair */
+            int done = 0, words = 0;
 #pragma GCC unroll 2
             for (int b = 0; b < B; b++) {
                 const k3_mxq_group *qg = &qs[b]->g[g];
@@ -283,13 +283,15 @@ K3_VNNI_ATTR K3_INLINE void k3_mxq_rows16(const uint8_t *p, long ldp, const uint
                     k3_mxq_group16(we, wo, qg, sc8, gi, acc[b], P);
                     continue;
                 }
+                if (!words)
+                    for (int h = 0; h < 2 && 8 * h < R; h++)
+                        k3_mxq_words8(p + 16 * g, rowoff + 8 * h, &q[h][0], &q[h][1]);
+                words = 1;
                 for (int h = 0; h < 2 && 8 * h < R; h++) {  /* the double path, this group */
-                    __m512i q0, q1;
                     __mmask8 live;
-                    k3_mxq_words8(p + 16 * g, rowoff + 8 * h, &q0, &q1);
                     __m512d sc = k3_mx_scale_avx512(sc8[h], gi, &live);
-                    k3_mx_group_avx512(q0, q1, NULL, x + b * ldx + 32 * g, 0, sc, live,
-                                       &acc[b][h], 1);
+                    k3_mx_group_avx512(q[h][0], q[h][1], NULL, x + b * ldx + 32 * g, 0, sc,
+                                       live, &acc[b][h], 1);
                 }
             }
         }

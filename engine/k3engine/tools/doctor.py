@@ -243,10 +243,10 @@ def check_engine(r: Report, st: State) -> None:
     if flags:
         r.info(f"AVX-512: {'yes' if 'avx512f' in flags else 'no'} (information only)")
     if K.mxq_active():
-        r.info("one-token MXFP4 matvecs: integer byte products (AVX-512 VNNI) where exact; "
-               "K3_MXFP4_INT=0 turns them off")
+        r.info("one- and two-token MXFP4 matvecs: integer byte products (AVX-512 VNNI) "
+               "where exact; K3_MXFP4_INT=0 turns them off")
     elif K.mxq_supported():
-        r.info("one-token MXFP4 matvecs: the double path (the integer one is off: "
+        r.info("one- and two-token MXFP4 matvecs: the double path (the integer one is off: "
                "K3_MXFP4_INT=0 or K3_KERNEL_ISA below avx512)")
     if K.isa() == "avx512":
         r.info("prefill matvecs wider than 2,730 inputs: "
