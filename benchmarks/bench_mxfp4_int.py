@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""The integer path of one- and two-token MXFP4 matvecs (k3mxint.h) against the double path, A/B in one
-process (a script, not a test; figures are reported, never asserted).
+"""The integer path of one- and two-token MXFP4 matvecs (k3mxint.h) against the double path,
+A/B in one process (a script, not a test; figures are reported, never asserted).
 
     python benchmarks/bench_mxfp4_int.py [--reps 5] [--threads 1,2] [--mb 200] [--tokens 1,2,4]
 
