@@ -1833,6 +1833,23 @@ def test_mla_prefill_with_zero_denormal_and_tiny_weights():
     check_mla_every_path("mla tiny weights", Q, KV, R, past, H, dn, dv, want)
 
 
+def test_mla_one_token_over_a_long_context():
+    """A decode step's token (AVX-512: k3mla.h's one-token path, positions in the double
+    lanes 32 at a time, expf on the checked replica, the value sum row by row in chunks of
+    128 channels) equals the exact-order reference and the same token inside a block,
+    bitwise: contexts that end inside and on the 8- and 32-position blocks, dims with and
+    without 8-wide tails, more than 128 value channels (a second, ragged chunk)."""
+    r = rng(4096)
+    for H, dn, dr, dv, past, Tm in ((2, 37, 9, 150, 75, 9), (1, 32, 16, 32, 55, 10),
+                                    (3, 8, 8, 16, 0, 33)):
+        Q = rand_f32(r, (Tm, H * (dn + dr)), 0.6)
+        KV = rand_f32(r, (past + Tm, H * (dn + dv)))
+        R = rand_f32(r, (past + Tm, dr))
+        want = ref_mla(Q, KV, R, past, H, dn, dv)
+        check_mla_every_path(f"mla one token H={H} dn={dn} dr={dr} dv={dv} past={past}", Q,
+                             KV, R, past, H, dn, dv, want)
+
+
 def check_mla_every_path(label, Q, KV, R, past, H, dn, dv, want):
     """On every ISA (avx512: blocks of up to 8 tokens, k3mla.h), a T-token mla_attention
     equals T one-token calls and `want` (the exact-order reference), bitwise."""

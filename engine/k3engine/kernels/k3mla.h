@@ -18,6 +18,7 @@
 #define K3MLA_H
 
 #include "k3dot.h"
+#include "k3math.h"
 
 #if K3_HAVE_SIMD_PATHS
 
@@ -25,8 +26,7 @@
 static inline long k3_mla_block_work(long dq, long npos) { return 16 * dq + 8 * (npos + 8); }
 
 /* O[b] = sum over positions s <= p0 + b of f32(weight * v[s]), ascending from +0.0, for
- * tokens b < nb; NB (8, or 1 for a lone token) accumulators, lanes b >= nb compute unused
- * zeros. */
+ * tokens b < nb; NB accumulators, lanes b >= nb compute unused zeros. */
 K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn, long dv,
                                            long p0, long npos, const float *sc, float *O,
                                            long ldo, int nb, const int NB) {
@@ -50,6 +50,121 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn,
     }
 }
 
+/* Lane j of out[i] = (double)rows[j][i0 + i], i < 8: eight rows' floats side by side (an
+ * 8 x 8 transpose on 256-bit shuffles, then widened). */
+K3_AVX512_ATTR K3_INLINE void k3_mla_cols8(const float *const *rows, long i0, __m512d *out) {
+    __m256 r[8], t[8], u[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(rows[j] + i0);
+    for (int h = 0; h < 8; h += 4) {   /* rows h..h+3: u[h + c] = columns c | c + 4 */
+        t[h] = _mm256_unpacklo_ps(r[h], r[h + 1]);
+        t[h + 1] = _mm256_unpackhi_ps(r[h], r[h + 1]);
+        t[h + 2] = _mm256_unpacklo_ps(r[h + 2], r[h + 3]);
+        t[h + 3] = _mm256_unpackhi_ps(r[h + 2], r[h + 3]);
+        u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+        u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+        u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+        u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        out[c] = _mm512_cvtps_pd(_mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+        out[c + 4] = _mm512_cvtps_pd(_mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+    }
+}
+
+/* d[b] lane j += q[i] * rows[b][j][i] for i = 0 .. n-1 in order, b < 4: four blocks of 8
+ * positions, each lane one position's sequential double chain (fma rounds like d + q*k:
+ * the float x float product is exact in double). */
+K3_AVX512_ATTR K3_INLINE void k3_mla_dots32(const float *const (*rows)[8], long n,
+                                           const double *q, __m512d *d) {
+    long i0 = 0;
+    for (; i0 + 8 <= n; i0 += 8)
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; b++) {
+            __m512d c[8];
+            k3_mla_cols8(rows[b], i0, c);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) d[b] = _mm512_fmadd_pd(_mm512_set1_pd(q[i0 + i]), c[i], d[b]);
+        }
+    for (; i0 < n; i0++)
+        for (int b = 0; b < 4; b++) {
+            const float *const *r = rows[b];
+            __m512d c = _mm512_setr_pd(r[0][i0], r[1][i0], r[2][i0], r[3][i0], r[4][i0],
+                                       r[5][i0], r[6][i0], r[7][i0]);
+            d[b] = _mm512_fmadd_pd(_mm512_set1_pd(q[i0]), c, d[b]);
+        }
+}
+
+/* One token at position p0 (a decode step) over positions 0 .. p0, the same per-output
+ * orders as a block of 1 (and the scalar kernel).  Why its own path: in a block the
+ * tokens fill the double lanes, so a lone token used one lane of eight and widened every
+ * cache row scalar by scalar; here the lanes are positions (32 at a time, four chains),
+ * the rows are widened by 8 x 8 transposes, the softmax's expf runs on the checked
+ * replica (k3math.h) where it is active, and the value sum walks each cache row once. */
+K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *KV, long ldkv,
+                                            const float *R, long ldr, long dn, long dr,
+                                            long dv, long p0, float kappa, float *O,
+                                            double *work) {
+    const long dq = dn + dr, npos = p0 + 1;
+    double *qd = work;
+    float *sc = (float *)(work + dq);  /* npos + 32 floats: the last block's spare lanes */
+    for (long i = 0; i < dq; i++) qd[i] = (double)Q[i];
+    for (long s0 = 0; s0 < npos; s0 += 32) {
+        const float *kr[4][8], *rr[4][8];
+        for (int b = 0; b < 4; b++)
+            for (int j = 0; j < 8; j++) {   /* past p0: row p0 again, its lane unused */
+                long s = s0 + 8 * b + j < npos ? s0 + 8 * b + j : p0;
+                kr[b][j] = KV + s * ldkv, rr[b][j] = R + s * ldr;
+            }
+        __m512d d[4];
+        for (int b = 0; b < 4; b++) d[b] = _mm512_setzero_pd();
+        k3_mla_dots32((const float *const (*)[8])kr, dn, qd, d);
+        k3_mla_dots32((const float *const (*)[8])rr, dr, qd + dn, d);
+        const __m256 vkappa = _mm256_set1_ps(kappa);
+        for (int b = 0; b < 4; b++)    /* f32(f32(d) * kappa) */
+            _mm256_storeu_ps(sc + s0 + 8 * b, _mm256_mul_ps(_mm512_cvtpd_ps(d[b]), vkappa));
+    }
+    float mx = sc[0];
+    for (long s = 1; s < npos; s++)
+        if (sc[s] > mx) mx = sc[s];
+    long s = 0;
+    if (k3_math_active()) {            /* the replica's bits are libm's (checked at load) */
+        const __m512 vmx = _mm512_set1_ps(mx);
+        for (; s + 16 <= npos; s += 16)
+            _mm512_storeu_ps(sc + s, k3_expf16(_mm512_sub_ps(_mm512_loadu_ps(sc + s), vmx)));
+    }
+    for (; s < npos; s++) sc[s] = expf(sc[s] - mx);
+    double Z = 0.0;
+    for (s = 0; s < npos; s++) Z = Z + (double)sc[s];   /* ascending, one chain */
+    const __m512d vz = _mm512_set1_pd(Z);
+    for (s = 0; s + 8 <= npos; s += 8)  /* f32(e / Z): a correctly rounded divide either way */
+        _mm256_storeu_ps(sc + s, _mm512_cvtpd_ps(_mm512_div_pd(
+                                     _mm512_cvtps_pd(_mm256_loadu_ps(sc + s)), vz)));
+    for (; s < npos; s++) sc[s] = (float)((double)sc[s] / Z);
+    /* value sum: up to 128 channels' float32 accumulators at once, each adding its terms
+     * in ascending position order from +0.0, each product rounded before its add */
+    for (long j0 = 0; j0 < dv; j0 += 128) {
+        const int nc = (int)((dv - j0 + 15) / 16 < 8 ? (dv - j0 + 15) / 16 : 8);
+        __mmask16 m[8];
+        __m512 acc[8];
+        for (int c = 0; c < 8; c++) {
+            long left = dv - j0 - 16 * c;
+            m[c] = left >= 16 ? (__mmask16)0xFFFF
+                              : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+            acc[c] = _mm512_setzero_ps();
+        }
+        const float *v = KV + dn + j0;
+        for (s = 0; s < npos; s++) {
+            const __m512 w = _mm512_set1_ps(sc[s]);
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                if (c < nc)
+                    acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(
+                                 w, _mm512_maskz_loadu_ps(m[c], v + s * ldkv + 16 * c)));
+        }
+        for (int c = 0; c < nc; c++) _mm512_mask_storeu_ps(O + j0 + 16 * c, m[c], acc[c]);
+    }
+}
+
 /* Q: token t0's row at head h (stride ldq between tokens); KV, R: the cache at head h's
  * k_nope (v follows at +dn), rows ldkv / ldr apart; token b (b < nb <= 8) sits at position
  * p0 + b and attends to positions 0 .. p0 + b.  O: token t0's output at head h. */
@@ -57,6 +172,10 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
                                               long ldkv, const float *R, long ldr, long dn,
                                               long dr, long dv, long p0, int nb, float kappa,
                                               float *O, long ldo, double *work) {
+    if (nb == 1) {
+        k3_mla_one_avx512(Q, KV, ldkv, R, ldr, dn, dr, dv, p0, kappa, O, work);
+        return;
+    }
     const long dq = dn + dr, npos = p0 + nb;
     double *qt = work;                 /* [dq][8]: token b's query in lane b */
     double *kd = qt + 8 * dq;          /* [8][dq]: eight cache rows widened */
@@ -88,23 +207,45 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
     }
     for (long s = 0; s < npos; s++)    /* lanes of absent tokens: defined zeros */
         for (int b = nb; b < 8; b++) sc[s * 8 + b] = 0.0f;
-    for (int b = 0; b < nb; b++) {     /* softmax of token b over positions 0 .. p0 + b */
-        long p = p0 + b;
-        float mx = sc[b];
-        for (long s = 1; s <= p; s++)
-            if (sc[s * 8 + b] > mx) mx = sc[s * 8 + b];
-        double Z = 0.0;
-        for (long s = 0; s <= p; s++) {
-            float e = expf(sc[s * 8 + b] - mx);
-            sc[s * 8 + b] = e;
-            Z = Z + (double)e;
-        }
-        for (long s = 0; s <= p; s++) sc[s * 8 + b] = (float)((double)sc[s * 8 + b] / Z);
+    /* softmax, the tokens side by side: lane b is token b over positions 0 .. p0 + b, with
+     * its scalar form's max (> ignores NaN), expf (the checked replica where active),
+     * ascending double normaliser and divides; other lanes keep their values */
+    const __mmask8 toks = (__mmask8)((1u << nb) - 1);
+#define K3_MLA_LIVE(s) ((s) <= p0 ? toks : (__mmask8)(toks & (0xFFu << ((s) - p0))))
+    __m256 mx = _mm256_loadu_ps(sc);
+    for (long s = 1; s < npos; s++) {
+        __m256 v = _mm256_loadu_ps(sc + s * 8);
+        mx = _mm256_mask_blend_ps(_mm256_mask_cmp_ps_mask(K3_MLA_LIVE(s), v, mx, _CMP_GT_OQ),
+                                  mx, v);
     }
-    /* value sum, 16 channels at a time; positions beyond p0 are seen by some tokens only
-     * (a decode step's single token: the same loop with one accumulator) */
-    if (nb == 1) k3_mla_values(KV, ldkv, dn, dv, p0, npos, sc, O, ldo, 1, 1);
-    else k3_mla_values(KV, ldkv, dn, dv, p0, npos, sc, O, ldo, nb, 8);
+    const int vexp = k3_math_active();
+    const __m512 mx2 = _mm512_insertf32x8(_mm512_castps256_ps512(mx), mx, 1);
+    __m512d zv = _mm512_setzero_pd();
+    for (long s = 0; s < npos; s += 2) {
+        const int two = s + 1 < npos;
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(two ? 0xFFFF : 0xFF, sc + s * 8), mx2);
+        __m512 e;
+        if (vexp) {
+            e = k3_expf16(x);
+        } else {
+            float xs[16];
+            _mm512_storeu_ps(xs, x);
+            for (int i = 0; i < 16; i++) xs[i] = expf(xs[i]);
+            e = _mm512_loadu_ps(xs);
+        }
+        for (int k = 0; k <= two; k++) {
+            const __mmask8 live = K3_MLA_LIVE(s + k);
+            __m256 ek = k ? _mm512_extractf32x8_ps(e, 1) : _mm512_castps512_ps256(e);
+            _mm256_mask_storeu_ps(sc + (s + k) * 8, live, ek);
+            zv = _mm512_mask_add_pd(zv, live, zv, _mm512_cvtps_pd(ek));
+        }
+    }
+    for (long s = 0; s < npos; s++)
+        _mm256_mask_storeu_ps(sc + s * 8, K3_MLA_LIVE(s), _mm512_cvtpd_ps(_mm512_div_pd(
+                                  _mm512_cvtps_pd(_mm256_loadu_ps(sc + s * 8)), zv)));
+#undef K3_MLA_LIVE
+    /* value sum, 16 channels at a time; positions beyond p0 are seen by some tokens only */
+    k3_mla_values(KV, ldkv, dn, dv, p0, npos, sc, O, ldo, nb, 8);
 }
 
 #endif /* K3_HAVE_SIMD_PATHS */
