@@ -84,10 +84,11 @@ cdef extern from "k3route.h" nogil:
                               double *out)
 
 cdef extern from "k3mla.h" nogil:
-    long k3_mla_block_work(long dq, long npos)
+    long k3_mla_block_work(long dq, long dv, long npos)
+    int K3_MLA_G
     void k3_mla_block_avx512(const float *Q, long ldq, const float *KV, long ldkv,
                              const float *R, long ldr, long dn, long dr, long dv, long p0,
-                             int nb, float kappa, float *O, long ldo, double *work)
+                             int ntok, float kappa, float *O, long ldo, double *work)
 
 cdef float F1 = 1.0
 cdef float F0 = 0.0
@@ -976,15 +977,16 @@ cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
 
 
 cdef void _mla_block_head(void *ctx, long item) noexcept nogil:
-    """One (head, block of up to 8 consecutive tokens) of the AVX-512 path (k3mla.h)."""
+    """One (head, up to 8 * K3_MLA_G consecutive tokens) of the AVX-512 path (k3mla.h)."""
     cdef _MlaTask *m = <_MlaTask *>ctx
-    cdef long dq = m.dn + m.dr, h = item % m.H, t0 = (item // m.H) * 8
-    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.npos) * sizeof(double))
+    cdef long dq = m.dn + m.dr, h = item % m.H, t0 = (item // m.H) * 8 * K3_MLA_G
+    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.dv, m.npos) * sizeof(double))
     if work == NULL:
         m.oom = 1
         return
     k3_mla_block_avx512(m.Q + t0 * m.lq + h * dq, m.lq, m.KV + h * (m.dn + m.dv), m.lkv,
-                        m.R, m.lr, m.dn, m.dr, m.dv, m.n_past + t0, <int>min(8, m.T - t0),
+                        m.R, m.lr, m.dn, m.dr, m.dv, m.n_past + t0,
+                        <int>min(8 * K3_MLA_G, m.T - t0),
                         m.kappa, m.O + t0 * m.lo + h * m.dv, m.lo, work)
 
 
@@ -1022,7 +1024,7 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
     cdef int nt = _threads_for(T * H * npos * dkv)
     with nogil:
         if k3_isa() == 2:
-            _run(_mla_block_head, &m, H * ((T + 7) // 8), nt)
+            _run(_mla_block_head, &m, H * ((T + 8 * K3_MLA_G - 1) // (8 * K3_MLA_G)), nt)
         else:
             _run(_mla_token_head, &m, T * H, nt)
     if m.oom:

@@ -22,32 +22,86 @@
 
 #if K3_HAVE_SIMD_PATHS
 
-/* Doubles and floats of scratch one block needs (the caller allocates per thread). */
-static inline long k3_mla_block_work(long dq, long npos) { return 16 * dq + 8 * (npos + 8); }
+/* Token blocks per work item of a prefill: they share each widened key row and each value
+ * line (from L2 after the first block's pass).  Why: items of one block re-read every cached
+ * row of their head per 8 tokens, so a long prompt's attention waited on memory (perf: ~70 %
+ * of a 2,048-position prefill's MLA samples on the key and value row loads; rows are a
+ * position's heads apart, a new page each). */
+#define K3_MLA_G 8
 
-/* O[b] = sum over positions s <= p0 + b of f32(weight * v[s]), ascending from +0.0, for
- * tokens b < nb; NB accumulators, lanes b >= nb compute unused zeros. */
+/* For each block g < G of nb[g] tokens at positions p0[g] .. p0[g] + nb[g] - 1 (weights sc
+ * + g * ldsc, [position][8]): O[8g + b] = sum over positions s <= p0[g] + b of
+ * f32(weight * v[s]), ascending from +0.0; lanes b >= nb[g] compute unused zeros.  The
+ * blocks run inside each 16-channel pass, so their passes over the same value lines follow
+ * each other. */
 K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn, long dv,
-                                           long p0, long npos, const float *sc, float *O,
-                                           long ldo, int nb, const int NB) {
+                                           int G, const long *p0, const float *sc, long ldsc,
+                                           float *O, long ldo, const int *nb) {
     for (long j0 = 0; j0 < dv; j0 += 16) {
         __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - j0)) - 1);
-        __m512 acc[8];
-        for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
         const float *v = KV + dn + j0;
-        for (long s = 0; s <= p0; s++) {
-            __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
-            for (int b = 0; b < NB; b++)
-                acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(sc[s * 8 + b]), vv));
+        for (int g = 0; g < G; g++) {
+            const float *w = sc + g * ldsc;
+            const long q0 = p0[g], npos = q0 + nb[g];
+            __m512 acc[8];
+            for (int b = 0; b < 8; b++) acc[b] = _mm512_setzero_ps();
+            for (long s = 0; s <= q0; s++) {
+                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
+                for (int b = 0; b < 8; b++)
+                    acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
+            }
+            for (long s = q0 + 1; s < npos; s++) {
+                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
+                for (int b = 0; b < 8; b++)    /* causal: token b stops at position q0 + b */
+                    if (s <= q0 + b)
+                        acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
+            }
+            for (int b = 0; b < nb[g]; b++)
+                _mm512_mask_storeu_ps(O + (8 * g + b) * ldo + j0, m, acc[b]);
         }
-        for (long s = p0 + 1; s < npos; s++) {
-            __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
-            for (int b = 0; b < NB; b++)    /* causal: token b stops at position p0 + b */
-                if (s <= p0 + b)
-                    acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(sc[s * 8 + b]), vv));
-        }
-        for (int b = 0; b < nb; b++) _mm512_mask_storeu_ps(O + b * ldo + j0, m, acc[b]);
     }
+}
+
+/* Softmax of a block's nb tokens side by side (sc: [position][8] scores, position p0 + b
+ * is token b's own): lane b over positions 0 .. p0 + b, with its scalar form's max (>
+ * ignores NaN), expf (the checked replica where active), ascending double normaliser and
+ * divides; other lanes keep their values. */
+K3_AVX512_ATTR static void k3_mla_softmax8(float *sc, long p0, int nb) {
+    const long npos = p0 + nb;
+    const __mmask8 toks = (__mmask8)((1u << nb) - 1);
+#define K3_MLA_LIVE(s) ((s) <= p0 ? toks : (__mmask8)(toks & (0xFFu << ((s) - p0))))
+    __m256 mx = _mm256_loadu_ps(sc);
+    for (long s = 1; s < npos; s++) {
+        __m256 v = _mm256_loadu_ps(sc + s * 8);
+        mx = _mm256_mask_blend_ps(_mm256_mask_cmp_ps_mask(K3_MLA_LIVE(s), v, mx, _CMP_GT_OQ),
+                                  mx, v);
+    }
+    const int vexp = k3_math_active();
+    const __m512 mx2 = _mm512_insertf32x8(_mm512_castps256_ps512(mx), mx, 1);
+    __m512d zv = _mm512_setzero_pd();
+    for (long s = 0; s < npos; s += 2) {
+        const int two = s + 1 < npos;
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(two ? 0xFFFF : 0xFF, sc + s * 8), mx2);
+        __m512 e;
+        if (vexp) {
+            e = k3_expf16(x);
+        } else {
+            float xs[16];
+            _mm512_storeu_ps(xs, x);
+            for (int i = 0; i < 16; i++) xs[i] = expf(xs[i]);
+            e = _mm512_loadu_ps(xs);
+        }
+        for (int k = 0; k <= two; k++) {
+            const __mmask8 live = K3_MLA_LIVE(s + k);
+            __m256 ek = k ? _mm512_extractf32x8_ps(e, 1) : _mm512_castps512_ps256(e);
+            _mm256_mask_storeu_ps(sc + (s + k) * 8, live, ek);
+            zv = _mm512_mask_add_pd(zv, live, zv, _mm512_cvtps_pd(ek));
+        }
+    }
+    for (long s = 0; s < npos; s++)
+        _mm256_mask_storeu_ps(sc + s * 8, K3_MLA_LIVE(s), _mm512_cvtpd_ps(_mm512_div_pd(
+                                  _mm512_cvtps_pd(_mm256_loadu_ps(sc + s * 8)), zv)));
+#undef K3_MLA_LIVE
 }
 
 /* Lane j of out[i] = (double)rows[j][i0 + i], i < 8: eight rows' floats side by side (an
@@ -92,6 +146,15 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_dots32(const float *const (*rows)[8], long 
                                        r[5][i0], r[6][i0], r[7][i0]);
             d[b] = _mm512_fmadd_pd(_mm512_set1_pd(q[i0]), c, d[b]);
         }
+}
+
+/* Doubles of scratch k3_mla_block_avx512 needs for up to 8 * K3_MLA_G tokens over npos
+ * positions (a lone token takes k3_mla_one_avx512). */
+static inline long k3_mla_block_work(long dq, long dv, long npos) {
+    const long blk = (K3_MLA_G + 1) * 8 * dq + K3_MLA_G * 4 * (npos + 8);
+    const long one = dq + (npos + 32 + 1) / 2;
+    (void)dv;
+    return blk > one ? blk : one;
 }
 
 /* One token at position p0 (a decode step) over positions 0 .. p0, the same per-output
@@ -166,22 +229,30 @@ K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *KV, lo
 }
 
 /* Q: token t0's row at head h (stride ldq between tokens); KV, R: the cache at head h's
- * k_nope (v follows at +dn), rows ldkv / ldr apart; token b (b < nb <= 8) sits at position
- * p0 + b and attends to positions 0 .. p0 + b.  O: token t0's output at head h. */
+ * k_nope (v follows at +dn), rows ldkv / ldr apart; token t (t < ntok <= 8 * K3_MLA_G)
+ * sits at position p0 + t and attends to positions 0 .. p0 + t.  O: token t0's output at
+ * head h.  Tokens run in blocks of 8 (block g: tokens 8g .. 8g+7 in the double lanes), the
+ * blocks sharing each widened key row. */
 K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const float *KV,
                                               long ldkv, const float *R, long ldr, long dn,
-                                              long dr, long dv, long p0, int nb, float kappa,
+                                              long dr, long dv, long p0, int ntok, float kappa,
                                               float *O, long ldo, double *work) {
-    if (nb == 1) {
+    if (ntok == 1) {
         k3_mla_one_avx512(Q, KV, ldkv, R, ldr, dn, dr, dv, p0, kappa, O, work);
         return;
     }
-    const long dq = dn + dr, npos = p0 + nb;
-    double *qt = work;                 /* [dq][8]: token b's query in lane b */
-    double *kd = qt + 8 * dq;          /* [8][dq]: eight cache rows widened */
-    float *sc = (float *)(kd + 8 * dq);   /* [npos + 8][8]: scores, then weights */
-    for (long i = 0; i < dq; i++)
-        for (int b = 0; b < 8; b++) qt[i * 8 + b] = b < nb ? (double)Q[b * ldq + i] : 0.0;
+    const long dq = dn + dr, npos = p0 + ntok, ldsc = (npos + 8) * 8;
+    const int G = (ntok + 7) / 8;
+    int nb[K3_MLA_G];
+    long p0g[K3_MLA_G];
+    for (int g = 0; g < G; g++) nb[g] = ntok - 8 * g < 8 ? ntok - 8 * g : 8, p0g[g] = p0 + 8 * g;
+    double *qt = work;                    /* [G][dq][8]: block g's token b's query in lane b */
+    double *kd = qt + G * 8 * dq;         /* [8][dq]: eight cache rows widened */
+    float *sc = (float *)(kd + 8 * dq);   /* [G][npos + 8][8]: scores, then weights */
+    for (int g = 0; g < G; g++)
+        for (long i = 0; i < dq; i++)
+            for (int b = 0; b < 8; b++)
+                qt[(g * dq + i) * 8 + b] = b < nb[g] ? (double)Q[(8 * g + b) * ldq + i] : 0.0;
     const __m256 vkappa = _mm256_set1_ps(kappa);
     for (long s0 = 0; s0 < npos; s0 += 8) {
         int ns = npos - s0 < 8 ? (int)(npos - s0) : 8;
@@ -195,57 +266,30 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
                 for (long i = 0; i < dq; i++) row[i] = 0.0;
             }
         }
-        __m512d d[8];
-        for (int j = 0; j < 8; j++) d[j] = _mm512_setzero_pd();
-        for (long i = 0; i < dq; i++) {
-            __m512d q = _mm512_loadu_pd(qt + i * 8);
-            for (int j = 0; j < 8; j++)
-                d[j] = _mm512_fmadd_pd(q, _mm512_set1_pd(kd[j * dq + i]), d[j]);
-        }
-        for (int j = 0; j < ns; j++)   /* f32(f32(d) * kappa) per lane */
-            _mm256_storeu_ps(sc + (s0 + j) * 8, _mm256_mul_ps(_mm512_cvtpd_ps(d[j]), vkappa));
-    }
-    for (long s = 0; s < npos; s++)    /* lanes of absent tokens: defined zeros */
-        for (int b = nb; b < 8; b++) sc[s * 8 + b] = 0.0f;
-    /* softmax, the tokens side by side: lane b is token b over positions 0 .. p0 + b, with
-     * its scalar form's max (> ignores NaN), expf (the checked replica where active),
-     * ascending double normaliser and divides; other lanes keep their values */
-    const __mmask8 toks = (__mmask8)((1u << nb) - 1);
-#define K3_MLA_LIVE(s) ((s) <= p0 ? toks : (__mmask8)(toks & (0xFFu << ((s) - p0))))
-    __m256 mx = _mm256_loadu_ps(sc);
-    for (long s = 1; s < npos; s++) {
-        __m256 v = _mm256_loadu_ps(sc + s * 8);
-        mx = _mm256_mask_blend_ps(_mm256_mask_cmp_ps_mask(K3_MLA_LIVE(s), v, mx, _CMP_GT_OQ),
-                                  mx, v);
-    }
-    const int vexp = k3_math_active();
-    const __m512 mx2 = _mm512_insertf32x8(_mm512_castps256_ps512(mx), mx, 1);
-    __m512d zv = _mm512_setzero_pd();
-    for (long s = 0; s < npos; s += 2) {
-        const int two = s + 1 < npos;
-        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(two ? 0xFFFF : 0xFF, sc + s * 8), mx2);
-        __m512 e;
-        if (vexp) {
-            e = k3_expf16(x);
-        } else {
-            float xs[16];
-            _mm512_storeu_ps(xs, x);
-            for (int i = 0; i < 16; i++) xs[i] = expf(xs[i]);
-            e = _mm512_loadu_ps(xs);
-        }
-        for (int k = 0; k <= two; k++) {
-            const __mmask8 live = K3_MLA_LIVE(s + k);
-            __m256 ek = k ? _mm512_extractf32x8_ps(e, 1) : _mm512_castps512_ps256(e);
-            _mm256_mask_storeu_ps(sc + (s + k) * 8, live, ek);
-            zv = _mm512_mask_add_pd(zv, live, zv, _mm512_cvtps_pd(ek));
+        for (int g = 0; g < G; g++) {
+            const long npg = p0g[g] + nb[g];  /* block g's positions: 0 .. npg - 1 */
+            if (s0 >= npg) continue;
+            const double *qg = qt + g * dq * 8;
+            __m512d d[8];
+            for (int j = 0; j < 8; j++) d[j] = _mm512_setzero_pd();
+            for (long i = 0; i < dq; i++) {
+                __m512d q = _mm512_loadu_pd(qg + i * 8);
+                for (int j = 0; j < 8; j++)
+                    d[j] = _mm512_fmadd_pd(q, _mm512_set1_pd(kd[j * dq + i]), d[j]);
+            }
+            float *scg = sc + g * ldsc;
+            for (int j = 0; j < 8 && s0 + j < npg; j++)   /* f32(f32(d) * kappa) per lane */
+                _mm256_storeu_ps(scg + (s0 + j) * 8, _mm256_mul_ps(_mm512_cvtpd_ps(d[j]), vkappa));
         }
     }
-    for (long s = 0; s < npos; s++)
-        _mm256_mask_storeu_ps(sc + s * 8, K3_MLA_LIVE(s), _mm512_cvtpd_ps(_mm512_div_pd(
-                                  _mm512_cvtps_pd(_mm256_loadu_ps(sc + s * 8)), zv)));
-#undef K3_MLA_LIVE
-    /* value sum, 16 channels at a time; positions beyond p0 are seen by some tokens only */
-    k3_mla_values(KV, ldkv, dn, dv, p0, npos, sc, O, ldo, nb, 8);
+    for (int g = 0; g < G; g++) {
+        float *scg = sc + g * ldsc;
+        for (long s = 0; s < p0g[g] + nb[g]; s++)   /* lanes of absent tokens: defined zeros */
+            for (int b = nb[g]; b < 8; b++) scg[s * 8 + b] = 0.0f;
+        k3_mla_softmax8(scg, p0g[g], nb[g]);
+    }
+    /* value sum, 16 channels at a time; positions beyond p0g[g] are seen by some tokens only */
+    k3_mla_values(KV, ldkv, dn, dv, G, p0g, sc, ldsc, O, ldo, nb);
 }
 
 #endif /* K3_HAVE_SIMD_PATHS */
