@@ -84,7 +84,7 @@ cdef extern from "k3route.h" nogil:
                               double *out)
 
 cdef extern from "k3mla.h" nogil:
-    long k3_mla_block_work(long dq, long dv, long npos)
+    long k3_mla_block_work(long dq, long npos)
     int K3_MLA_G
     void k3_mla_block_avx512(const float *Q, long ldq, const float *KV, long ldkv,
                              const float *R, long ldr, long dn, long dr, long dv, long p0,
@@ -980,7 +980,7 @@ cdef void _mla_block_head(void *ctx, long item) noexcept nogil:
     """One (head, up to 8 * K3_MLA_G consecutive tokens) of the AVX-512 path (k3mla.h)."""
     cdef _MlaTask *m = <_MlaTask *>ctx
     cdef long dq = m.dn + m.dr, h = item % m.H, t0 = (item // m.H) * 8 * K3_MLA_G
-    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.dv, m.npos) * sizeof(double))
+    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.npos) * sizeof(double))
     if work == NULL:
         m.oom = 1
         return
@@ -1002,11 +1002,12 @@ def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, 
     the chains overlap instead of waiting on each other's adds), and the value sum walks
     the cache row by row (contiguous dv floats per position) into dv float32 accumulators,
     each of which still adds its terms in ascending position order from 0.  On the AVX-512
-    path the items are (head, block of up to 8 consecutive tokens), each computed by
-    k3mla.h with the same per-output orders; a decode step's one token runs there too (a
-    block of 1: its 16 heads are the items): 8 independent score chains and vector value
-    sums instead of the scalar loop, 2.1x on a 1,024-position context
-    (docs/benchmarks-kernels.md)."""
+    path the items are (head, up to 8 blocks of 8 consecutive tokens), each computed by
+    k3mla.h with the same per-output orders, the blocks sharing each cache row's reads; a
+    decode step's one token has its own form there (its heads are the items; 32 positions
+    scored at a time in the double lanes).  docs/benchmarks-kernels.md: a decode step's
+    attention over 8,192 positions 1.3-2.1x, a 2,048-position prefill's 2.1-2.5x faster
+    than with one block per item."""
     cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
     cdef Py_ssize_t npos = n_past + T
     if Q.shape[1] != H * dq or KV.shape[1] != H * dkv or O.shape[1] != H * dv:

@@ -1,15 +1,18 @@
-/* MLA attention for a block of up to 8 consecutive tokens of one head, AVX-512 (§4.5).
+/* MLA attention of one head for up to 8 blocks of 8 consecutive tokens, or for a decode
+ * step's lone token, AVX-512 (§4.5).
  *
- * Why a block: in a prefill every token of a head reads the same cache rows, so the rows
- * are read (and widened to double) once per block instead of once per token, and the
+ * Why blocks: in a prefill every token of a head reads the same cache rows, so the rows
+ * are read (and widened to double) once per item instead of once per token, and a block's
  * eight tokens fill the eight double lanes of a score vector: lane b holds token b's one
  * sequential double accumulator, which runs over the nope dims then the rope dims exactly
  * as the scalar form (fma(q, k, d) rounds like d + q*k: the float x float product is
  * exact in double).  Eight positions are scored at once so eight independent FMA chains
- * hide the FMA latency.  Softmax is the scalar code (libm expf, double normaliser); the
- * value sum keeps one float32 accumulator per (token, channel), terms in ascending
- * position order from +0.0, each product rounded before its add (separate mul and add:
- * this file is built with -ffp-contract=off, like every other).
+ * hide the FMA latency.  Softmax: the scalar form's max, libm's expf (or its checked
+ * replica, k3math.h) and a double normaliser, lane by lane; the value sum keeps one
+ * float32 accumulator per (token, channel), terms in ascending position order from +0.0,
+ * each product rounded before its add (separate mul and add: this file is built with
+ * -ffp-contract=off, like every other).  A lone token has the positions in the lanes
+ * instead (k3_mla_one_avx512), with the same orders.
  *
  * Only compiled into a target("avx512...") function and only called when the run-time
  * check selected the AVX-512 path (k3dot.h); tests compare it with the scalar kernel.
@@ -150,10 +153,9 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_dots32(const float *const (*rows)[8], long 
 
 /* Doubles of scratch k3_mla_block_avx512 needs for up to 8 * K3_MLA_G tokens over npos
  * positions (a lone token takes k3_mla_one_avx512). */
-static inline long k3_mla_block_work(long dq, long dv, long npos) {
+static inline long k3_mla_block_work(long dq, long npos) {
     const long blk = (K3_MLA_G + 1) * 8 * dq + K3_MLA_G * 4 * (npos + 8);
     const long one = dq + (npos + 32 + 1) / 2;
-    (void)dv;
     return blk > one ? blk : one;
 }
 
