@@ -1850,6 +1850,20 @@ def test_mla_one_token_over_a_long_context():
                              KV, R, past, H, dn, dv, want)
 
 
+def test_mla_prefill_over_several_items():
+    """A prompt longer than one work item of the AVX-512 path (8 blocks of 8 tokens per
+    item, sharing each cache row's reads): tokens in the first, a full middle and a ragged
+    last item (133 = 64 + 64 + 5, over a 5-position past) equal one-token calls and the
+    exact-order reference bitwise on every path, odd widths."""
+    r = rng(133)
+    H, dn, dr, dv, Tm, past = 2, 19, 5, 21, 133, 5
+    Q = rand_f32(r, (Tm, H * (dn + dr)), 0.6)
+    KV = rand_f32(r, (past + Tm, H * (dn + dv)))
+    R = rand_f32(r, (past + Tm, dr))
+    check_mla_every_path("mla three items", Q, KV, R, past, H, dn, dv,
+                         ref_mla(Q, KV, R, past, H, dn, dv))
+
+
 def check_mla_every_path(label, Q, KV, R, past, H, dn, dv, want):
     """On every ISA (avx512: blocks of up to 8 tokens, k3mla.h), a T-token mla_attention
     equals T one-token calls and `want` (the exact-order reference), bitwise."""
