@@ -1865,8 +1865,9 @@ def test_mla_prefill_over_several_items():
 
 
 def check_mla_every_path(label, Q, KV, R, past, H, dn, dv, want):
-    """On every ISA (avx512: blocks of up to 8 tokens, k3mla.h), a T-token mla_attention
-    equals T one-token calls and `want` (the exact-order reference), bitwise."""
+    """On every ISA (avx512: items of up to 8 blocks of 8 tokens, and a lone token's own
+    form, k3mla.h), a T-token mla_attention equals T one-token calls and `want` (the
+    exact-order reference), bitwise."""
     Tm = Q.shape[0]
     for name in K.isas_available():
         with isa(name):
