@@ -145,7 +145,7 @@ def test_doctor_names_the_wide_matvec_path(capsys):
         for mode, said in ((1, "the 2 x 4 tiles"), (0, "the panels")):
             K.set_panel_wide_tiles(mode)
             rc, out = run_doctor(capsys)
-            assert f"wider than 2,730 inputs: {said}" in section(out, "engine"), out
+            assert f"wider than {K.PANEL_WIDE_INPUTS:,} inputs: {said}" in section(out, "engine"), out
     finally:
         K.set_panel_wide_tiles(-1)
     print(f"[gate] doctor names the wide-matvec path; CPU vendor {vendor}: tiles "

@@ -41,6 +41,7 @@ cdef extern from "k3dot.h" nogil:
     int k3_panel_wide_tiles_on()
     void k3_set_mx_tokens_min(long t)
     enum: K3_PANEL_MIN_TOKENS
+    long K3_PANEL_WIDE_INPUTS
     int k3_isa()
     int k3_isa_best()
     void k3_e8m0_init()
@@ -133,6 +134,7 @@ def set_token_block_bytes(long nbytes):
 
 
 PANEL_MIN_TOKENS = K3_PANEL_MIN_TOKENS    # the built-in threshold (the forecast prices by it)
+PANEL_WIDE_INPUTS = K3_PANEL_WIDE_INPUTS  # wider inputs: a panel block short of 48 tokens
 
 
 def set_panel_min_tokens(long ntok):

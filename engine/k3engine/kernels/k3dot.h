@@ -392,6 +392,7 @@ static inline long k3_tokens_fitting(long bytes, long n, long mult) {
  * 20:17).  Elsewhere the panels measured ahead at these widths (the 2026-12-01 table,
  * against that day's tiles), so other CPUs keep them.  -1: decide by the CPU; 0: panels;
  * 1: tiles.  No bit depends on it (tests/test_kernels.py runs both). */
+#define K3_PANEL_WIDE_INPUTS (K3_PANEL_X_BYTES / ((long)sizeof(double) * K3_PANEL_MAX_TOKENS))
 static int k3_panel_wide_tiles = 0;   /* the CPU's choice is set at module load */
 static void k3_set_panel_wide_tiles(int mode) {
     if (mode < 0) {
@@ -406,8 +407,7 @@ static void k3_set_panel_wide_tiles(int mode) {
 }
 static int k3_panel_wide_tiles_on(void) { return k3_panel_wide_tiles; }
 static inline int k3_panel_takes(long n) {
-    return n * (long)sizeof(double) * K3_PANEL_MAX_TOKENS <= K3_PANEL_X_BYTES
-           || !k3_panel_wide_tiles;
+    return n <= K3_PANEL_WIDE_INPUTS || !k3_panel_wide_tiles;
 }
 
 /* One ISA's panel tile, 4 rows x B <= PB tokens: VEC holds VL doubles, NV = 16 / VL

@@ -177,6 +177,7 @@ K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *KV, lo
     double *qd = work;
     float *sc = (float *)(work + dq);  /* npos + 32 floats: the last block's spare lanes */
     for (long i = 0; i < dq; i++) qd[i] = (double)Q[i];
+    const __m256 vkappa = _mm256_set1_ps(kappa);
     for (long s0 = 0; s0 < npos; s0 += 32) {
         const float *kr[4][8], *rr[4][8];
         for (int b = 0; b < 4; b++)
@@ -188,7 +189,6 @@ K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *KV, lo
         for (int b = 0; b < 4; b++) d[b] = _mm512_setzero_pd();
         k3_mla_dots32((const float *const (*)[8])kr, dn, qd, d);
         k3_mla_dots32((const float *const (*)[8])rr, dr, qd + dn, d);
-        const __m256 vkappa = _mm256_set1_ps(kappa);
         for (int b = 0; b < 4; b++)    /* f32(f32(d) * kappa) */
             _mm256_storeu_ps(sc + s0 + 8 * b, _mm256_mul_ps(_mm512_cvtpd_ps(d[b]), vkappa));
     }

@@ -249,7 +249,7 @@ def check_engine(r: Report, st: State) -> None:
         r.info("one- and two-token MXFP4 matvecs: the double path (the integer one is off: "
                "K3_MXFP4_INT=0 or K3_KERNEL_ISA below avx512)")
     if K.isa() == "avx512":
-        r.info("prefill matvecs wider than 2,730 inputs: "
+        r.info(f"prefill matvecs wider than {K.PANEL_WIDE_INPUTS:,} inputs: "
                + ("the 2 x 4 tiles (AMD: faster there than the panels)" if K.panel_wide_tiles()
                   else "the panels"))
     path = {"avx2": "AVX2", "avx512": "AVX-512"}.get(K.isa())
