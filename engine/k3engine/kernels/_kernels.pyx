@@ -85,7 +85,7 @@ cdef extern from "k3route.h" nogil:
                               double *out)
 
 cdef extern from "k3mla.h" nogil:
-    long k3_mla_block_work(long dq, long npos)
+    long k3_mla_block_work(long dq, long dv, long npos)
     int K3_MLA_G
     void k3_mla_block_avx512(const float *Q, long ldq, const float *KV, long ldkv,
                              const float *R, long ldr, long dn, long dr, long dv, long p0,
@@ -982,7 +982,7 @@ cdef void _mla_block_head(void *ctx, long item) noexcept nogil:
     """One (head, up to 8 * K3_MLA_G consecutive tokens) of the AVX-512 path (k3mla.h)."""
     cdef _MlaTask *m = <_MlaTask *>ctx
     cdef long dq = m.dn + m.dr, h = item % m.H, t0 = (item // m.H) * 8 * K3_MLA_G
-    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.npos) * sizeof(double))
+    cdef double *work = <double *>k3_scratch(k3_mla_block_work(dq, m.dv, m.npos) * sizeof(double))
     if work == NULL:
         m.oom = 1
         return

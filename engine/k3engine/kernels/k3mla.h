@@ -26,45 +26,77 @@
 #if K3_HAVE_SIMD_PATHS
 
 /* Token blocks per work item of a prefill: they share each widened key row and each value
- * line (from L2 after the first block's pass).  Why: items of one block re-read every cached
+ * row (copied once per chunk, k3_mla_values).  Why: items of one block re-read every cached
  * row of their head per 8 tokens, so a long prompt's attention waited on memory (perf: ~70 %
  * of a 2,048-position prefill's MLA samples on the key and value row loads; rows are a
  * position's heads apart, a new page each). */
 #define K3_MLA_G 8
 
+/* Positions per chunk of a prefill item's value pass.  Why chunks: the pass used to walk
+ * all of a head's positions per 16 channels and block, reading one line of a row 16 KB
+ * from the last (mid) and, with 8 blocks' lane counts to honour, storing its 8
+ * accumulators to the stack at every position (GCC kept them there); perf put ~45 % of a
+ * 512-token call over 8,192 positions in that loop, a quarter of it on the row loads.  Now
+ * a chunk's value rows are copied side by side into scratch once, every channel pass and
+ * block reads them from L1 with its accumulators in registers, and the accumulators wait
+ * in memory between chunks (exact: a float stored and loaded is the same float).  Software
+ * prefetch of the next chunk's rows measured no different (1 thread, alternated three
+ * times), so there is none. */
+#define K3_MLA_VCHUNK 32
+
 /* For each block g < G of nb[g] tokens at positions p0[g] .. p0[g] + nb[g] - 1 (weights sc
- * + g * ldsc, [position][8]): O[8g + b] = sum over positions s <= p0[g] + b of
- * f32(weight * v[s]), ascending from +0.0; lanes b >= nb[g] compute unused zeros.  The
- * blocks run inside each 16-channel pass, so their passes over the same value lines follow
- * each other. */
+ * + g * ldsc, [position][8]; p0 ascending): O[8g + b] = sum over positions s <= p0[g] + b
+ * of f32(weight * v[s]), ascending from +0.0; lanes b >= nb[g] compute unused values.
+ * acc: (G * 8 + K3_MLA_VCHUNK) * k3_mla_dv16(dv) floats of scratch. */
+static inline long k3_mla_dv16(long dv) { return (dv + 15) & ~15L; }
 K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn, long dv,
                                            int G, const long *p0, const float *sc, long ldsc,
-                                           float *O, long ldo, const int *nb) {
+                                           float *O, long ldo, const int *nb, float *acc) {
+    const long dvp = k3_mla_dv16(dv), last = p0[G - 1];
+    const float *v = KV + dn;
+    float *vc = acc + G * 8 * dvp;     /* a chunk's value rows, dvp floats apart */
+    for (long i = 0; i < G * 8 * dvp; i++) acc[i] = 0.0f;
+    /* every token's positions 0 .. p0[g]: chunk by chunk, each chunk channels then blocks */
+    for (long c0 = 0; c0 <= last; c0 += K3_MLA_VCHUNK) {
+        const long c1 = last + 1 - c0 < K3_MLA_VCHUNK ? last + 1 : c0 + K3_MLA_VCHUNK;
+        for (long s = c0; s < c1; s++)
+            for (long j0 = 0; j0 < dvp; j0 += 16) {
+                const __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF
+                                                  : (__mmask16)((1u << (dv - j0)) - 1);
+                _mm512_storeu_ps(vc + (s - c0) * dvp + j0, _mm512_maskz_loadu_ps(m, v + s * ldkv + j0));
+            }
+        for (long j0 = 0; j0 < dvp; j0 += 16)
+            for (int g = 0; g < G; g++) {
+                const long e = c1 < p0[g] + 1 ? c1 : p0[g] + 1;
+                if (c0 >= e) continue;
+                const float *w = sc + g * ldsc;
+                float *ag = acc + g * 8 * dvp + j0;
+                __m512 a[8];
+                for (int b = 0; b < 8; b++) a[b] = _mm512_loadu_ps(ag + b * dvp);
+                for (long s = c0; s < e; s++) {
+                    __m512 vv = _mm512_loadu_ps(vc + (s - c0) * dvp + j0);
+                    for (int b = 0; b < 8; b++)
+                        a[b] = _mm512_add_ps(a[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
+                }
+                for (int b = 0; b < 8; b++) _mm512_storeu_ps(ag + b * dvp, a[b]);
+            }
+    }
+    /* then each block's own causal tail: token b stops at position p0[g] + b */
     for (long j0 = 0; j0 < dv; j0 += 16) {
-        __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - j0)) - 1);
-        const float *v = KV + dn + j0;
+        const __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - j0)) - 1);
         for (int g = 0; g < G; g++) {
             const float *w = sc + g * ldsc;
-            const long q0 = p0[g], npos = q0 + nb[g];
-            __m512 acc[8];
-            for (int b = 0; b < 8; b++) acc[b] = _mm512_setzero_ps();
-            for (long s = 0; s <= q0; s++) {
-                /* one line per row a pass, each row on its own page: no hardware prefetcher
-                 * follows, so the first block's pass asks 16 rows ahead (512 tokens over
-                 * 2,560 positions, four alternations: 187-205 against 208-287 ms) */
-                _mm_prefetch((const char *)(v + (s + 16) * ldkv), _MM_HINT_T0);
-                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
+            const float *ag = acc + g * 8 * dvp + j0;
+            const long q0 = p0[g];
+            __m512 a[8];
+            for (int b = 0; b < 8; b++) a[b] = _mm512_loadu_ps(ag + b * dvp);
+            for (long s = q0 + 1; s < q0 + nb[g]; s++) {
+                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv + j0);
                 for (int b = 0; b < 8; b++)
-                    acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
-            }
-            for (long s = q0 + 1; s < npos; s++) {
-                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv);
-                for (int b = 0; b < 8; b++)    /* causal: token b stops at position q0 + b */
                     if (s <= q0 + b)
-                        acc[b] = _mm512_add_ps(acc[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
+                        a[b] = _mm512_add_ps(a[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
             }
-            for (int b = 0; b < nb[g]; b++)
-                _mm512_mask_storeu_ps(O + (8 * g + b) * ldo + j0, m, acc[b]);
+            for (int b = 0; b < nb[g]; b++) _mm512_mask_storeu_ps(O + (8 * g + b) * ldo + j0, m, a[b]);
         }
     }
 }
@@ -157,8 +189,9 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_dots32(const float *const (*rows)[8], long 
 
 /* Doubles of scratch k3_mla_block_avx512 needs for up to 8 * K3_MLA_G tokens over npos
  * positions (a lone token takes k3_mla_one_avx512). */
-static inline long k3_mla_block_work(long dq, long npos) {
-    const long blk = (K3_MLA_G + 1) * 8 * dq + K3_MLA_G * 4 * (npos + 8);
+static inline long k3_mla_block_work(long dq, long dv, long npos) {
+    const long blk = (K3_MLA_G + 1) * 8 * dq + K3_MLA_G * 4 * (npos + 8) +
+                     (K3_MLA_G * 8 + K3_MLA_VCHUNK) * k3_mla_dv16(dv) / 2 + 1;
     const long one = dq + (npos + 32 + 1) / 2;
     return blk > one ? blk : one;
 }
@@ -255,6 +288,7 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
     double *qt = work;                    /* [G][dq][8]: block g's token b's query in lane b */
     double *kd = qt + G * 8 * dq;         /* [8][dq]: eight cache rows widened */
     float *sc = (float *)(kd + 8 * dq);   /* [G][npos + 8][8]: scores, then weights */
+    float *acc = sc + G * ldsc;           /* value sums and rows (k3_mla_values) */
     for (int g = 0; g < G; g++)
         for (long i = 0; i < dq; i++)
             for (int b = 0; b < 8; b++)
@@ -295,7 +329,7 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
         k3_mla_softmax8(scg, p0g[g], nb[g]);
     }
     /* value sum, 16 channels at a time; positions beyond p0g[g] are seen by some tokens only */
-    k3_mla_values(KV, ldkv, dn, dv, G, p0g, sc, ldsc, O, ldo, nb);
+    k3_mla_values(KV, ldkv, dn, dv, G, p0g, sc, ldsc, O, ldo, nb, acc);
 }
 
 #endif /* K3_HAVE_SIMD_PATHS */
