@@ -33,9 +33,12 @@ def main() -> None:
     H = a.heads
     r = np.random.default_rng(5)
     cap = max(t + p for t, p in CASES)
-    KV = r.standard_normal((cap, H * (DN + DV)), dtype=np.float32)
-    R = r.standard_normal((cap, DR), dtype=np.float32)
-    print(f"kernels {K.__file__}, path {K.isa()}, heads {H}, cache {KV.nbytes / 1e6:.0f} MB")
+    B = K.KEY_BLOCK                        # the cache as state.MLAState holds it
+    Kb = r.standard_normal((H, -(-cap // B), DN, B), dtype=np.float32)
+    Vc = r.standard_normal((H, cap, DV), dtype=np.float32)
+    Rb = r.standard_normal((-(-cap // B), DR, B), dtype=np.float32)
+    print(f"kernels {K.__file__}, path {K.isa()}, heads {H}, "
+          f"cache {(Kb.nbytes + Vc.nbytes) / 1e6:.0f} MB")
     for nt in (int(x) for x in a.threads.split(",")):
         K.set_num_threads(nt)
         for T, past in CASES:
@@ -44,7 +47,7 @@ def main() -> None:
             times = []
             for _ in range(a.repeat if T == 1 else 3):
                 t0 = time.perf_counter()
-                K.mla_attention(Q, KV, R, past, H, DN, DV, O)
+                K.mla_attention(Q, Kb, Vc, Rb, past, O)
                 times.append(time.perf_counter() - t0)
             print(f"  {nt} thread(s) T={T:5d} over {past + T:6d} positions: "
                   f"{statistics.median(times) * 1e3:9.2f} ms (median of {len(times)}), "

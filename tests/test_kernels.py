@@ -35,6 +35,7 @@ import pytest
 
 from conftest import REPO, load_fixture, tens
 from k3engine import kernels as K
+from k3engine.state import MLAState
 
 # ---- plumbing ---------------------------------------------------------------------------
 
@@ -1058,7 +1059,7 @@ def test_results_independent_of_thread_count():
         Skda, Okda = S0.copy(), np.empty((T, H * D), np.float32)
         K.kda_recurrence(Skda, Q, Kk, V, A, B, K.kda_q_scale(D), Okda)
         Om = np.empty((Tm, Hm * dv), np.float32)
-        K.mla_attention(Qm, KV, R, past, Hm, dn, dv, Om)
+        mla_rows(Qm, KV, R, past, Hm, dn, dv, Om)
         return {"matvec f32 512x1029": mv(W, X), "matvec bf16 512x1029": mv(Wb, X),
                 "mxfp4 512x1024": mv4(P, S, X4), "kda_recurrence out": Okda,
                 "kda_recurrence state": Skda, "mla_attention": Om}
@@ -1173,11 +1174,12 @@ K.set_num_threads(1)
 r = np.random.default_rng(1)
 H, dn, dr, dv, npos = 2, 16, 8, 16, 60000
 Q = r.standard_normal((1, H * (dn + dr))).astype(np.float32)
-KV = r.standard_normal((npos, H * (dn + dv))).astype(np.float32)
-R = r.standard_normal((npos, dr)).astype(np.float32)
+Kb = r.standard_normal((H, npos // 8, dn, 8)).astype(np.float32)
+Vc = r.standard_normal((H, npos, dv)).astype(np.float32)
+Rb = r.standard_normal((npos // 8, dr, 8)).astype(np.float32)
 O = np.empty((1, H * dv), np.float32)
 def one():
-    K.mla_attention(Q, KV, R, npos - 1, H, dn, dv, O)
+    K.mla_attention(Q, Kb, Vc, Rb, npos - 1, O)
 one()
 rss0 = psutil.Process().memory_info().rss
 for i in range(200):
@@ -1650,6 +1652,15 @@ def ref_attnres(V, phi, eps):
     return out
 
 
+def mla_rows(Q, KV, R, n_past, H, dn, dv, O):
+    """K.mla_attention over the spec's cache rows KV [n, H*(dn+dv)], laid out as the state
+    holds them (key blocks and value planes, state.MLAState)."""
+    st = MLAState.zeros(H, dn, dv, R.shape[1], KV.shape[0])
+    st.set_rows(0, KV)
+    st.set_rope(0, R)
+    K.mla_attention(Q, st.k, st.v, st.rope, n_past, O)
+
+
 def ref_mla(Q, KV, R, n_past, H, dn, dv):
     """§4.5 attention over the cache: one double accumulator (nope then rope terms),
     sc = f32(f32(d) * kappa), kappa = f32(1/sqrtf(dn+dr)); libm softmax with a double
@@ -1773,7 +1784,7 @@ def test_attnres_and_mla_exact_order():
     KV = rand_f32(r, (past + Tm + 2, H * (dn + dv)))
     R = rand_f32(r, (past + Tm + 2, dr))
     O = np.empty((Tm, H * dv), np.float32)
-    K.mla_attention(Q, KV, R, past, H, dn, dv, O)
+    mla_rows(Q, KV, R, past, H, dn, dv, O)
     assert_bitwise(f"mla_attention T={Tm} past={past} H={H} dn={dn} dr={dr} dv={dv}", O,
                    ref_mla(Q, KV, R, past, H, dn, dv))
 
@@ -1872,10 +1883,10 @@ def check_mla_every_path(label, Q, KV, R, past, H, dn, dv, want):
     for name in K.isas_available():
         with isa(name):
             O = np.empty((Tm, H * dv), np.float32)
-            K.mla_attention(Q, KV, R, past, H, dn, dv, O)
+            mla_rows(Q, KV, R, past, H, dn, dv, O)
             one = np.empty_like(O)
             for t in range(Tm):
-                K.mla_attention(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
+                mla_rows(Q[t:t + 1], KV, R, past + t, H, dn, dv, one[t:t + 1])
         assert_bitwise(f"{label} T={Tm} vs per-position, {name}", O, one)
         assert_bitwise(f"{label} T={Tm} vs exact-order ref, {name}", O, want)
 

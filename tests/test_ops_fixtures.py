@@ -144,7 +144,7 @@ def test_mla_causal_with_intermediates():
     w = _mla_weights(fx)
     y = mla(w, x, st, 0, cfg)
     check_close("mla out", y, tens(fx, "out")[0])
-    check_close("mla k_rope", st.rope, tens(fx, "k_rope")[0])
+    check_close("mla k_rope", st.rope_rows(0, x.shape[0]), tens(fx, "k_rope")[0])
     lat = np.empty((x.shape[0], cfg.kv_lora), np.float32)
     c = np.empty((x.shape[0], w.kv_a_proj.shape[0]), np.float32)
     K.matvec(w.kv_a_proj, x, c)

@@ -67,8 +67,9 @@ def _same_state(a, b) -> int:
     n = 0
     for x, y in zip(a.layers, b.layers):
         arrays = ((x.S, y.S), (x.conv_q, y.conv_q), (x.conv_k, y.conv_k), (x.conv_v, y.conv_v)) \
-            if isinstance(x, KDAState) else ((x.kv[:a.n_cached], y.kv[:a.n_cached]),
-                                             (x.rope[:a.n_cached], y.rope[:a.n_cached]))
+            if isinstance(x, KDAState) else ((x.rows(0, a.n_cached), y.rows(0, a.n_cached)),
+                                             (x.rope_rows(0, a.n_cached),
+                                              y.rope_rows(0, a.n_cached)))
         for p, q in arrays:
             assert np.array_equal(p.view(np.uint32), q.view(np.uint32))
             n += p.size

@@ -13,7 +13,8 @@ import pytest
 
 from k3engine import statefile
 from k3engine.config import parse_config
-from k3engine.state import KDAState, SequenceState
+from k3engine.kernels import KEY_BLOCK
+from k3engine.state import KDAState, MLAState, SequenceState, grown
 from k3engine.statefile import (HASH_INIT, HEADER_SIZE, StateFileError, load_state,
                                 model_fingerprint, peek_state, save_state, state_hash)
 
@@ -32,20 +33,25 @@ TOKENS = [3, 10, 17, 24, 31, 38]  # nseq = cached + 1: the last emitted id is pe
 
 
 def arrays(state):
-    """(name, array) for every array of the state, in layer order."""
+    """(name, array) for every array of the state, in layer order; an MLA layer's cache as
+    the spec's position-major rows (copies: state.MLAState keeps it in key blocks)."""
     out = []
     for L, st in enumerate(state.layers):
-        names = ("S", "conv_q", "conv_k", "conv_v") if isinstance(st, KDAState) \
-            else ("kv", "rope")
-        out += [(f"layer {L} {n}", getattr(st, n)) for n in names]
+        if isinstance(st, KDAState):
+            out += [(f"layer {L} {n}", getattr(st, n)) for n in ("S", "conv_q", "conv_k", "conv_v")]
+        else:
+            out += [(f"layer {L} kv", st.rows(0, state.capacity)),
+                    (f"layer {L} rope", st.rope_rows(0, state.capacity))]
     return out
 
 
 def make_state(cfg_dict=PLAN, capacity=CAP, n_layers=N_BOUND, seed=0, fill="random"):
     state = SequenceState(parse_config(dict(cfg_dict)), capacity, n_layers)
     rng = np.random.default_rng(seed)
-    for _, a in arrays(state):
-        a[...] = rng.standard_normal(a.shape) if fill == "random" else fill
+    for st in state.layers:           # every array, an MLA cache's blocks included
+        for a in vars(st).values():
+            if isinstance(a, np.ndarray):
+                a[...] = rng.standard_normal(a.shape) if fill == "random" else fill
     state.n_cached = CACHED if fill == "random" else 0
     return state
 
@@ -177,8 +183,14 @@ def test_file_layout_and_hash_follow_the_spec(tmp_path):
     for i, st in enumerate(mla):
         kv = np.frombuffer(regions[2 + i], "<f4").reshape(cached, kvpp)
         rope = np.frombuffer(regions[2 + n_mla + i], "<f4").reshape(cached, ropepp)
-        assert np.array_equal(bits(kv), bits(st.kv[:cached]))
-        assert np.array_equal(bits(rope), bits(st.rope[:cached]))
+        # the spec's rows: per position, each head's k_nope then v; the state holds k_nope
+        # and the rope keys in blocks of KEY_BLOCK positions (lane = position in the block)
+        H, _, dn, B = st.k.shape
+        k = st.k.transpose(0, 1, 3, 2).reshape(H, -1, dn)[:, :cached]
+        want = np.concatenate([k, st.v[:, :cached]], axis=2).transpose(1, 0, 2)
+        assert np.array_equal(bits(kv), bits(want.reshape(cached, -1)))
+        want = st.rope.transpose(0, 2, 1).reshape(-1, ropepp)[:cached]
+        assert np.array_equal(bits(rope), bits(want))
 
     h = HASH_INIT
     for r in regions:  # region by region: each tail restarts
@@ -502,3 +514,48 @@ def test_huge_layer_counts_are_refused_at_peek_without_building_lists(saved, tmp
     mut.write_bytes(bytes(raw))
     with pytest.raises(StateFileError, match="is truncated"):
         peek_state(mut)
+
+
+# The MLA cache's own layout (state.MLAState): files hold the spec's rows, memory blocks.
+
+@pytest.mark.parametrize("capacity", [37, 40])
+def test_mla_cache_rows_go_through_the_key_blocks_bit_for_bit(capacity):
+    """Rows written at any offset (a ragged block at either end, whole blocks between)
+    read back bit for bit, land at k[h, p // KEY_BLOCK, :, p % KEY_BLOCK] and v[h, p], and
+    leave every other position as it was; the rope keys likewise."""
+    H, dn, dv, dr = 3, 5, 4, 6
+    rng = np.random.default_rng(7)
+    st = MLAState.zeros(H, dn, dv, dr, capacity)
+    before = st.rows(0, capacity)
+    for p0, n in ((3, 22), (0, 8), (capacity - 5, 5), (9, 1)):
+        rows = rng.standard_normal((n, H * (dn + dv))).astype(np.float32)
+        rope = rng.standard_normal((n, dr)).astype(np.float32)
+        st.set_rows(p0, rows)
+        st.set_rope(p0, rope)
+        assert np.array_equal(bits(st.rows(p0, p0 + n)), bits(rows)), (p0, n)
+        assert np.array_equal(bits(st.rope_rows(p0, p0 + n)), bits(rope)), (p0, n)
+        for i in (0, n // 2, n - 1):
+            p, B = p0 + i, KEY_BLOCK
+            for h in range(H):
+                assert np.array_equal(st.k[h, p // B, :, p % B], rows[i, h * 9:h * 9 + dn])
+                assert np.array_equal(st.v[h, p], rows[i, h * 9 + dn:(h + 1) * 9])
+            assert np.array_equal(st.rope[p // B, :, p % B], rope[i])
+        after = st.rows(0, capacity)
+        outside = np.ones(capacity, bool)
+        outside[p0:p0 + n] = False
+        assert np.array_equal(bits(after[outside]), bits(before[outside])), (p0, n)
+        before = after
+
+
+def test_a_grown_state_keeps_its_cached_positions():
+    """grown(): a chat turn that outgrows the cache gets a bigger one holding the same
+    cached rows and rope keys (a ragged last key block included)."""
+    src = make_state()
+    big = grown(src, CAP + 21)
+    assert big.capacity == CAP + 21 and big.n_cached == CACHED
+    for a, b in zip(src.layers, big.layers):
+        if isinstance(a, MLAState):
+            assert np.array_equal(bits(a.rows(0, CACHED)), bits(b.rows(0, CACHED)))
+            assert np.array_equal(bits(a.rope_rows(0, CACHED)), bits(b.rope_rows(0, CACHED)))
+        else:
+            assert np.array_equal(bits(a.S), bits(b.S))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy as np
+
 ALIGN = 4096                 # O_DIRECT offset/length/address granularity
 ARENA_ALIGN = 2 << 20        # arenas are 2 MiB aligned (any O_DIRECT alignment; see AlignedBuffer)
 CHUNK = 64 << 20             # one parallel read request (SYSTEM §2.5)
@@ -51,15 +53,16 @@ class AlignedBuffer:
     (huge pages slower) was on the same kind of VM, where memory handed back to the host
     costs ~2.5 s/GB on its next first touch and huge pages are the ones that get it."""
 
-    def __init__(self, nbytes: int, align: int = ARENA_ALIGN):
+    def __init__(self, nbytes: int, align: int = ARENA_ALIGN, huge: bool = True):
         self.nbytes = nbytes
         size = align_up(max(nbytes, 1), ALIGN)
         private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         self._map = mmap.mmap(-1, size + align, flags=private) if private else \
             mmap.mmap(-1, size + align)
-        if private and hasattr(mmap, "MADV_HUGEPAGE"):
+        advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+        if private and advice is not None:
             try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self._map.madvise(advice)
             except OSError:                       # THP compiled out: 4 KiB pages
                 pass
         addr = _address(self._map)
@@ -69,6 +72,17 @@ class AlignedBuffer:
     def close(self) -> None:
         self.view.release()
         self._map.close()
+
+
+def zeroed_f32(shape: tuple[int, ...], huge: bool = True) -> np.ndarray:
+    """A zero-filled float32 array on its own anonymous mapping, its pages touched only
+    when written (huge: advised for 2 MiB pages, else 4 KiB ones).  The array keeps the
+    mapping alive."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return np.frombuffer(AlignedBuffer(4 * n, ALIGN, huge).view, np.float32,
+                         count=n).reshape(shape)
 
 
 def _address(m: mmap.mmap) -> int:

@@ -405,7 +405,9 @@ def calibrate_small(seconds: float = KERNEL_SECONDS / 4) -> dict:
     stack, run, phi = f32(S, 1, E), f32(1, E), f32(E)
     out = np.empty((1, E), np.float32)
     Hm, dn, dr, dv, ctx = 4, 128, 64, 128, 256
-    q, kv, rope = f32(1, Hm * (dn + dr)), f32(ctx, Hm * (dn + dv)), f32(ctx, dr)
+    B = K.KEY_BLOCK                      # the cache's layout (state.MLAState)
+    q, vc = f32(1, Hm * (dn + dr)), f32(Hm, ctx, dv)
+    kb, rope = f32(Hm, ctx // B, dn, B), f32(ctx // B, dr, B)
     om = np.empty((1, Hm * dv), np.float32)
     work = {
         "router": (lambda _: K.router(router_w, x1, bias, 8, True, 1.0, idx, wts), 64 * E),
@@ -416,7 +418,7 @@ def calibrate_small(seconds: float = KERNEL_SECONDS / 4) -> dict:
         "decay": (lambda _: K.kda_decay(g, a_log, dt, -5.0, out_p, out_q), P),
         "gate": (lambda _: K.mul_sigmoid(y, one), P),   # sigma = 1: y stays normal
         "attnres": (lambda _: K.attnres(stack, S, run, phi, 1e-5, out), (S + 1) * E),
-        "mla": (lambda _: K.mla_attention(q, kv, rope, ctx - 1, Hm, dn, dv, om),
+        "mla": (lambda _: K.mla_attention(q, kb, vc, rope, ctx - 1, om),
                 ctx * Hm * (dn + dr + dv)),
     }
     return {kind: _cold_seconds(fn, [None], seconds) / n for kind, (fn, n) in work.items()}

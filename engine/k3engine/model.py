@@ -80,10 +80,10 @@ def mla(w: MLAWeights, x_TE: np.ndarray, st: MLAState, n_past: int,
     q_T = mv(w.q_b_proj, rmsnorm(qa_T, w.q_a_norm, cfg.rms_eps))
     lat_T = np.ascontiguousarray(c_T[:, :R_kv])
     K.rmsnorm(lat_T, w.kv_a_norm, cfg.rms_eps, lat_T)             # latent only (trap #20)
-    st.rope[n_past:n_past + T] = c_T[:, R_kv:R_kv + dr]           # raw, never rotated
-    mv(w.kv_b_proj, lat_T, st.kv[n_past:n_past + T])              # expanded k_nope | v
+    st.set_rope(n_past, c_T[:, R_kv:R_kv + dr])                   # raw, never rotated
+    st.set_rows(n_past, mv(w.kv_b_proj, lat_T))                   # expanded k_nope | v
     o_T = _f32(T, H * dv)
-    K.mla_attention(q_T, st.kv, st.rope, n_past, H, dn, dv, o_T)
+    K.mla_attention(q_T, st.k, st.v, st.rope, n_past, o_T)
     if gated:                                                     # gate BEFORE o_proj
         K.mul_sigmoid(o_T, gate_T[0])
     return mv(w.o_proj, o_T)

@@ -2,7 +2,8 @@
 
 KDA layers carry the recurrent matrix S [H, D, D] (row = key channel) and the raw
 ShortConv history of q, k and v [P, K-1] (oldest first).  MLA layers carry the expanded
-cache KV [capacity, H*(d_n+d_v)] and one shared rope key per position R [capacity, d_r].
+cache (the spec's rows KV [capacity, H*(d_n+d_v)], held here as per-head planes, see
+MLAState) and one shared rope key per position R [capacity, d_r].
 Nothing else crosses tokens: the AttnRes stack is rebuilt on every call (trap #32).
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
+from .diskio import zeroed_f32
+from .kernels import KEY_BLOCK  # positions per key block: the kernels' double lanes
 
 
 class CacheOverflowError(RuntimeError):
@@ -39,16 +42,109 @@ class KDAState:
             a.fill(0.0)
 
 
+def _key_blocks(blocks: np.ndarray, p0: int, rows: np.ndarray, put: bool) -> None:
+    """Copy positions p0 .. p0+n-1 between rows [n, G, d] and key blocks [G, n_blocks, d,
+    KEY_BLOCK] (position p: block p // KEY_BLOCK, lane p % KEY_BLOCK): into the blocks
+    when `put`, else out of them into `rows`."""
+    B, n = KEY_BLOCK, rows.shape[0]
+    i = 0
+    while i < n:
+        p = p0 + i
+        m = (n - i) // B if p % B == 0 else 0
+        if m:                                   # whole blocks at once
+            full = rows[i:i + B * m].reshape(m, B, *rows.shape[1:])
+            if put:
+                blocks[:, p // B:p // B + m] = full.transpose(2, 0, 3, 1)
+            else:
+                full[...] = blocks[:, p // B:p // B + m].transpose(1, 3, 0, 2)
+            i += B * m
+        else:                                   # a ragged block's positions one by one
+            if put:
+                blocks[:, p // B, :, p % B] = rows[i]
+            else:
+                rows[i] = blocks[:, p // B, :, p % B]
+            i += 1
+
+
 @dataclass
 class MLAState:
-    kv: np.ndarray
+    """The expanded cache, laid out for the attention kernels: `k` [H, n_blocks, d_n, 8]
+    holds head h's k_nope in blocks of 8 positions, dimension-major within a block (8
+    consecutive positions' values of one dimension side by side); `v` [H, capacity, d_v]
+    head h's value rows side by side; `rope` [n_blocks, d_r, 8] the shared rope keys in the
+    same blocks as `k`.  Files and the spec use position-major rows; `rows`, `set_rows`,
+    `rope_rows` and `set_rope` convert.
+
+    Why not the spec's rows [capacity, H*(d_n+d_v)]: attention reads one head's keys, then
+    its values, over every cached position.  In rows, a head's 512 B of keys sat a whole
+    row (16 KB in mid) from the next position's, which this machine read at 6-8 GB/s a core
+    against 26 GB/s for the same bytes side by side (a /tmp C loop; docs/benchmarks-
+    kernels.md); and a lone decode token, whose scores put 8 positions in the 8 double
+    lanes, had to transpose every 8 x 8 piece of 8 rows first (~50 ns a position and head
+    even in cache).  In blocks, a block's keys are one contiguous read and one load, one
+    convert and one FMA per dimension.  The prefill kernel reads the same blocks.
+
+    The arrays are on 4 KiB pages: 2 MiB ones would fault in 2 x H huge pages per layer at
+    the first position (64 MB a layer in mid), where the rows grew with the context."""
+    k: np.ndarray
+    v: np.ndarray
     rope: np.ndarray
 
     @classmethod
+    def zeros(cls, n_heads: int, d_n: int, d_v: int, d_r: int, capacity: int) -> "MLAState":
+        nb = -(-capacity // KEY_BLOCK)
+        return cls(zeroed_f32((n_heads, nb, d_n, KEY_BLOCK), huge=False),
+                   zeroed_f32((n_heads, capacity, d_v), huge=False),
+                   zeroed_f32((nb, d_r, KEY_BLOCK), huge=False))
+
+    @classmethod
     def empty(cls, cfg: ModelConfig, capacity: int) -> "MLAState":
-        width = cfg.n_heads * (cfg.qk_nope + cfg.v_head)
-        return cls(np.zeros((capacity, width), dtype=np.float32),
-                   np.zeros((capacity, cfg.qk_rope), dtype=np.float32))
+        return cls.zeros(cfg.n_heads, cfg.qk_nope, cfg.v_head, cfg.qk_rope, capacity)
+
+    @property
+    def width(self) -> int:
+        """Floats in a spec row: H*(d_n+d_v)."""
+        return self.k.shape[0] * (self.k.shape[2] + self.v.shape[2])
+
+    def _move_rows(self, p0: int, rows: np.ndarray, put: bool) -> None:
+        H, dn = self.k.shape[0], self.k.shape[2]
+        per_head = rows.reshape(rows.shape[0], H, -1)        # [n, H, d_n + d_v], a view
+        _key_blocks(self.k, p0, per_head[:, :, :dn], put)
+        v = self.v[:, p0:p0 + rows.shape[0]]
+        if put:
+            v[...] = per_head[:, :, dn:].transpose(1, 0, 2)
+        else:
+            per_head[:, :, dn:] = v.transpose(1, 0, 2)
+
+    def set_rows(self, p0: int, rows: np.ndarray) -> None:
+        """Positions p0 .. p0+n-1 from spec rows [n, H*(d_n+d_v)]."""
+        self._move_rows(p0, rows, put=True)
+
+    def rows(self, p0: int, p1: int) -> np.ndarray:
+        """Positions p0 .. p1-1 as spec rows [n, H*(d_n+d_v)] (a copy)."""
+        out = np.empty((p1 - p0, self.width), np.float32)
+        self._move_rows(p0, out, put=False)
+        return out
+
+    def set_rope(self, p0: int, rows: np.ndarray) -> None:
+        """Positions p0 .. p0+n-1 of the rope keys from rows [n, d_r]."""
+        _key_blocks(self.rope[None], p0, rows[:, None, :], put=True)
+
+    def rope_rows(self, p0: int, p1: int) -> np.ndarray:
+        """Positions p0 .. p1-1 of the rope keys as rows [n, d_r] (a copy)."""
+        out = np.empty((p1 - p0, self.rope.shape[1]), np.float32)
+        _key_blocks(self.rope[None], p0, out[:, None, :], put=False)
+        return out
+
+    def copy_prefix(self, src: "MLAState", n: int) -> None:
+        """Positions 0 .. n-1 from another state of the same dimensions."""
+        nb = -(-n // KEY_BLOCK)
+        self.k[:, :nb] = src.k[:, :nb]
+        self.v[:, :n] = src.v[:, :n]
+        self.rope[:nb] = src.rope[:nb]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self.k, self.v, self.rope
 
 
 class SequenceState:
@@ -99,7 +195,7 @@ class SequenceState:
         total = 0
         for st in {id(st): st for st in self.layers}.values():
             arrays = (st.S, st.conv_q, st.conv_k, st.conv_v) if isinstance(st, KDAState) \
-                else (st.kv, st.rope)
+                else st.arrays()
             total += sum(a.nbytes for a in arrays)
         return total
 
@@ -114,8 +210,7 @@ def grown(state: SequenceState, capacity: int) -> SequenceState:
     n = state.n_cached
     for old, dst in zip(state.layers, new.layers):
         if isinstance(old, MLAState):
-            dst.kv[:n] = old.kv[:n]
-            dst.rope[:n] = old.rope[:n]
+            dst.copy_prefix(old, n)
         else:
             for a, b in ((old.S, dst.S), (old.conv_q, dst.conv_q), (old.conv_k, dst.conv_k),
                          (old.conv_v, dst.conv_v)):

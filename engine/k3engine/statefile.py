@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from . import kernels as K
+from .kernels import KEY_BLOCK
 from .atomic import fsync_dir, publish_target
 from .config import ModelConfig
 from .state import KDAState, MLAState, SequenceState
@@ -157,7 +158,10 @@ def _geometry(state: SequenceState) -> _Geometry:
     for L, st in enumerate(state.layers):
         if cfg.is_mla(L):
             n_mla += 1
-            want = {"kv": (state.capacity, kvpp), "rope": (state.capacity, ropepp)}
+            B = KEY_BLOCK                     # the cache's layout (state.MLAState)
+            want = {"k": (cfg.n_heads, -(-state.capacity // B), cfg.qk_nope, B),
+                    "v": (cfg.n_heads, state.capacity, cfg.v_head),
+                    "rope": (-(-state.capacity // B), ropepp, B)}
             if not isinstance(st, MLAState):
                 raise ValueError(f"layer {L} is MLA but its state is {type(st).__name__}")
         else:
@@ -252,19 +256,25 @@ def _as_bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
+_ROWS_PER_PIECE = 256   # MLA rows staged at a time on save and load (4 MB in mid)
+
+
 def _payload_regions(state: SequenceState, ids: np.ndarray, geo: _Geometry
                      ) -> Iterator[list[memoryview]]:
-    """The payload as regions in file order, each a list of zero-copy pieces."""
+    """The payload as regions in file order, each an iterable of pieces: zero-copy, but
+    for the MLA cache, whose position-major rows are assembled from its key blocks and
+    value planes a few hundred positions at a time (state.MLAState)."""
     yield [_as_bytes(ids)]
     no_state = memoryview(bytes(4 * geo.kper))  # an MLA layer's recurrent slot
     yield [piece for st in state.layers
            for piece in ((_as_bytes(st.S), _as_bytes(st.conv_q), _as_bytes(st.conv_k),
                           _as_bytes(st.conv_v)) if isinstance(st, KDAState) else (no_state,))]
     mla = [st for st in state.layers if isinstance(st, MLAState)]
-    for st in mla:
-        yield [_as_bytes(st.kv[:state.n_cached])]
-    for st in mla:
-        yield [_as_bytes(st.rope[:state.n_cached])]
+    n = state.n_cached
+    for rows in (MLAState.rows, MLAState.rope_rows):
+        for st in mla:
+            yield (_as_bytes(rows(st, p, min(p + _ROWS_PER_PIECE, n)))
+                   for p in range(0, n, _ROWS_PER_PIECE))
 
 
 def _unlink_quietly(path: str) -> None:
@@ -474,8 +484,9 @@ def _verify_payload(f, path: str, hd: StateHeader) -> np.ndarray:
 
 
 def _restore(f, path: str, hd: StateHeader, state: SequenceState) -> None:
-    """Second pass: read the verified payload straight into the state's arrays (no
-    staging copy).  The file is the same open inode the first pass verified, and saves
+    """Second pass: read the verified payload straight into the state's arrays (the MLA
+    rows through a staging buffer of a few hundred positions, from which they go to the
+    cache's key blocks and value planes).  The file is the same open inode the first pass verified, and saves
     publish by rename, never rewrite in place, so these reads see the same bytes."""
     f.seek(HEADER_SIZE + 4 * hd.nseq)
 
@@ -494,11 +505,14 @@ def _restore(f, path: str, hd: StateHeader, state: SequenceState) -> None:
         else:
             f.seek(4 * hd.kper, os.SEEK_CUR)  # an MLA layer's (zero) recurrent slot
     mla = [st for st in state.layers if isinstance(st, MLAState)]
-    # Position-major slices land in the first `cached` rows whatever the capacity.
-    for st in mla:
-        read_into(st.kv[:hd.cached])
-    for st in mla:
-        read_into(st.rope[:hd.cached])
+    # Position-major rows land in the first `cached` positions whatever the capacity.
+    for put, width in ((MLAState.set_rows, hd.kvpp), (MLAState.set_rope, hd.ropepp)):
+        stage = np.empty((min(_ROWS_PER_PIECE, hd.cached), width), np.float32)
+        for st in mla:
+            for p in range(0, hd.cached, _ROWS_PER_PIECE):
+                rows = stage[:min(_ROWS_PER_PIECE, hd.cached - p)]
+                read_into(rows)
+                put(st, p, rows)
     state.n_cached = hd.cached
 
 

@@ -30,7 +30,7 @@ from k3engine.checkpoint import CheckpointError, parse_header, Checkpoint
 from k3engine.config import ConfigError, load_config, to_flat_dict
 from k3engine.errors import describe
 from k3engine.ids import IdsError, parse_ids
-from k3engine.state import SequenceState
+from k3engine.state import MLAState, SequenceState
 from k3engine.statefile import StateFileError, load_state, save_state
 from k3engine.tokenizer import Tokenizer, TokenizerError
 from k3engine.tools.make_checkpoint import dims_config
@@ -444,9 +444,9 @@ def _state_fixture():
                     a[...] = rng.standard_normal(a.shape)
         src.n_cached = 5
         for lay in src.layers:                  # rows past the cached positions are not saved
-            for name in ("kv", "rope"):
-                if hasattr(lay, name):
-                    getattr(lay, name)[5:] = 0
+            if isinstance(lay, MLAState):
+                lay.set_rows(5, np.zeros((8 - 5, lay.width), np.float32))
+                lay.set_rope(5, np.zeros((8 - 5, lay.rope.shape[1]), np.float32))
         path = os.path.join(WORK, "orig.k3st")
         save_state(path, src, [1, 2, 3, 4, 5, 6])
         with open(path, "rb") as f:

@@ -15,7 +15,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 from ._kernels import (  # noqa: F401
     add, argmax, attnres, axpy, embed, fnv_fold_words, gather_rows, get_num_threads, kda_decay,
-    kda_q_scale, moe_combine, moe_experts, moe_groups, route_tokens,
+    kda_q_scale, KEY_BLOCK, moe_combine, moe_experts, moe_groups, route_tokens,
     i8r_matvec, isa, isas_available, kda_recurrence, l2norm_heads, libm_replicas_active, matvec, matvecs, mla_attention, mul_sigmoid, mxfp4_dequant,
     mxfp4_matvec, mxq_active, mxq_groups, mxq_supported, PANEL_MIN_TOKENS, PANEL_WIDE_INPUTS, panel_wide_tiles, par_min_work, rmsnorm, route_scores, router, set_isa, set_num_threads, set_simd,
     set_mx_tokens_min, set_mxq, set_panel_min_tokens, set_panel_wide_tiles, set_pool, pool_stats, set_token_block_bytes, shortconv,

@@ -87,8 +87,9 @@ cdef extern from "k3route.h" nogil:
 cdef extern from "k3mla.h" nogil:
     long k3_mla_block_work(long dq, long dv, long npos)
     int K3_MLA_G
-    void k3_mla_block_avx512(const float *Q, long ldq, const float *KV, long ldkv,
-                             const float *R, long ldr, long dn, long dr, long dv, long p0,
+    int K3_KEY_BLOCK
+    void k3_mla_block_avx512(const float *Q, long ldq, const float *Kh, const float *Vh,
+                             long ldv, const float *R, long dn, long dr, long dv, long p0,
                              int ntok, float kappa, float *O, long ldo, double *work)
 
 cdef float F1 = 1.0
@@ -135,6 +136,7 @@ def set_token_block_bytes(long nbytes):
 
 PANEL_MIN_TOKENS = K3_PANEL_MIN_TOKENS    # the built-in threshold (the forecast prices by it)
 PANEL_WIDE_INPUTS = K3_PANEL_WIDE_INPUTS  # wider inputs: a panel block short of 48 tokens
+KEY_BLOCK = K3_KEY_BLOCK  # positions per MLA key block (state.MLAState's layout)
 
 
 def set_panel_min_tokens(long ntok):
@@ -888,22 +890,25 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
 
 cdef inline double _qk(const float *q, const float *k, const float *qr, const float *rk,
                        Py_ssize_t dn, Py_ssize_t dr) noexcept nogil:
-    """One q.k score: ONE double accumulator, nope dims then rope dims (§5.2)."""
+    """One q.k score: ONE double accumulator, nope dims then rope dims (§5.2).  k and rk
+    point at the position's lane of its key blocks: dimension i is KEY_BLOCK floats on."""
     cdef double d = 0.0
     cdef Py_ssize_t i
     for i in range(dn):
-        d = d + <double>q[i] * <double>k[i]
+        d = d + <double>q[i] * <double>k[K3_KEY_BLOCK * i]
     for i in range(dr):                      # rope slots unrotated, key shared by heads
-        d = d + <double>qr[i] * <double>rk[i]
+        d = d + <double>qr[i] * <double>rk[K3_KEY_BLOCK * i]
     return d
 
 
 cdef struct _MlaTask:               # mla_attention's items: (token, head) or (block, head)
     const float *Q
-    const float *KV
-    const float *R
+    const float *K                    # [H][blocks][dn][8]: head h's keys at K + h * hk
+    const float *V                    # [H][cap][dv]: head h's values at V + h * hv
+    const float *R                    # [blocks][dr][8]
     float *O
-    long lq, lkv, lr, lo              # row strides
+    long lq, lo                       # row strides of Q and O
+    long hk, hv                       # head strides of K and V
     long T, H, dn, dr, dv, n_past, npos
     float kappa
     int oom
@@ -912,8 +917,9 @@ cdef struct _MlaTask:               # mla_attention's items: (token, head) or (b
 cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
     """One (token, head) of the portable path."""
     cdef _MlaTask *m = <_MlaTask *>ctx
-    cdef long H = m.H, dn = m.dn, dr = m.dr, dv = m.dv, dq = m.dn + m.dr, dkv = m.dn + m.dv
-    cdef long ldkv = m.lkv, t = th // H, h = th % H, p = m.n_past + th // H, s, i, j
+    cdef long H = m.H, dn = m.dn, dr = m.dr, dv = m.dv, dq = m.dn + m.dr
+    cdef long t = th // H, h = th % H, p = m.n_past + th // H, s, i, j, b = K3_KEY_BLOCK
+    cdef const float *kh = m.K + h * m.hk
     cdef float *sc = <float *>k3_scratch((m.npos + dv) * sizeof(float))
     cdef float *accv
     cdef const float *q
@@ -931,29 +937,29 @@ cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
     qr = q + dn
     s = 0
     while s + 4 <= p + 1:                    # causal: s <= p, always (trap #21)
-        k0 = m.KV + s * ldkv + h * dkv
-        r0 = m.R + s * m.lr
+        k0 = kh + (s // b) * b * dn + s % b  # s .. s+3: lanes of one key block
+        r0 = m.R + (s // b) * b * dr + s % b
         d0 = 0.0
         d1 = 0.0
         d2 = 0.0
         d3 = 0.0
         for i in range(dn):
-            d0 = d0 + <double>q[i] * <double>k0[i]
-            d1 = d1 + <double>q[i] * <double>k0[ldkv + i]
-            d2 = d2 + <double>q[i] * <double>k0[2 * ldkv + i]
-            d3 = d3 + <double>q[i] * <double>k0[3 * ldkv + i]
+            d0 = d0 + <double>q[i] * <double>k0[b * i]
+            d1 = d1 + <double>q[i] * <double>k0[b * i + 1]
+            d2 = d2 + <double>q[i] * <double>k0[b * i + 2]
+            d3 = d3 + <double>q[i] * <double>k0[b * i + 3]
         for i in range(dr):
-            d0 = d0 + <double>qr[i] * <double>r0[i]
-            d1 = d1 + <double>qr[i] * <double>r0[m.lr + i]
-            d2 = d2 + <double>qr[i] * <double>r0[2 * m.lr + i]
-            d3 = d3 + <double>qr[i] * <double>r0[3 * m.lr + i]
+            d0 = d0 + <double>qr[i] * <double>r0[b * i]
+            d1 = d1 + <double>qr[i] * <double>r0[b * i + 1]
+            d2 = d2 + <double>qr[i] * <double>r0[b * i + 2]
+            d3 = d3 + <double>qr[i] * <double>r0[b * i + 3]
         sc[s] = (<float>d0) * m.kappa
         sc[s + 1] = (<float>d1) * m.kappa
         sc[s + 2] = (<float>d2) * m.kappa
         sc[s + 3] = (<float>d3) * m.kappa
         s = s + 4
     while s <= p:
-        d = _qk(q, m.KV + s * ldkv + h * dkv, qr, m.R + s * m.lr, dn, dr)
+        d = _qk(q, kh + (s // b) * b * dn + s % b, qr, m.R + (s // b) * b * dr + s % b, dn, dr)
         sc[s] = (<float>d) * m.kappa
         s = s + 1
     mx = sc[0]
@@ -971,7 +977,7 @@ cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
         accv[j] = F0
     for s in range(p + 1):                   # row by row: v of position s is contiguous
         wgt = sc[s]
-        vrow = m.KV + s * ldkv + h * dkv + dn
+        vrow = m.V + h * m.hv + s * dv
         for j in range(dv):
             accv[j] = accv[j] + wgt * vrow[j]
     for j in range(dv):
@@ -986,41 +992,44 @@ cdef void _mla_block_head(void *ctx, long item) noexcept nogil:
     if work == NULL:
         m.oom = 1
         return
-    k3_mla_block_avx512(m.Q + t0 * m.lq + h * dq, m.lq, m.KV + h * (m.dn + m.dv), m.lkv,
-                        m.R, m.lr, m.dn, m.dr, m.dv, m.n_past + t0,
+    k3_mla_block_avx512(m.Q + t0 * m.lq + h * dq, m.lq, m.K + h * m.hk, m.V + h * m.hv,
+                        m.dv, m.R, m.dn, m.dr, m.dv, m.n_past + t0,
                         <int>min(8 * K3_MLA_G, m.T - t0),
                         m.kappa, m.O + t0 * m.lo + h * m.dv, m.lo, work)
 
 
-def mla_attention(const float[:, ::1] Q, const float[:, ::1] KV, const float[:, ::1] R,
-                  Py_ssize_t n_past, Py_ssize_t H, Py_ssize_t dn, Py_ssize_t dv,
+def mla_attention(const float[:, ::1] Q, const float[:, :, :, ::1] Kb,
+                  const float[:, :, ::1] Vc, const float[:, :, ::1] Rb, Py_ssize_t n_past,
                   float[:, ::1] O):
     """Causal attention of T new tokens (positions n_past .. n_past+T-1, already written to
-    the cache) over the cache.  Q [T, H*(dn+dr)]; KV [cap, H*(dn+dv)] (per head: k_nope then
-    v); R [cap, dr] one shared rope key per position; O [T, H*dv].
+    the cache) over the cache, as state.MLAState holds it: Kb [H, blocks, dn, KEY_BLOCK]
+    each head's k_nope in blocks of KEY_BLOCK positions (lane = position within the block);
+    Vc [H, cap, dv] each head's value rows; Rb [blocks, dr, KEY_BLOCK] the shared rope keys
+    in the same blocks.  Q [T, H*(dn+dr)]; O [T, H*dv].
 
     Memory order, not summation order, is what the loops choose: scores are computed four
     positions at a time (four independent double chains, each in its own exact order, so
     the chains overlap instead of waiting on each other's adds), and the value sum walks
-    the cache row by row (contiguous dv floats per position) into dv float32 accumulators,
-    each of which still adds its terms in ascending position order from 0.  On the AVX-512
-    path the items are (head, up to 8 blocks of 8 consecutive tokens), each computed by
-    k3mla.h with the same per-output orders, the blocks sharing each cache row's reads; a
-    decode step's one token has its own form there (its heads are the items; 32 positions
-    scored at a time in the double lanes).  docs/benchmarks-kernels.md: a decode step's
-    attention over 8,192 positions 1.3-2.1x, a 2,048-position prefill's 2.1-2.5x faster
-    than with one block per item."""
-    cdef Py_ssize_t T = Q.shape[0], dr = R.shape[1], dq = dn + dr, dkv = dn + dv
-    cdef Py_ssize_t npos = n_past + T
-    if Q.shape[1] != H * dq or KV.shape[1] != H * dkv or O.shape[1] != H * dv:
+    the head's value rows in order into dv float32 accumulators, each of which still adds
+    its terms in ascending position order from 0.  On the AVX-512 path the items are
+    (head, up to 8 blocks of 8 consecutive tokens), each computed by k3mla.h with the same
+    per-output orders, the blocks sharing each key block's reads; a decode step's one token
+    has its own form there (its heads are the items; 32 positions scored at a time in the
+    double lanes, straight from the key blocks).  docs/benchmarks-kernels.md."""
+    cdef Py_ssize_t T = Q.shape[0], H = Kb.shape[0], dn = Kb.shape[2], dv = Vc.shape[2]
+    cdef Py_ssize_t dr = Rb.shape[1], dq = dn + dr, dkv = dn + dv, npos = n_past + T
+    cdef Py_ssize_t b = K3_KEY_BLOCK
+    if (Q.shape[1] != H * dq or Vc.shape[0] != H or Kb.shape[3] != b or Rb.shape[2] != b
+            or O.shape[1] != H * dv or O.shape[0] != T):
         raise ValueError("mla_attention shapes do not match")
-    if npos > KV.shape[0] or npos > R.shape[0]:
-        raise ValueError(f"MLA cache overflow: {npos} positions, capacity {KV.shape[0]}")
+    if npos > Vc.shape[1] or npos > b * Kb.shape[1] or npos > b * Rb.shape[0]:
+        raise ValueError(f"MLA cache overflow: {npos} positions, capacity {Vc.shape[1]}")
     if T == 0 or H == 0:
         return
     cdef _MlaTask m
-    m.Q, m.KV, m.R, m.O = &Q[0, 0], &KV[0, 0], &R[0, 0], &O[0, 0]
-    m.lq, m.lkv, m.lr, m.lo = Q.shape[1], KV.shape[1], R.shape[1], O.shape[1]
+    m.Q, m.K, m.V, m.R, m.O = &Q[0, 0], &Kb[0, 0, 0, 0], &Vc[0, 0, 0], &Rb[0, 0, 0], &O[0, 0]
+    m.lq, m.lo = Q.shape[1], O.shape[1]
+    m.hk, m.hv = Kb.shape[1] * dn * b, Vc.shape[1] * dv
     m.T, m.H, m.dn, m.dr, m.dv, m.n_past, m.npos = T, H, dn, dr, dv, n_past, npos
     m.kappa = F1 / sqrtf(<float>dq)      # 1/sqrt(dn+dr), NOT 1/sqrt(dn) (trap #18)
     m.oom = 0

@@ -23,6 +23,12 @@
 #include "k3dot.h"
 #include "k3math.h"
 
+/* Positions per key block of the cache (state.MLAState): k_nope and the rope keys are held
+ * dimension-major within blocks of 8 positions, so a block's dimension i is 8 floats side
+ * by side, the 8 double lanes of a score vector (and the scalar kernel's 4-position steps
+ * stay inside one block). */
+#define K3_KEY_BLOCK 8
+
 #if K3_HAVE_SIMD_PATHS
 
 /* Token blocks per work item of a prefill: they share each widened key row and each value
@@ -49,11 +55,10 @@
  * of f32(weight * v[s]), ascending from +0.0; lanes b >= nb[g] compute unused values.
  * acc: (G * 8 + K3_MLA_VCHUNK) * k3_mla_dv16(dv) floats of scratch. */
 static inline long k3_mla_dv16(long dv) { return (dv + 15) & ~15L; }
-K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn, long dv,
-                                           int G, const long *p0, const float *sc, long ldsc,
+K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *v, long ldv, long dv, int G,
+                                           const long *p0, const float *sc, long ldsc,
                                            float *O, long ldo, const int *nb, float *acc) {
     const long dvp = k3_mla_dv16(dv), last = p0[G - 1];
-    const float *v = KV + dn;
     float *vc = acc + G * 8 * dvp;     /* a chunk's value rows, dvp floats apart */
     for (long i = 0; i < G * 8 * dvp; i++) acc[i] = 0.0f;
     /* every token's positions 0 .. p0[g]: chunk by chunk, each chunk channels then blocks */
@@ -63,7 +68,7 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn,
             for (long j0 = 0; j0 < dvp; j0 += 16) {
                 const __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF
                                                   : (__mmask16)((1u << (dv - j0)) - 1);
-                _mm512_storeu_ps(vc + (s - c0) * dvp + j0, _mm512_maskz_loadu_ps(m, v + s * ldkv + j0));
+                _mm512_storeu_ps(vc + (s - c0) * dvp + j0, _mm512_maskz_loadu_ps(m, v + s * ldv + j0));
             }
         for (long j0 = 0; j0 < dvp; j0 += 16)
             for (int g = 0; g < G; g++) {
@@ -91,7 +96,7 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *KV, long ldkv, long dn,
             __m512 a[8];
             for (int b = 0; b < 8; b++) a[b] = _mm512_loadu_ps(ag + b * dvp);
             for (long s = q0 + 1; s < q0 + nb[g]; s++) {
-                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldkv + j0);
+                __m512 vv = _mm512_maskz_loadu_ps(m, v + s * ldv + j0);
                 for (int b = 0; b < 8; b++)
                     if (s <= q0 + b)
                         a[b] = _mm512_add_ps(a[b], _mm512_mul_ps(_mm512_set1_ps(w[s * 8 + b]), vv));
@@ -143,48 +148,17 @@ K3_AVX512_ATTR static void k3_mla_softmax8(float *sc, long p0, int nb) {
 #undef K3_MLA_LIVE
 }
 
-/* Lane j of out[i] = (double)rows[j][i0 + i], i < 8: eight rows' floats side by side (an
- * 8 x 8 transpose on 256-bit shuffles, then widened). */
-K3_AVX512_ATTR K3_INLINE void k3_mla_cols8(const float *const *rows, long i0, __m512d *out) {
-    __m256 r[8], t[8], u[8];
-    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(rows[j] + i0);
-    for (int h = 0; h < 8; h += 4) {   /* rows h..h+3: u[h + c] = columns c | c + 4 */
-        t[h] = _mm256_unpacklo_ps(r[h], r[h + 1]);
-        t[h + 1] = _mm256_unpackhi_ps(r[h], r[h + 1]);
-        t[h + 2] = _mm256_unpacklo_ps(r[h + 2], r[h + 3]);
-        t[h + 3] = _mm256_unpackhi_ps(r[h + 2], r[h + 3]);
-        u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
-        u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
-        u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
-        u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+/* d[b] lane j += q[i] * blk[b][KB * i + j] for i = 0 .. n-1 in order, b < 4: four key
+ * blocks, each lane one position's sequential double chain (fma rounds like d + q*k: the
+ * float x float product is exact in double).  A block holds dimension i of its positions
+ * side by side, so a dimension is one load, one convert and one FMA. */
+K3_AVX512_ATTR K3_INLINE void k3_mla_dots32(const float *const *blk, long n, const double *q,
+                                           __m512d *d) {
+    for (long i = 0; i < n; i++) {
+        const __m512d qi = _mm512_set1_pd(q[i]);
+        for (int b = 0; b < 4; b++)
+            d[b] = _mm512_fmadd_pd(qi, _mm512_cvtps_pd(_mm256_loadu_ps(blk[b] + K3_KEY_BLOCK * i)), d[b]);
     }
-    for (int c = 0; c < 4; c++) {
-        out[c] = _mm512_cvtps_pd(_mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
-        out[c + 4] = _mm512_cvtps_pd(_mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
-    }
-}
-
-/* d[b] lane j += q[i] * rows[b][j][i] for i = 0 .. n-1 in order, b < 4: four blocks of 8
- * positions, each lane one position's sequential double chain (fma rounds like d + q*k:
- * the float x float product is exact in double). */
-K3_AVX512_ATTR K3_INLINE void k3_mla_dots32(const float *const (*rows)[8], long n,
-                                           const double *q, __m512d *d) {
-    long i0 = 0;
-    for (; i0 + 8 <= n; i0 += 8)
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; b++) {
-            __m512d c[8];
-            k3_mla_cols8(rows[b], i0, c);
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) d[b] = _mm512_fmadd_pd(_mm512_set1_pd(q[i0 + i]), c[i], d[b]);
-        }
-    for (; i0 < n; i0++)
-        for (int b = 0; b < 4; b++) {
-            const float *const *r = rows[b];
-            __m512d c = _mm512_setr_pd(r[0][i0], r[1][i0], r[2][i0], r[3][i0], r[4][i0],
-                                       r[5][i0], r[6][i0], r[7][i0]);
-            d[b] = _mm512_fmadd_pd(_mm512_set1_pd(q[i0]), c, d[b]);
-        }
 }
 
 /* Doubles of scratch k3_mla_block_avx512 needs for up to 8 * K3_MLA_G tokens over npos
@@ -198,30 +172,29 @@ static inline long k3_mla_block_work(long dq, long dv, long npos) {
 
 /* One token at position p0 (a decode step) over positions 0 .. p0, the same per-output
  * orders as a block of 1 (and the scalar kernel).  Why its own path: in a block the
- * tokens fill the double lanes, so a lone token used one lane of eight and widened every
- * cache row scalar by scalar; here the lanes are positions (32 at a time, four chains),
- * the rows are widened by 8 x 8 transposes, the softmax's expf runs on the checked
- * replica (k3math.h) where it is active, and the value sum walks each cache row once. */
-K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *KV, long ldkv,
-                                            const float *R, long ldr, long dn, long dr,
-                                            long dv, long p0, float kappa, float *O,
-                                            double *work) {
+ * tokens fill the double lanes, so a lone token would use one lane of eight; here the
+ * lanes are positions (4 key blocks, 32 positions, at a time: four chains), the softmax's
+ * expf runs on the checked replica (k3math.h) where it is active, and the value sum walks
+ * each value row once. */
+K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *Kh, const float *Vh,
+                                            long ldv, const float *R, long dn, long dr, long dv,
+                                            long p0, float kappa, float *O, double *work) {
     const long dq = dn + dr, npos = p0 + 1;
     double *qd = work;
     float *sc = (float *)(work + dq);  /* npos + 32 floats: the last block's spare lanes */
     for (long i = 0; i < dq; i++) qd[i] = (double)Q[i];
     const __m256 vkappa = _mm256_set1_ps(kappa);
-    for (long s0 = 0; s0 < npos; s0 += 32) {
-        const float *kr[4][8], *rr[4][8];
-        for (int b = 0; b < 4; b++)
-            for (int j = 0; j < 8; j++) {   /* past p0: row p0 again, its lane unused */
-                long s = s0 + 8 * b + j < npos ? s0 + 8 * b + j : p0;
-                kr[b][j] = KV + s * ldkv, rr[b][j] = R + s * ldr;
-            }
+    const long last = p0 / K3_KEY_BLOCK;
+    for (long s0 = 0; s0 < npos; s0 += 4 * K3_KEY_BLOCK) {
+        const float *kb[4], *rb[4];
+        for (int b = 0; b < 4; b++) {   /* past the last block: it again, its lanes unused */
+            long blk = s0 / K3_KEY_BLOCK + b < last ? s0 / K3_KEY_BLOCK + b : last;
+            kb[b] = Kh + blk * K3_KEY_BLOCK * dn, rb[b] = R + blk * K3_KEY_BLOCK * dr;
+        }
         __m512d d[4];
         for (int b = 0; b < 4; b++) d[b] = _mm512_setzero_pd();
-        k3_mla_dots32((const float *const (*)[8])kr, dn, qd, d);
-        k3_mla_dots32((const float *const (*)[8])rr, dr, qd + dn, d);
+        k3_mla_dots32(kb, dn, qd, d);
+        k3_mla_dots32(rb, dr, qd + dn, d);
         for (int b = 0; b < 4; b++)    /* f32(f32(d) * kappa) */
             _mm256_storeu_ps(sc + s0 + 8 * b, _mm256_mul_ps(_mm512_cvtpd_ps(d[b]), vkappa));
     }
@@ -254,30 +227,30 @@ K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *KV, lo
                               : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
             acc[c] = _mm512_setzero_ps();
         }
-        const float *v = KV + dn + j0;
+        const float *v = Vh + j0;
         for (s = 0; s < npos; s++) {
             const __m512 w = _mm512_set1_ps(sc[s]);
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++)
                 if (c < nc)
                     acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(
-                                 w, _mm512_maskz_loadu_ps(m[c], v + s * ldkv + 16 * c)));
+                                 w, _mm512_maskz_loadu_ps(m[c], v + s * ldv + 16 * c)));
         }
         for (int c = 0; c < nc; c++) _mm512_mask_storeu_ps(O + j0 + 16 * c, m[c], acc[c]);
     }
 }
 
-/* Q: token t0's row at head h (stride ldq between tokens); KV, R: the cache at head h's
- * k_nope (v follows at +dn), rows ldkv / ldr apart; token t (t < ntok <= 8 * K3_MLA_G)
- * sits at position p0 + t and attends to positions 0 .. p0 + t.  O: token t0's output at
+/* Q: token t0's row at head h (stride ldq between tokens); Kh, Vh: head h's k_nope and v
+ * planes, rows ldk / ldv apart; R: the shared rope keys, rows ldr apart; token t (t < ntok
+ * <= 8 * K3_MLA_G) sits at position p0 + t and attends to positions 0 .. p0 + t.  O: token t0's output at
  * head h.  Tokens run in blocks of 8 (block g: tokens 8g .. 8g+7 in the double lanes), the
  * blocks sharing each widened key row. */
-K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const float *KV,
-                                              long ldkv, const float *R, long ldr, long dn,
-                                              long dr, long dv, long p0, int ntok, float kappa,
-                                              float *O, long ldo, double *work) {
+K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const float *Kh,
+                                              const float *Vh, long ldv, const float *R,
+                                              long dn, long dr, long dv, long p0, int ntok,
+                                              float kappa, float *O, long ldo, double *work) {
     if (ntok == 1) {
-        k3_mla_one_avx512(Q, KV, ldkv, R, ldr, dn, dr, dv, p0, kappa, O, work);
+        k3_mla_one_avx512(Q, Kh, Vh, ldv, R, dn, dr, dv, p0, kappa, O, work);
         return;
     }
     const long dq = dn + dr, npos = p0 + ntok, ldsc = (npos + 8) * 8;
@@ -286,7 +259,7 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
     long p0g[K3_MLA_G];
     for (int g = 0; g < G; g++) nb[g] = ntok - 8 * g < 8 ? ntok - 8 * g : 8, p0g[g] = p0 + 8 * g;
     double *qt = work;                    /* [G][dq][8]: block g's token b's query in lane b */
-    double *kd = qt + G * 8 * dq;         /* [8][dq]: eight cache rows widened */
+    double *kd = qt + G * 8 * dq;         /* [dq][8]: a key block widened */
     float *sc = (float *)(kd + 8 * dq);   /* [G][npos + 8][8]: scores, then weights */
     float *acc = sc + G * ldsc;           /* value sums and rows (k3_mla_values) */
     for (int g = 0; g < G; g++)
@@ -295,17 +268,13 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
                 qt[(g * dq + i) * 8 + b] = b < nb[g] ? (double)Q[(8 * g + b) * ldq + i] : 0.0;
     const __m256 vkappa = _mm256_set1_ps(kappa);
     for (long s0 = 0; s0 < npos; s0 += 8) {
-        int ns = npos - s0 < 8 ? (int)(npos - s0) : 8;
-        for (int j = 0; j < 8; j++) {
-            double *row = kd + j * dq;
-            if (j < ns) {
-                const float *k = KV + (s0 + j) * ldkv, *rk = R + (s0 + j) * ldr;
-                for (long i = 0; i < dn; i++) row[i] = (double)k[i];
-                for (long i = 0; i < dr; i++) row[dn + i] = (double)rk[i];
-            } else {
-                for (long i = 0; i < dq; i++) row[i] = 0.0;
-            }
-        }
+        const int ns = npos - s0 < 8 ? (int)(npos - s0) : 8;
+        const __mmask8 live = (__mmask8)((1u << ns) - 1);   /* lanes past npos: zeros */
+        const float *kb = Kh + s0 * dn, *rb = R + s0 * dr;  /* s0: a multiple of 8 */
+        for (long i = 0; i < dn; i++)
+            _mm512_storeu_pd(kd + i * 8, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, kb + 8 * i)));
+        for (long i = 0; i < dr; i++)
+            _mm512_storeu_pd(kd + (dn + i) * 8, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, rb + 8 * i)));
         for (int g = 0; g < G; g++) {
             const long npg = p0g[g] + nb[g];  /* block g's positions: 0 .. npg - 1 */
             if (s0 >= npg) continue;
@@ -315,7 +284,7 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
             for (long i = 0; i < dq; i++) {
                 __m512d q = _mm512_loadu_pd(qg + i * 8);
                 for (int j = 0; j < 8; j++)
-                    d[j] = _mm512_fmadd_pd(q, _mm512_set1_pd(kd[j * dq + i]), d[j]);
+                    d[j] = _mm512_fmadd_pd(q, _mm512_set1_pd(kd[i * 8 + j]), d[j]);
             }
             float *scg = sc + g * ldsc;
             for (int j = 0; j < 8 && s0 + j < npg; j++)   /* f32(f32(d) * kappa) per lane */
@@ -329,7 +298,7 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
         k3_mla_softmax8(scg, p0g[g], nb[g]);
     }
     /* value sum, 16 channels at a time; positions beyond p0g[g] are seen by some tokens only */
-    k3_mla_values(KV, ldkv, dn, dv, G, p0g, sc, ldsc, O, ldo, nb, acc);
+    k3_mla_values(Vh, ldv, dv, G, p0g, sc, ldsc, O, ldo, nb, acc);
 }
 
 #endif /* K3_HAVE_SIMD_PATHS */
