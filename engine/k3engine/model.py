@@ -70,6 +70,12 @@ def kda(w: KDAWeights, x_TE: np.ndarray, st: KDAState, cfg: ModelConfig) -> np.n
 
 # ---- Gated MLA, NoPE (§4.5) ----------------------------------------------------------
 
+# The expanded rows go to the cache's key blocks and value planes (state.MLAState) this
+# many positions at a time: a whole prompt's rows at once would be one more buffer the
+# size of its KV cache (8k positions: 134 MB in mid, 512 MB in K3).
+KV_ROWS_AT_ONCE = 256
+
+
 def mla(w: MLAWeights, x_TE: np.ndarray, st: MLAState, n_past: int,
         cfg: ModelConfig) -> np.ndarray:
     """Attend T new tokens at positions n_past.. (the caller reserved the cache rows)."""
@@ -81,7 +87,8 @@ def mla(w: MLAWeights, x_TE: np.ndarray, st: MLAState, n_past: int,
     lat_T = np.ascontiguousarray(c_T[:, :R_kv])
     K.rmsnorm(lat_T, w.kv_a_norm, cfg.rms_eps, lat_T)             # latent only (trap #20)
     st.set_rope(n_past, c_T[:, R_kv:R_kv + dr])                   # raw, never rotated
-    st.set_rows(n_past, mv(w.kv_b_proj, lat_T))                   # expanded k_nope | v
+    for c in range(0, T, KV_ROWS_AT_ONCE):                        # expanded k_nope | v
+        st.set_rows(n_past + c, mv(w.kv_b_proj, lat_T[c:c + KV_ROWS_AT_ONCE]))
     o_T = _f32(T, H * dv)
     K.mla_attention(q_T, st.k, st.v, st.rope, n_past, o_T)
     if gated:                                                     # gate BEFORE o_proj

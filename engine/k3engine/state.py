@@ -2,8 +2,8 @@
 
 KDA layers carry the recurrent matrix S [H, D, D] (row = key channel) and the raw
 ShortConv history of q, k and v [P, K-1] (oldest first).  MLA layers carry the expanded
-cache (the spec's rows KV [capacity, H*(d_n+d_v)], held here as per-head planes, see
-MLAState) and one shared rope key per position R [capacity, d_r].
+cache (the spec's rows KV [capacity, H*(d_n+d_v)]) and one shared rope key per position
+(R [capacity, d_r]), both held in the attention kernels' layout (MLAState).
 Nothing else crosses tokens: the AttnRes stack is rebuilt on every call (trap #32).
 """
 from __future__ import annotations
