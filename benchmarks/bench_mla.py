@@ -2,8 +2,9 @@
 
 A decode step's token attends to every cached position, so its `mla_attention` call grows
 with the context, and a prefill's grows with the square of the prompt.  This times both at
-mid's head shape (16 heads, nope 128, rope 64, value 128; `--heads` for K3's 64) on random
-cache rows, and prints a CRC-32 of each output's bits so two builds can be checked equal:
+mid's head shape (16 heads, nope 128, rope 64, value 128; `--heads` for K3's 64) on a random
+cache in the state's layout (state.MLAState: key blocks, value planes), and prints a CRC-32
+of each output's bits so two builds of one layout can be checked equal:
 
     for i in 1 2 3; do for t in /tmp/base/engine /work/main/engine; do
         PYTHONPATH=$t python benchmarks/bench_mla.py; done; done
@@ -21,7 +22,8 @@ from k3engine import kernels as K
 
 DN, DR, DV = 128, 64, 128
 # (new tokens, cached positions before them): decode steps at growing contexts, then prefills
-CASES = ((1, 1023), (1, 4095), (1, 8191), (1, 16383), (512, 0), (512, 2048), (2048, 0))
+CASES = ((1, 1023), (1, 4095), (1, 8191), (1, 16383), (1, 32767), (512, 0), (512, 2048),
+         (512, 7680), (2048, 0))
 
 
 def main() -> None:
