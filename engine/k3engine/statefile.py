@@ -260,7 +260,7 @@ _ROWS_PER_PIECE = 256   # MLA rows staged at a time on save and load (4 MB in mi
 
 
 def _payload_regions(state: SequenceState, ids: np.ndarray, geo: _Geometry
-                     ) -> Iterator[list[memoryview]]:
+                     ) -> Iterator[Iterable[memoryview]]:
     """The payload as regions in file order, each an iterable of pieces: zero-copy, but
     for the MLA cache, whose position-major rows are assembled from its key blocks and
     value planes a few hundred positions at a time (state.MLAState)."""
@@ -486,8 +486,9 @@ def _verify_payload(f, path: str, hd: StateHeader) -> np.ndarray:
 def _restore(f, path: str, hd: StateHeader, state: SequenceState) -> None:
     """Second pass: read the verified payload straight into the state's arrays (the MLA
     rows through a staging buffer of a few hundred positions, from which they go to the
-    cache's key blocks and value planes).  The file is the same open inode the first pass verified, and saves
-    publish by rename, never rewrite in place, so these reads see the same bytes."""
+    cache's key blocks and value planes).  The file is the same open inode the first pass
+    verified, and saves publish by rename, never rewrite in place, so these reads see the
+    same bytes."""
     f.seek(HEADER_SIZE + 4 * hd.nseq)
 
     def read_into(a: np.ndarray) -> None:
