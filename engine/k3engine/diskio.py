@@ -6,6 +6,7 @@ native reader threads of `kernels._k3io`, which never take the GIL.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -78,9 +79,7 @@ def zeroed_f32(shape: tuple[int, ...], huge: bool = True) -> np.ndarray:
     """A zero-filled float32 array on its own anonymous mapping, its pages touched only
     when written (huge: advised for 2 MiB pages, else 4 KiB ones).  The array keeps the
     mapping alive."""
-    n = 1
-    for d in shape:
-        n *= int(d)
+    n = math.prod(shape)
     return np.frombuffer(AlignedBuffer(4 * n, ALIGN, huge).view, np.float32,
                          count=n).reshape(shape)
 

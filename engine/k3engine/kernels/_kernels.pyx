@@ -888,10 +888,16 @@ def kda_recurrence(float[:, :, ::1] S, const float[:, ::1] Q, const float[:, ::1
 
 # ---- MLA (§4.5) ----------------------------------------------------------------------
 
+cdef inline const float *_key_at(const float *blocks, long d, long s) noexcept nogil:
+    """Position s's lane of key blocks of d dimensions (state.MLAState): dimension i is
+    K3_KEY_BLOCK floats on."""
+    return blocks + (s // K3_KEY_BLOCK) * K3_KEY_BLOCK * d + s % K3_KEY_BLOCK
+
+
 cdef inline double _qk(const float *q, const float *k, const float *qr, const float *rk,
                        Py_ssize_t dn, Py_ssize_t dr) noexcept nogil:
     """One q.k score: ONE double accumulator, nope dims then rope dims (§5.2).  k and rk
-    point at the position's lane of its key blocks: dimension i is KEY_BLOCK floats on."""
+    point at the position's lane of its key blocks (_key_at)."""
     cdef double d = 0.0
     cdef Py_ssize_t i
     for i in range(dn):
@@ -937,8 +943,8 @@ cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
     qr = q + dn
     s = 0
     while s + 4 <= p + 1:                    # causal: s <= p, always (trap #21)
-        k0 = kh + (s // b) * b * dn + s % b  # s .. s+3: lanes of one key block
-        r0 = m.R + (s // b) * b * dr + s % b
+        k0 = _key_at(kh, dn, s)              # s .. s+3: lanes of one key block
+        r0 = _key_at(m.R, dr, s)
         d0 = 0.0
         d1 = 0.0
         d2 = 0.0
@@ -959,7 +965,7 @@ cdef void _mla_token_head(void *ctx, long th) noexcept nogil:
         sc[s + 3] = (<float>d3) * m.kappa
         s = s + 4
     while s <= p:
-        d = _qk(q, kh + (s // b) * b * dn + s % b, qr, m.R + (s // b) * b * dr + s % b, dn, dr)
+        d = _qk(q, _key_at(kh, dn, s), qr, _key_at(m.R, dr, s), dn, dr)
         sc[s] = (<float>d) * m.kappa
         s = s + 1
     mx = sc[0]

@@ -1,8 +1,8 @@
 /* MLA attention of one head for up to 8 blocks of 8 consecutive tokens, or for a decode
  * step's lone token, AVX-512 (§4.5).
  *
- * Why blocks: in a prefill every token of a head reads the same cache rows, so the rows
- * are read (and widened to double) once per item instead of once per token, and a block's
+ * Why blocks: in a prefill every token of a head reads the same cached keys, so each key
+ * block is read (and widened to double) once per item instead of once per token, and a block's
  * eight tokens fill the eight double lanes of a score vector: lane b holds token b's one
  * sequential double accumulator, which runs over the nope dims then the rope dims exactly
  * as the scalar form (fma(q, k, d) rounds like d + q*k: the float x float product is
@@ -55,6 +55,10 @@
  * of f32(weight * v[s]), ascending from +0.0; lanes b >= nb[g] compute unused values.
  * acc: (G * 8 + K3_MLA_VCHUNK) * k3_mla_dv16(dv) floats of scratch. */
 static inline long k3_mla_dv16(long dv) { return (dv + 15) & ~15L; }
+/* The lanes of a 16-float vector that hold channels when `left` channels remain. */
+static inline __mmask16 k3_mla_mask16(long left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
 K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *v, long ldv, long dv, int G,
                                            const long *p0, const float *sc, long ldsc,
                                            float *O, long ldo, const int *nb, float *acc) {
@@ -65,11 +69,9 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *v, long ldv, long dv, i
     for (long c0 = 0; c0 <= last; c0 += K3_MLA_VCHUNK) {
         const long c1 = last + 1 - c0 < K3_MLA_VCHUNK ? last + 1 : c0 + K3_MLA_VCHUNK;
         for (long s = c0; s < c1; s++)
-            for (long j0 = 0; j0 < dvp; j0 += 16) {
-                const __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF
-                                                  : (__mmask16)((1u << (dv - j0)) - 1);
-                _mm512_storeu_ps(vc + (s - c0) * dvp + j0, _mm512_maskz_loadu_ps(m, v + s * ldv + j0));
-            }
+            for (long j0 = 0; j0 < dvp; j0 += 16)
+                _mm512_storeu_ps(vc + (s - c0) * dvp + j0,
+                                 _mm512_maskz_loadu_ps(k3_mla_mask16(dv - j0), v + s * ldv + j0));
         for (long j0 = 0; j0 < dvp; j0 += 16)
             for (int g = 0; g < G; g++) {
                 const long e = c1 < p0[g] + 1 ? c1 : p0[g] + 1;
@@ -88,7 +90,7 @@ K3_AVX512_ATTR K3_INLINE void k3_mla_values(const float *v, long ldv, long dv, i
     }
     /* then each block's own causal tail: token b stops at position p0[g] + b */
     for (long j0 = 0; j0 < dv; j0 += 16) {
-        const __mmask16 m = dv - j0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - j0)) - 1);
+        const __mmask16 m = k3_mla_mask16(dv - j0);
         for (int g = 0; g < G; g++) {
             const float *w = sc + g * ldsc;
             const float *ag = acc + g * 8 * dvp + j0;
@@ -222,9 +224,7 @@ K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *Kh, co
         __mmask16 m[8];
         __m512 acc[8];
         for (int c = 0; c < 8; c++) {
-            long left = dv - j0 - 16 * c;
-            m[c] = left >= 16 ? (__mmask16)0xFFFF
-                              : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+            m[c] = k3_mla_mask16(dv - j0 - 16 * c);
             acc[c] = _mm512_setzero_ps();
         }
         const float *v = Vh + j0;
@@ -240,10 +240,10 @@ K3_AVX512_ATTR static void k3_mla_one_avx512(const float *Q, const float *Kh, co
     }
 }
 
-/* Q: token t0's row at head h (stride ldq between tokens); Kh, Vh: head h's k_nope and v
- * planes, rows ldk / ldv apart; R: the shared rope keys, rows ldr apart; token t (t < ntok
- * <= 8 * K3_MLA_G) sits at position p0 + t and attends to positions 0 .. p0 + t.  O: token t0's output at
- * head h.  Tokens run in blocks of 8 (block g: tokens 8g .. 8g+7 in the double lanes), the
+/* Q: token t0's row at head h (stride ldq between tokens); Kh: head h's key blocks; Vh:
+ * its value rows, ldv apart; R: the shared rope key blocks; token t (t < ntok <= 8 *
+ * K3_MLA_G) sits at position p0 + t and attends to positions 0 .. p0 + t.  O: token t0's
+ * output at head h.  Tokens run in blocks of 8 (block g: tokens 8g .. 8g+7 in the double lanes), the
  * blocks sharing each widened key row. */
 K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const float *Kh,
                                               const float *Vh, long ldv, const float *R,
@@ -270,11 +270,13 @@ K3_AVX512_ATTR static void k3_mla_block_avx512(const float *Q, long ldq, const f
     for (long s0 = 0; s0 < npos; s0 += 8) {
         const int ns = npos - s0 < 8 ? (int)(npos - s0) : 8;
         const __mmask8 live = (__mmask8)((1u << ns) - 1);   /* lanes past npos: zeros */
-        const float *kb = Kh + s0 * dn, *rb = R + s0 * dr;  /* s0: a multiple of 8 */
+        const float *kb = Kh + s0 * dn, *rb = R + s0 * dr;  /* s0: a block's first position */
         for (long i = 0; i < dn; i++)
-            _mm512_storeu_pd(kd + i * 8, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, kb + 8 * i)));
+            _mm512_storeu_pd(kd + i * 8, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(
+                                             live, kb + K3_KEY_BLOCK * i)));
         for (long i = 0; i < dr; i++)
-            _mm512_storeu_pd(kd + (dn + i) * 8, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, rb + 8 * i)));
+            _mm512_storeu_pd(kd + (dn + i) * 8, _mm512_cvtps_pd(_mm256_maskz_loadu_ps(
+                                                    live, rb + K3_KEY_BLOCK * i)));
         for (int g = 0; g < G; g++) {
             const long npg = p0g[g] + nb[g];  /* block g's positions: 0 .. npg - 1 */
             if (s0 >= npg) continue;
