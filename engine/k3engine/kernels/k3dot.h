@@ -164,11 +164,19 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
 /* Software prefetch of the weight rows K3_PF_BYTES ahead of the loads.  Why: with only
  * the hardware prefetchers a core streamed BF16 rows at ~55 % of its plain read rate
  * (the widening work and the loads then alternate instead of overlapping); prefetching
- * ~2 KB ahead in every row of the tile keeps enough lines in flight.  Near the end of a
- * row the address moves on to the same row of the NEXT tile (R rows further), so a new
- * tile does not start cold.  A prefetch never faults: past the matrix it is dropped. */
+ * ahead in every row of the tile keeps enough lines in flight.  Near the end of a row the
+ * address moves on to the same row of the NEXT tile (R rows further), so a new tile does
+ * not start cold.  A prefetch never faults: past the matrix it is dropped.
+ * Into L2 (T1), 4 KB ahead: prefetches into L1 hold the core's few L1 miss buffers, so
+ * fewer lines were in flight; on Zen 4 a 2048-wide BF16 matvec from DRAM went from 13-14
+ * to 19-21 GB/s at 1 thread and 21-25 to 29-32 at 2, and mid's resident decode step from
+ * 107-115 to 87-88 ms (L1 / 2 KB before; docs/benchmarks-kernels.md). */
 #ifndef K3_PF_BYTES
-#define K3_PF_BYTES 2048
+#define K3_PF_BYTES 4096
+#endif
+/* The MXFP4 double path's own distance (one line per row of its 8-row blocks, into L1) */
+#ifndef K3_MX_PF_BYTES
+#define K3_MX_PF_BYTES 2048
 #endif
 #define K3_PREFETCH_SETUP(T, w, ldw, n, R)                                                  \
     const long pf_ahead = K3_PF_BYTES / (long)sizeof(T);                                    \
@@ -179,7 +187,7 @@ static double k3_dot_mxfp4_scalar(const uint8_t *packed, const uint8_t *scales,
         const char *pf_p =                                                                  \
             (const char *)((w) + (i) + pf_ahead + ((i) >= pf_split ? pf_wrap : 0));         \
         for (int r = 0; r < (R); r++)                                                       \
-            _mm_prefetch(pf_p + r * (ldw) * (long)sizeof(*(w)), _MM_HINT_T0);              \
+            _mm_prefetch(pf_p + r * (ldw) * (long)sizeof(*(w)), _MM_HINT_T1);              \
     }
 
 /* ---- AVX2: 16 weights -> four 4-double vectors ---------------------------------------- */
@@ -787,7 +795,7 @@ K3_AVX512_ATTR K3_INLINE void k3_mx_words_avx512(const uint8_t *p, long ldp, lon
     for (int r = 0; r < 8; r++)
         rowv[r] = _mm512_maskz_loadu_epi64(words, p + (r < R ? r : 0) * ldp + g4 * 16);
     k3_transpose8_epi64(rowv, qv);
-    long off = g4 * 16 + K3_PF_BYTES;
+    long off = g4 * 16 + K3_MX_PF_BYTES;
     const char *pf = (const char *)p + off + (off >= ldp ? 8 * ldp - ldp : 0);
     for (int r = 0; r < 8; r++) _mm_prefetch(pf + r * ldp, _MM_HINT_T0);
 }
