@@ -1478,8 +1478,8 @@ def test_router_logits_sequential_double():
 
 
 def test_router_lanes_keep_each_experts_chain_on_every_path():
-    """k3route.h runs 8 experts per AVX-512 vector, one sequential chain per lane, 4 blocks
-    interleaved, with the experts and inputs past the full blocks finished by the scalar
+    """k3route.h runs 8 experts per AVX-512 vector, one sequential chain per lane, a block
+    at a time, with the experts and inputs past the full blocks finished by the scalar
     chain: on every path, for expert counts and widths that leave every kind of remainder
     (and bf16 gates), the scores equal sigma(f32(sequential double sum)) bitwise."""
     r = rng(381)
@@ -1499,6 +1499,38 @@ def test_router_lanes_keep_each_experts_chain_on_every_path():
                     assert n_diff(got, want) == 0, (name, N, E, gate.dtype)
     print(f"[gate] router scores on {', '.join(K.isas_available())}: {len(shapes)} shapes x "
           f"f32/bf16 gates equal the sequential-double reference bitwise")
+
+
+def test_router_one_token_split_over_threads_keeps_each_chain():
+    """One token's logits are split between threads in items of 32 experts (k3route.h's
+    ranges; each expert's chain whole in one item): at 1 and 2 threads, through K.router
+    and route_tokens, with expert counts that leave a partial item and a partial block of
+    8, the scores equal the sequential-double reference bitwise and the top-k is the
+    reference's."""
+    r = rng(382)
+    E = 4104                                   # 4 * N * E > the parallel threshold
+    for N in (101, 72, 65):
+        assert 4 * N * E >= PAR_MIN_WORK
+        W, x = cancelling_matvec(r, N, E)
+        x = np.ascontiguousarray(x)
+        want = np.array([c_sigmoid(v) for v in ref_matvec_seq(W, x)], np.float32)
+        ridx, rw = ref_route(want, np.zeros(N, np.float32), 6, True, 1.0)
+        for name in K.isas_available():
+            for nt in (1, 2):
+                with isa(name), threads(nt):
+                    for gate in (W, (W.view(np.uint32) >> 16).astype(np.uint16)):
+                        idx, w = np.empty(6, np.int32), np.empty(6, np.float32)
+                        got = K.router(gate, x, np.zeros(N, np.float32), 6, True, 1.0, idx, w)
+                        assert_bitwise(f"router N={N} {name} {nt}t {gate.dtype}", got, want)
+                        I, Wt = np.empty((1, 6), np.int32), np.empty((1, 6), np.float32)
+                        K.route_tokens(gate, x[None, :], np.zeros(N, np.float32), 6, True,
+                                       1.0, I, Wt)
+                        assert I[0].tolist() == idx.tolist() == ridx.tolist()
+                        assert n_diff(Wt[0], rw) == 0 and n_diff(w, rw) == 0
+    print(f"[gate] router, one token over 1 and 2 threads: N = 101, 72, 65 x {E} inputs on "
+          f"{', '.join(K.isas_available())}, f32/bf16 gates: scores and top-6 equal the "
+          f"sequential-double reference (pool items taken by workers so far: "
+          f"{K.pool_stats()[1]})")
 
 
 # ---- 8. KDA decay ---------------------------------------------------------------------------

@@ -80,9 +80,10 @@ cdef extern from "k3math.h" nogil:
     int k3_tanh_exp_rows(const float *x, long n, float *t, float *e, int replica)
 
 cdef extern from "k3route.h" nogil:
-    void k3_route_logits_f32(const float *W, long N, long n, const double *x, double *out)
+    void k3_route_logits_f32(const float *W, long N, long n, const double *x, double *out,
+                             long e0, long e1)
     void k3_route_logits_bf16(const uint16_t *W, long N, long n, const double *x,
-                              double *out)
+                              double *out, long e0, long e1)
 
 cdef extern from "k3mla.h" nogil:
     long k3_mla_block_work(long dq, long dv, long npos)
@@ -1065,7 +1066,7 @@ def router(W, const float[::1] x, const float[::1] bias, int k, bint renorm, flo
     work = np.empty(E + N, dtype=np.float64)
     cdef double[::1] wk = work
     with nogil:
-        _router_scores_raw(wp, bf16, &x[0], N, E, &wk[0], &wk[E], &s[0])
+        _router_scores_raw(wp, bf16, &x[0], N, E, &wk[0], &wk[E], &s[0], _router_threads(N, E))
     _select(s, bias, k, renorm, scale, idx, weights)
     return scores
 
@@ -1211,21 +1212,58 @@ cdef const void *_router_weights(W) except NULL:
     return &Wf[0, 0] if Wf.shape[0] * Wf.shape[1] else &_no_weights
 
 
+# A token's logits split over threads in items of this many experts (8 blocks of 8: K3's
+# 896 are 14 items, mid's 128 two).  Each expert's chain is whole in one item, so no bit
+# depends on the split (tests/test_kernels.py, the router at 1 and 2 threads).
+DEF ROUTE_ITEM = 32
+# One router multiply-add counted as this many for the parallel threshold: a chain per
+# expert with a transpose per 64 weights runs ~6.4 G/s a core (mid's router, hot), against
+# ~25 for a matvec, so mid's 128 x 2048 router (~40 us) is worth a second thread.
+DEF ROUTER_WORK = 4
+
+ctypedef struct _RouteTask:
+    const void *W
+    bint bf16
+    const double *xd
+    double *logit
+    Py_ssize_t N, E
+
+
+cdef void _route_item(void *ctx, long it) noexcept nogil:
+    cdef _RouteTask *m = <_RouteTask *>ctx
+    cdef long e0 = it * ROUTE_ITEM
+    cdef long e1 = min(e0 + ROUTE_ITEM, m.N)
+    if m.bf16:
+        k3_route_logits_bf16(<const uint16_t *>m.W, m.N, m.E, m.xd, m.logit, e0, e1)
+    else:
+        k3_route_logits_f32(<const float *>m.W, m.N, m.E, m.xd, m.logit, e0, e1)
+
+
 cdef void _router_scores_raw(const void *W, bint bf16, const float *x, Py_ssize_t N,
-                             Py_ssize_t E, double *xd, double *logit, float *s) noexcept nogil:
+                             Py_ssize_t E, double *xd, double *logit, float *s,
+                             int nt) noexcept nogil:
     """s[e] = sigma(f32(logit e)); the logits by k3route.h (ONE sequential double chain per
-    expert); xd [E] and logit [N] are the caller's scratch."""
+    expert) on nt threads; xd [E] and logit [N] are the caller's scratch."""
     cdef Py_ssize_t e, i
+    cdef _RouteTask m
     for i in range(E):
         xd[i] = <double>x[i]
     for e in range(N):
         logit[e] = 0.0
-    if E > 0 and bf16:
-        k3_route_logits_bf16(<const uint16_t *>W, N, E, xd, logit)
-    elif E > 0:
-        k3_route_logits_f32(<const float *>W, N, E, xd, logit)
+    if E > 0:
+        m.W = W
+        m.bf16 = bf16
+        m.xd = xd
+        m.logit = logit
+        m.N = N
+        m.E = E
+        _run(_route_item, &m, (N + ROUTE_ITEM - 1) // ROUTE_ITEM, nt)
     for e in range(N):
         s[e] = k3_sigm(<float>logit[e])
+
+
+cdef inline int _router_threads(Py_ssize_t N, Py_ssize_t E) noexcept nogil:
+    return _threads_for(ROUTER_WORK * N * E) if N > ROUTE_ITEM else 1
 
 
 cdef void _select_raw(const float *s, const float *bias, Py_ssize_t N, int k, bint renorm,
@@ -1274,8 +1312,9 @@ def route_tokens(W, const float[:, ::1] X, const float[::1] bias, int k, bint re
     cdef float *sc
     cdef int oom[1]
     oom[0] = 0
-    # threads split tokens only: one token (every decode step) opens no parallel region
-    with nogil, parallel(num_threads=_threads_for(T * N * E) if T > 1 else 1):
+    # Threads split the tokens; one token (every decode step) splits its experts instead
+    cdef int nt1 = _router_threads(N, E) if T == 1 else 1
+    with nogil, parallel(num_threads=_threads_for(ROUTER_WORK * T * N * E) if T > 1 else 1):
         # per thread: x widened [E], logits [N], then scores [N], sel [N], taken [N] bytes
         buf = <double *>malloc((E + N + N + 1) * sizeof(double) + N)
         sc = <float *>(buf + E + N)
@@ -1284,7 +1323,7 @@ def route_tokens(W, const float[:, ::1] X, const float[::1] bias, int k, bint re
         for t in prange(T, schedule="dynamic"):
             if buf == NULL:
                 continue
-            _router_scores_raw(wp, bf16, &X[t, 0], N, E, buf, buf + E, sc)
+            _router_scores_raw(wp, bf16, &X[t, 0], N, E, buf, buf + E, sc, nt1)
             _select_raw(sc, &bias[0], N, k, renorm, scale, sc + N, <uint8_t *>(sc + 2 * N),
                         &idx[t, 0], &weights[t, 0])
         free(buf)

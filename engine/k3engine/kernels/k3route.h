@@ -7,7 +7,7 @@
  * 8 x 8 block of weights (8 experts' rows, 8 consecutive inputs) is loaded row-wise,
  * transposed, and its 8 columns are FMA'd into the lanes in input order.  The product of a
  * float (or bf16) weight and a float input is exact in double, so fma(w, x, l) rounds
- * exactly like l + w*x.  Four blocks (32 experts) are interleaved so the chains overlap.
+ * exactly like l + w*x.
  * Experts past the last full block of 8, and inputs past the last full block of 8, are
  * finished by the scalar chain, continuing each expert's own accumulator in order. */
 #ifndef K3ROUTE_H
@@ -54,46 +54,54 @@ K3_AVX512_ATTR K3_INLINE void k3_transpose8(__m256 *r) {
     r[3] = _mm256_permute2f128_ps(s3, s7, 0x20); r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-#define K3_ROUTE_BLOCKS 4      /* blocks of 8 experts in flight */
-
+/* One block of 8 experts at a time, over all its inputs.  Why not several blocks side by
+ * side (their chains would overlap): the rows are a power-of-two stride apart in the
+ * models (2048 or 7168 inputs), so 4 blocks' 32 rows fell into one or two L1 sets of 8
+ * ways and each line was evicted before its next 8 inputs were read: mid's 128 x 2048
+ * router, hot, 1 thread, 117 us a call with f32 weights and 93 with bf16, against 41-42
+ * one block at a time.  Nor 4 blocks at different quarters of the inputs (their rows in
+ * different sets): 41 / 63-73 us; one block is bound by its shuffles and converts here
+ * (~35 cycles a block of 64 weights), not by its chain's FMA latency. */
 #define K3_ROUTE_AVX512(NAME, T, LOAD8)                                                   \
     K3_AVX512_ATTR static void NAME(const T *w, long ldw, const double *x, long n,        \
                                     long e0, long nb, double *out) {                      \
-        /* nb blocks of 8 experts from e0 (nb <= K3_ROUTE_BLOCKS); inputs 0 .. n & ~7 */   \
-        __m512d acc[K3_ROUTE_BLOCKS];                                                     \
-        for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_pd();                        \
+        /* nb blocks of 8 experts from e0; inputs 0 .. n & ~7 */                          \
         long n8 = n & ~7L;                                                                \
-        for (long i = 0; i < n8; i += 8)                                                  \
-            for (int b = 0; b < nb; b++) {          /* independent chains: they overlap */ \
+        for (long b = 0; b < nb; b++) {                                                   \
+            __m512d acc = _mm512_setzero_pd();                                            \
+            const T *blk = w + (e0 + 8 * b) * ldw;                                        \
+            for (long i = 0; i < n8; i += 8) {                                            \
                 __m256 r[8];                                                              \
-                const T *blk = w + (e0 + 8 * b) * ldw + i;                                \
-                for (int k = 0; k < 8; k++) r[k] = LOAD8(blk + k * ldw);                  \
+                for (int k = 0; k < 8; k++) r[k] = LOAD8(blk + k * ldw + i);              \
                 k3_transpose8(r);                                                         \
                 for (int j = 0; j < 8; j++)                                               \
-                    acc[b] = _mm512_fmadd_pd(_mm512_cvtps_pd(r[j]),                       \
-                                             _mm512_set1_pd(x[i + j]), acc[b]);           \
+                    acc = _mm512_fmadd_pd(_mm512_cvtps_pd(r[j]), _mm512_set1_pd(x[i + j]), \
+                                          acc);                                           \
             }                                                                             \
-        for (int b = 0; b < nb; b++) _mm512_storeu_pd(out + e0 + 8 * b, acc[b]);          \
+            _mm512_storeu_pd(out + e0 + 8 * b, acc);                                      \
+        }                                                                                 \
     }
 K3_ROUTE_AVX512(k3_route_f32_avx512, float, k3_route_load8_f32)
 K3_ROUTE_AVX512(k3_route_bf16_avx512, uint16_t, k3_route_load8_bf16)
 
 #endif /* K3_HAVE_SIMD_PATHS */
 
-/* out[e] = the router logit of expert e (before the sigmoid), for e in [0, N) */
+/* out[e] = the router logit of expert e (before the sigmoid), for e in [e0, e1) of N (e0 a
+ * multiple of 8): a range is one work item, so a token's experts may be split between
+ * threads (each expert's chain stays whole). */
 #define K3_ROUTE_LOGITS(NAME, T, SCALAR, AVX512)                                          \
-    static void NAME(const T *w, long N, long n, const double *x, double *out) {          \
-        long done = 0;                                                                    \
+    static void NAME(const T *w, long N, long n, const double *x, double *out, long e0,   \
+                     long e1) {                                                           \
+        long done = e0;                                                                   \
         if (K3_HAVE_SIMD_PATHS && k3_isa() == K3_ISA_AVX512 && n >= 8) {                 \
-            long full = N & ~7L;                                                          \
-            for (long e = 0; e < full; e += 8 * K3_ROUTE_BLOCKS) {                        \
-                long nb = (full - e) / 8;                                                 \
-                AVX512(w, n, x, n, e, nb < K3_ROUTE_BLOCKS ? nb : K3_ROUTE_BLOCKS, out);  \
+            long full = (N & ~7L) < e1 ? (N & ~7L) : e1;                                  \
+            if (full > e0) {                                                              \
+                AVX512(w, n, x, n, e0, (full - e0) / 8, out);                             \
+                SCALAR(w, n, x, n, e0, full, n & ~7L, out);  /* inputs past the blocks */ \
+                done = full;                                                              \
             }                                                                             \
-            SCALAR(w, n, x, n, 0, full, n & ~7L, out);   /* the inputs past the blocks */ \
-            done = full;                                                                  \
         }                                                                                 \
-        SCALAR(w, n, x, n, done, N, 0, out);             /* the experts past them */      \
+        SCALAR(w, n, x, n, done, e1, 0, out);            /* the experts past them */      \
     }
 
 #if K3_HAVE_SIMD_PATHS
