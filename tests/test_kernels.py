@@ -1478,9 +1478,9 @@ def test_router_logits_sequential_double():
 
 
 def test_router_lanes_keep_each_experts_chain_on_every_path():
-    """k3route.h runs 8 experts per AVX-512 vector, one sequential chain per lane, a block
-    at a time, with the experts and inputs past the full blocks finished by the scalar
-    chain: on every path, for expert counts and widths that leave every kind of remainder
+    """k3route.h runs blocks of 8 experts (one AVX-512 vector, two AVX2 ones), one
+    sequential chain per lane, a block at a time, with the experts and inputs past the full
+    blocks finished by the scalar chain: on every path, for expert counts and widths that leave every kind of remainder
     (and bf16 gates), the scores equal sigma(f32(sequential double sum)) bitwise."""
     r = rng(381)
     shapes = ((64, 704), (37, 33), (8, 8), (9, 7), (7, 16), (100, 64), (33, 129), (1, 9))

@@ -84,19 +84,55 @@ K3_AVX512_ATTR K3_INLINE void k3_transpose8(__m256 *r) {
 K3_ROUTE_AVX512(k3_route_f32_avx512, float, k3_route_load8_f32)
 K3_ROUTE_AVX512(k3_route_bf16_avx512, uint16_t, k3_route_load8_bf16)
 
+/* AVX2: a block of 8 experts as two 4-lane halves (two chains), 4 inputs a step through
+ * two 4 x 4 transposes.  Same order per expert, same bits; ~4x the scalar chain's speed,
+ * whose dependent adds wait ~3-4 cycles a weight (mid's router, 1 thread: 217 us). */
+K3_AVX2_ATTR K3_INLINE __m128 k3_route_load4_f32(const float *w) { return _mm_loadu_ps(w); }
+K3_AVX2_ATTR K3_INLINE __m128 k3_route_load4_bf16(const uint16_t *w) {
+    __m128i v = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)w));
+    return _mm_castsi128_ps(_mm_slli_epi32(v, 16));
+}
+#define K3_ROUTE_AVX2(NAME, T, LOAD4)                                                     \
+    K3_AVX2_ATTR static void NAME(const T *w, long ldw, const double *x, long n, long e0, \
+                                  long nb, double *out) {                                 \
+        /* nb blocks of 8 experts from e0; inputs 0 .. n & ~7 */                          \
+        long n8 = n & ~7L;                                                                \
+        for (long b = 0; b < nb; b++) {                                                   \
+            __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();                   \
+            const T *blk = w + (e0 + 8 * b) * ldw;                                        \
+            for (long i = 0; i < n8; i += 4) {                                            \
+                __m128 r[8];                                                              \
+                for (int k = 0; k < 8; k++) r[k] = LOAD4(blk + k * ldw + i);              \
+                _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);   /* r[j]: input j, rows 0-3 */ \
+                _MM_TRANSPOSE4_PS(r[4], r[5], r[6], r[7]);   /* r[4+j]: rows 4-7 */        \
+                for (int j = 0; j < 4; j++) {                                             \
+                    const __m256d xj = _mm256_set1_pd(x[i + j]);                          \
+                    lo = _mm256_fmadd_pd(_mm256_cvtps_pd(r[j]), xj, lo);                  \
+                    hi = _mm256_fmadd_pd(_mm256_cvtps_pd(r[4 + j]), xj, hi);              \
+                }                                                                         \
+            }                                                                             \
+            _mm256_storeu_pd(out + e0 + 8 * b, lo);                                       \
+            _mm256_storeu_pd(out + e0 + 8 * b + 4, hi);                                   \
+        }                                                                                 \
+    }
+K3_ROUTE_AVX2(k3_route_f32_avx2, float, k3_route_load4_f32)
+K3_ROUTE_AVX2(k3_route_bf16_avx2, uint16_t, k3_route_load4_bf16)
+
 #endif /* K3_HAVE_SIMD_PATHS */
 
 /* out[e] = the router logit of expert e (before the sigmoid), for e in [e0, e1) of N (e0 a
  * multiple of 8): a range is one work item, so a token's experts may be split between
  * threads (each expert's chain stays whole). */
-#define K3_ROUTE_LOGITS(NAME, T, SCALAR, AVX512)                                          \
+#define K3_ROUTE_LOGITS(NAME, T, SCALAR, AVX512, AVX2)                                    \
     static void NAME(const T *w, long N, long n, const double *x, double *out, long e0,   \
                      long e1) {                                                           \
         long done = e0;                                                                   \
-        if (K3_HAVE_SIMD_PATHS && k3_isa() == K3_ISA_AVX512 && n >= 8) {                 \
+        int isa = k3_isa();                                                               \
+        if (K3_HAVE_SIMD_PATHS && isa != K3_ISA_SCALAR && n >= 8) {                      \
             long full = (N & ~7L) < e1 ? (N & ~7L) : e1;                                  \
             if (full > e0) {                                                              \
-                AVX512(w, n, x, n, e0, (full - e0) / 8, out);                             \
+                if (isa == K3_ISA_AVX512) AVX512(w, n, x, n, e0, (full - e0) / 8, out);   \
+                else AVX2(w, n, x, n, e0, (full - e0) / 8, out);                          \
                 SCALAR(w, n, x, n, e0, full, n & ~7L, out);  /* inputs past the blocks */ \
                 done = full;                                                              \
             }                                                                             \
@@ -104,14 +140,15 @@ K3_ROUTE_AVX512(k3_route_bf16_avx512, uint16_t, k3_route_load8_bf16)
         SCALAR(w, n, x, n, done, e1, 0, out);            /* the experts past them */      \
     }
 
-#if K3_HAVE_SIMD_PATHS
-K3_ROUTE_LOGITS(k3_route_logits_f32, float, k3_route_f32_scalar, k3_route_f32_avx512)
-K3_ROUTE_LOGITS(k3_route_logits_bf16, uint16_t, k3_route_bf16_scalar, k3_route_bf16_avx512)
-#else
+#if !K3_HAVE_SIMD_PATHS
 #define k3_route_f32_avx512(...) ((void)0)
 #define k3_route_bf16_avx512(...) ((void)0)
-K3_ROUTE_LOGITS(k3_route_logits_f32, float, k3_route_f32_scalar, k3_route_f32_avx512)
-K3_ROUTE_LOGITS(k3_route_logits_bf16, uint16_t, k3_route_bf16_scalar, k3_route_bf16_avx512)
+#define k3_route_f32_avx2(...) ((void)0)
+#define k3_route_bf16_avx2(...) ((void)0)
 #endif
+K3_ROUTE_LOGITS(k3_route_logits_f32, float, k3_route_f32_scalar, k3_route_f32_avx512,
+                k3_route_f32_avx2)
+K3_ROUTE_LOGITS(k3_route_logits_bf16, uint16_t, k3_route_bf16_scalar, k3_route_bf16_avx512,
+                k3_route_bf16_avx2)
 
 #endif /* K3ROUTE_H */
