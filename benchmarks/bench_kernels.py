@@ -2,7 +2,8 @@
 """Kernel throughput against the machine's own memory bandwidth (a script, not a test).
 
     python benchmarks/bench_kernels.py [--repeat N] [--threads 1,2] [--isa scalar,avx2,avx512]
-                                       [--tokens 1,4] [--callgrind] [--json PATH]
+                                       [--tokens 1,4] [--shapes KIND:OUTxIN,...] [--callgrind]
+                                       [--json PATH]
 
 For each weight-streaming kernel (BF16, MXFP4, float32 and I8R matvec at real Kimi K3
 shapes) it reports, per instruction-set path (scalar / AVX2 / AVX-512, forced through
@@ -360,6 +361,9 @@ def main(argv=None) -> int:
                     help="comma-separated batch sizes T (T > 1 uses the token tiles)")
     ap.add_argument("--kernels", default="", help="only kernels whose kind is listed "
                     "(bf16,mxfp4,f32,i8r); default all")
+    ap.add_argument("--shapes", default="", metavar="KIND:OUTxIN,...",
+                    help="these matrices instead of K3's (e.g. bf16:2048x2048,bf16:8192x2048: "
+                         "mid's trunk, whose 4 KB rows stream differently)")
     ap.add_argument("--bw-gib", type=float, default=1.0, help="size of the bandwidth arrays")
     ap.add_argument("--floor-gbs", type=float, metavar="GB/S",
                     help="read bandwidth for the floor instead of this run's measurement "
@@ -390,7 +394,10 @@ def main(argv=None) -> int:
     for name in isas:
         if name not in K.isas_available():
             ap.error(f"--isa {name}: not available on this CPU ({', '.join(K.isas_available())})")
-    kernels = [k for k in KERNELS if not a.kernels or k[1] in a.kernels.split(",")]
+    table = KERNELS if not a.shapes else [
+        (f"{kind.upper()} matvec", kind, *map(int, shape.split("x")))
+        for kind, shape in (item.split(":") for item in a.shapes.split(","))]
+    kernels = [k for k in table if not a.kernels or k[1] in a.kernels.split(",")]
 
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs "
