@@ -7,7 +7,7 @@
  * 8 x 8 block of weights (8 experts' rows, 8 consecutive inputs) is loaded row-wise,
  * transposed, and its 8 columns are FMA'd into the lanes in input order.  The product of a
  * float (or bf16) weight and a float input is exact in double, so fma(w, x, l) rounds
- * exactly like l + w*x.
+ * exactly like l + w*x.  The AVX2 form runs the same block as two 4-lane halves.
  * Experts past the last full block of 8, and inputs past the last full block of 8, are
  * finished by the scalar chain, continuing each expert's own accumulator in order. */
 #ifndef K3ROUTE_H
