@@ -1308,8 +1308,8 @@ def route_tokens(W, const float[:, ::1] X, const float[::1] bias, int k, bint re
         return
     cdef bint bf16 = W.dtype == np.uint16
     cdef const void *wp = _router_weights(W)
-    cdef double *buf
-    cdef float *sc
+    cdef double *buf = NULL      # (set by each thread; initialised: GCC's flow analysis)
+    cdef float *sc = NULL
     cdef int oom[1]
     oom[0] = 0
     # Threads split the tokens; one token (every decode step) splits its experts instead
