@@ -42,6 +42,11 @@ class KDAState:
             a.fill(0.0)
 
 
+def _n_blocks(n: int) -> int:
+    """Key blocks holding positions 0 .. n-1."""
+    return -(-n // KEY_BLOCK)
+
+
 def _key_blocks(blocks: np.ndarray, p0: int, rows: np.ndarray, put: bool) -> None:
     """Copy positions p0 .. p0+n-1 between rows [n, G, d] and key blocks [G, n_blocks, d,
     KEY_BLOCK] (position p: block p // KEY_BLOCK, lane p % KEY_BLOCK): into the blocks
@@ -90,12 +95,18 @@ class MLAState:
     v: np.ndarray
     rope: np.ndarray
 
+    @staticmethod
+    def shapes(n_heads: int, d_n: int, d_v: int, d_r: int, capacity: int
+               ) -> dict[str, tuple[int, ...]]:
+        """The arrays' shapes by field name (what zeros() makes, what statefile checks)."""
+        nb = _n_blocks(capacity)
+        return {"k": (n_heads, nb, d_n, KEY_BLOCK), "v": (n_heads, capacity, d_v),
+                "rope": (nb, d_r, KEY_BLOCK)}
+
     @classmethod
     def zeros(cls, n_heads: int, d_n: int, d_v: int, d_r: int, capacity: int) -> "MLAState":
-        nb = -(-capacity // KEY_BLOCK)
-        return cls(zeroed_f32((n_heads, nb, d_n, KEY_BLOCK), huge=False),
-                   zeroed_f32((n_heads, capacity, d_v), huge=False),
-                   zeroed_f32((nb, d_r, KEY_BLOCK), huge=False))
+        return cls(**{name: zeroed_f32(shape, huge=False) for name, shape in
+                      cls.shapes(n_heads, d_n, d_v, d_r, capacity).items()})
 
     @classmethod
     def empty(cls, cfg: ModelConfig, capacity: int) -> "MLAState":
@@ -138,7 +149,7 @@ class MLAState:
 
     def copy_prefix(self, src: "MLAState", n: int) -> None:
         """Positions 0 .. n-1 from another state of the same dimensions."""
-        nb = -(-n // KEY_BLOCK)
+        nb = _n_blocks(n)
         self.k[:, :nb] = src.k[:, :nb]
         self.v[:, :n] = src.v[:, :n]
         self.rope[:nb] = src.rope[:nb]

@@ -34,7 +34,6 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from . import kernels as K
-from .kernels import KEY_BLOCK
 from .atomic import fsync_dir, publish_target
 from .config import ModelConfig
 from .state import KDAState, MLAState, SequenceState
@@ -158,10 +157,8 @@ def _geometry(state: SequenceState) -> _Geometry:
     for L, st in enumerate(state.layers):
         if cfg.is_mla(L):
             n_mla += 1
-            B = KEY_BLOCK                     # the cache's layout (state.MLAState)
-            want = {"k": (cfg.n_heads, -(-state.capacity // B), cfg.qk_nope, B),
-                    "v": (cfg.n_heads, state.capacity, cfg.v_head),
-                    "rope": (-(-state.capacity // B), ropepp, B)}
+            want = MLAState.shapes(cfg.n_heads, cfg.qk_nope, cfg.v_head, ropepp,
+                                   state.capacity)
             if not isinstance(st, MLAState):
                 raise ValueError(f"layer {L} is MLA but its state is {type(st).__name__}")
         else:

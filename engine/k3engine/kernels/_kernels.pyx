@@ -1212,8 +1212,8 @@ cdef const void *_router_weights(W) except NULL:
     return &Wf[0, 0] if Wf.shape[0] * Wf.shape[1] else &_no_weights
 
 
-# A token's logits split over threads in items of this many experts (8 blocks of 8: K3's
-# 896 are 14 items, mid's 128 two).  Each expert's chain is whole in one item, so no bit
+# A token's logits split over threads in items of this many experts (4 blocks of 8: K3's
+# 896 are 28 items, mid's 128 four).  Each expert's chain is whole in one item, so no bit
 # depends on the split (tests/test_kernels.py, the router at 1 and 2 threads).
 DEF ROUTE_ITEM = 32
 # One router multiply-add counted as this many for the parallel threshold: a chain per
