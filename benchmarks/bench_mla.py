@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 
 from k3engine import kernels as K
+from k3engine.state import MLAState
 
 DN, DR, DV = 128, 64, 128
 # (new tokens, cached positions before them): decode steps at growing contexts, then prefills
@@ -35,10 +36,8 @@ def main() -> None:
     H = a.heads
     r = np.random.default_rng(5)
     cap = max(t + p for t, p in CASES)
-    B = K.KEY_BLOCK                        # the cache as state.MLAState holds it
-    Kb = r.standard_normal((H, -(-cap // B), DN, B), dtype=np.float32)
-    Vc = r.standard_normal((H, cap, DV), dtype=np.float32)
-    Rb = r.standard_normal((-(-cap // B), DR, B), dtype=np.float32)
+    Kb, Vc, Rb = (r.standard_normal(shape, dtype=np.float32)      # the state's layout
+                  for shape in MLAState.shapes(H, DN, DV, DR, cap).values())
     print(f"kernels {K.__file__}, path {K.isa()}, heads {H}, "
           f"cache {(Kb.nbytes + Vc.nbytes) / 1e6:.0f} MB")
     for nt in (int(x) for x in a.threads.split(",")):

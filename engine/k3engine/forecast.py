@@ -37,6 +37,7 @@ from .diskio import align_up
 from .kernels import PANEL_MIN_TOKENS   # from here a BF16 matvec runs through the panels
 from .memory import ModelFigures, Plan, moe_chunk_for, plan
 from .model import PREFILL_CHUNK
+from .state import MLAState
 from .trunk import IO_THREADS as TRUNK_IO_THREADS   # a layer's reads run on this many threads
 
 __all__ = [
@@ -405,9 +406,8 @@ def calibrate_small(seconds: float = KERNEL_SECONDS / 4) -> dict:
     stack, run, phi = f32(S, 1, E), f32(1, E), f32(E)
     out = np.empty((1, E), np.float32)
     Hm, dn, dr, dv, ctx = 4, 128, 64, 128, 256
-    B = K.KEY_BLOCK                      # the cache's layout (state.MLAState)
-    q, vc = f32(1, Hm * (dn + dr)), f32(Hm, ctx, dv)
-    kb, rope = f32(Hm, ctx // B, dn, B), f32(ctx // B, dr, B)
+    q = f32(1, Hm * (dn + dr))
+    kb, vc, rope = (f32(*shape) for shape in MLAState.shapes(Hm, dn, dv, dr, ctx).values())
     om = np.empty((1, Hm * dv), np.float32)
     work = {
         "router": (lambda _: K.router(router_w, x1, bias, 8, True, 1.0, idx, wts), 64 * E),
