@@ -55,6 +55,16 @@ def test_unwritable_dump_logits_and_trace_exit_3_with_the_results_kept(tiny, tmp
     assert json.loads(out.read_bytes())["generated_ids"]           # --out was written
 
 
+def test_dump_cache_trace_says_once_what_it_wrote(tiny, tmp_path):
+    p = k3(tiny, "--ids", PROMPT, "--gen", "2", "--dump-cache-trace", tmp_path, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-800:]
+    said = [l for l in p.stdout.splitlines() if str(tmp_path) in l]
+    print(f"[cli] --dump-cache-trace: {said}")
+    assert [l.split(":")[0] for l in said] == [f"wrote {tmp_path / 'expert_hist.json'}",
+                                               f"wrote {tmp_path / 'expert_trace.bin'}"]
+    assert (tmp_path / "expert_trace.bin").stat().st_size > 0
+
+
 def test_second_chat_on_one_history_is_refused(tiny, tmp_path):
     from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
     demo = tmp_path / "demo"

@@ -522,8 +522,8 @@ def finish(o: Options, r: Run, res: RunResult, events: Events, unwritten: list[s
         print(f"wrote {o.out}")
     if o.dump_cache_trace:
         try:
-            for path in lm.experts.dump_trace(o.dump_cache_trace):
-                print(f"wrote {path}")
+            for line in lm.experts.dump_trace(o.dump_cache_trace):   # "wrote PATH: ..."
+                print(line)
         except OSError as e:
             print(f"cannot write the cache trace in {o.dump_cache_trace}: "
                   f"{e.strerror or e}", file=sys.stderr)
