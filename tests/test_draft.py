@@ -214,7 +214,7 @@ def test_cache_only_routing_picks_resident_experts_and_reads_nothing(exact_lm):
     x = np.random.default_rng(3).standard_normal(cfg.hidden).astype(np.float32)
     def snapshot():
         return (cache.total.requests, cache.total.bytes_read, cache.trace.requests,
-                list(cache.policy._lru))             # recency order, oldest first
+                cache.policy.snapshot())             # e.g. LRU's recency order
     before = snapshot()
     idx, wts = DraftRouter(cache, 2, cache_only=True)(w, x, cfg, L)
     assert set(idx.tolist()) <= set(resident) and len(idx) == 2

@@ -14,6 +14,7 @@ import random
 import re
 import struct
 import zlib
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ from k3engine import experts as X
 from k3engine.bind import Binder, BindError, CheckpointExperts, ResidentWeights
 from k3engine.checkpoint import Checkpoint, CheckpointError
 from k3engine.experts import (EMPTY, INFLIGHT, ExpertCache, ExpertCacheError, ExpertLoadError,
-                              LRUPolicy, ResidentExperts, resolve_expert, slot_bytes_for)
+                              LRUPolicy, POLICIES, ResidentExperts, S3FIFOPolicy,
+                              make_policy, resolve_expert, slot_bytes_for)
 from k3engine.kernels._k3io import joined
 from k3engine.names import PREFIX
 from k3engine.tools import sim_cache
@@ -284,6 +286,124 @@ def test_policy_access_is_plain_lru():
             ref.append(k)
             hits += hit
         assert hits == sim_cache.lru_hits(keys, cap)
+
+
+def _upstream_s3fifo(keys: list[int], cap: int) -> list[bool]:
+    """The upstream S3-FIFO rules (SYSTEM §4.10) written out over keys, as an oracle for
+    the slot table's form: small FIFO 10 % of cap, ghost FIFO of cap keys evicted from
+    small, 2-bit frequency."""
+    target = max(1, int(cap * 0.1))
+    small, main, ghost, ghosted, freq, out = deque(), deque(), deque(), set(), {}, []
+    for k in keys:
+        if k in freq:
+            freq[k] = min(freq[k] + 1, 3)
+            out.append(True)
+            continue
+        out.append(False)
+        while len(freq) >= cap:
+            if small and (len(small) >= target or not main):
+                v = small.popleft()
+                if freq[v]:
+                    freq[v] = 0
+                    main.append(v)
+                    continue
+                del freq[v]
+                if len(ghost) >= cap:
+                    ghosted.discard(ghost.popleft())
+                ghost.append(v)
+                ghosted.add(v)
+            else:
+                v = main.popleft()
+                if freq[v]:
+                    freq[v] -= 1
+                    main.append(v)
+                    continue
+                del freq[v]
+        freq[k] = 0
+        if k in ghosted:
+            ghosted.discard(k)
+            main.append(k)
+        else:
+            small.append(k)
+    return out
+
+
+def test_s3fifo_policy_access_follows_the_upstream_rules():
+    """Hit for hit on skewed traces (hot keys come back, cold ones pass once), at capacities
+    where the small FIFO is 1 slot, a few, and most of the keys."""
+    rng = random.Random(11)
+    keys = [rng.randrange(12) if rng.random() < 0.6 else rng.randrange(400)
+            for _ in range(6000)]
+    for cap in (1, 2, 9, 17, 40, 150, 420):
+        p = S3FIFOPolicy(cap)
+        got = [p.access(k) for k in keys]
+        want = _upstream_s3fifo(keys, cap)
+        assert got == want, f"{cap} slots: first difference at request " \
+            f"{next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+        assert p.resident == min(cap, len(set(keys)))
+        if cap >= 17:       # the point of it: a hot set survives the cold keys' passing
+            assert sum(got) > sum(LRUPolicy(cap).access(k) for k in keys)
+
+
+def test_s3fifo_policy_never_evicts_in_use_or_pinned_slots():
+    p = S3FIFOPolicy(10)                  # small FIFO: 1 slot
+    for k in range(10):
+        s, old = p.reserve(k)
+        p.publish(k, s)
+        assert old == EMPTY
+    for k in (0, 1, 2, 3):
+        p.touch(p.lookup(k))              # frequency 1: promoted to main when met
+    p.protect(p.lookup(4))
+    p.protect(p.lookup(9))
+    assert p.pin(5) and p.pin(6)
+    held = {p.lookup(k) for k in (4, 5, 6, 9)}
+    evicted = []
+    for k in range(100, 106):             # 6 evictable slots: 0-3 and 7, 8
+        s, old = p.reserve(k)
+        assert s >= 0 and s not in held and old not in (4, 5, 6, 9)
+        evicted.append(old)
+        p.publish(k, s)
+        p.protect(s)                      # each newcomer stays in use
+    assert sorted(evicted) == [0, 1, 2, 3, 7, 8]
+    assert p.reserve(200) == (-1, EMPTY)  # everything pinned or in use: the walk ends
+    assert p.free_capacity() == 0
+    p.unprotect(p.lookup(9))
+    s, old = p.reserve(200)
+    assert old == 9
+    p.publish(200, s)
+    p.protect(s)
+    assert p.pin(5, False)                # unpinned: back in the queues, evictable again
+    s, old = p.reserve(201)
+    assert old == 5
+    with pytest.raises(ValueError):
+        p.publish(201, (s + 1) % 10)      # only the reserved slot publishes
+
+
+def test_s3fifo_first_use_after_a_prefetch_is_not_a_reuse():
+    """The engine serves a prefetched expert as a hit (touch with first=True): that is the
+    request that missed, so the key stays a one-hit wonder and leaves through the small
+    FIFO into the ghost; a real second use promotes it."""
+    for reuse, survivor in ((False, 1), (True, 0)):
+        p = S3FIFOPolicy(2)
+        for k in (0, 1):
+            s, _ = p.reserve(k)
+            p.publish(k, s)
+            p.touch(s, first=True)
+        if reuse:
+            p.touch(p.lookup(0))
+        p.access(2)
+        assert p.lookup(survivor) >= 0 and p.lookup(1 - survivor) < 0
+
+
+def test_make_policy_names_and_environment(monkeypatch):
+    monkeypatch.delenv("K3_CACHE_POLICY", raising=False)
+    assert isinstance(make_policy(None, 4), X.POLICIES[X.DEFAULT_POLICY])
+    monkeypatch.setenv("K3_CACHE_POLICY", "s3fifo")
+    assert isinstance(make_policy(None, 4), S3FIFOPolicy)
+    assert isinstance(make_policy("LRU", 4), LRUPolicy)
+    monkeypatch.setenv("K3_CACHE_POLICY", "arc")
+    with pytest.raises(ExpertCacheError, match="K3_CACHE_POLICY: unknown cache policy 'arc'"):
+        make_policy(None, 4)
 
 
 # ---------------------------------------------------------------------------------------
@@ -685,12 +805,13 @@ def tiny(request, tmp_path_factory):
     return d, cfg
 
 
-def test_tiny_checkpoint_cache_equals_binder(tiny):
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_tiny_checkpoint_cache_equals_binder(tiny, policy):
     d, cfg = tiny
     ck = Checkpoint(d)
     binder = Binder(ck, cfg)
     probe = resolve_expert(ck, cfg, 1, 0)
-    cache = ExpertCache(ck, cfg, 3 * slot_bytes_for(probe.nbytes))
+    cache = ExpertCache(ck, cfg, 3 * slot_bytes_for(probe.nbytes), policy=policy)
     assert cache.nslot == 3 == cfg.topk + 1
     moe = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
     n = 0
@@ -710,14 +831,17 @@ def test_tiny_checkpoint_cache_equals_binder(tiny):
             n += 1
     assert_consistent(cache)
     print(f"[gate] tiny checkpoint ({len(ck.shards)} shard(s)): {n} expert requests through 3 "
-          f"slots, every one byte-identical to Binder.expert; {cache.total.evictions} evictions")
+          f"slots ({policy}), every one byte-identical to Binder.expert; "
+          f"{cache.total.evictions} evictions")
     cache.close()
     ck.close()
 
 
-def test_tiny_model_same_logits_with_a_3_slot_cache(tiny):
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_tiny_model_same_logits_with_a_3_slot_cache(tiny, policy):
     """Memory decisions only change speed: the forward pass over a 3-slot cache gives the
-    logits of the resident experts bit for bit (prefill and chunk union included)."""
+    logits of the resident experts bit for bit (prefill and chunk union included), under
+    either replacement policy."""
     from k3engine.model import Model
     d, cfg = tiny
     ck = Checkpoint(d)
@@ -727,7 +851,7 @@ def test_tiny_model_same_logits_with_a_3_slot_cache(tiny):
     out = {}
     for name, src in (("resident", ResidentExperts(CheckpointExperts(binder))),
                       ("cache", ExpertCache(ck, cfg, 3 * slot_bytes_for(
-                          resolve_expert(ck, cfg, 1, 0).nbytes)))):
+                          resolve_expert(ck, cfg, 1, 0).nbytes), policy=policy))):
         model = Model(cfg, weights, src)
         st = model.new_state(len(ids) + 1)
         out[name] = model.forward(ids, st, all_logits=True)
@@ -735,7 +859,7 @@ def test_tiny_model_same_logits_with_a_3_slot_cache(tiny):
     assert np.array_equal(out["resident"], out["cache"])
     assert np.array_equal(out["resident+1"], out["cache+1"])
     print(f"[gate] tiny model: logits of {len(ids)} prompt positions + 1 decode step "
-          f"identical with a 3-slot expert cache and resident experts")
+          f"identical with a 3-slot expert cache ({policy}) and resident experts")
     ck.close()
 
 

@@ -90,14 +90,18 @@ def test_more_trunk_never_predicts_more_trunk_reads():
     assert reads == sorted(reads, reverse=True) and reads[-1] == 0
 
 
-def test_trace_hit_rate_is_the_lru_replay():
-    """With a trace, the hit rate is sim-cache's LRU replay at the plan's slot count."""
+@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+def test_trace_hit_rate_is_the_replay_of_the_runs_policy(name, monkeypatch):
+    """With a trace, the hit rate is the replay of the policy a run would use
+    (K3_CACHE_POLICY) at the plan's slot count."""
+    monkeypatch.setenv("K3_CACHE_POLICY", name)
     rng = np.random.default_rng(0)
     pairs = np.stack([rng.integers(1, 4, 5000), rng.integers(0, 32, 5000)], axis=1)
     keys = trace_keys(pairs.astype(np.int32))
     hits = F.TraceRouting(keys, "a test trace")
-    from k3engine.experts import LRUPolicy
-    policy = LRUPolicy(40)
+    assert hits.description.startswith(f"{name.upper()} replay")
+    from k3engine.experts import POLICIES
+    policy = POLICIES[name](40)
     tail = [policy.access(k) for k in keys][len(keys) // 2:]     # warm: the second half
     assert hits.steady_hit(40, None) == sum(tail) / len(tail)
     assert hits.steady_hit(200, None) >= hits.steady_hit(40, None)

@@ -831,7 +831,8 @@ class UniformRouting(HitModel):
 
 class TraceRouting(HitModel):
     """A recorded trace (`--dump-cache-trace`'s expert_trace.bin) replayed through the
-    engine's own LRU (experts.LRUPolicy, as `k3 sim-cache` does) at the slot count.  The
+    engine's own replacement policy (experts.make_policy: the one K3_CACHE_POLICY gives a
+    run, as `k3 sim-cache` replays them) at the slot count.  The
     steady hit rate counts the second half of the trace only, replayed after the first
     (a warm cache): a trace starts with the prompt's compulsory misses, which a long decode
     does not see again."""
@@ -840,8 +841,11 @@ class TraceRouting(HitModel):
         self.keys = keys
         self.uniq = len(set(keys))
         self._memo: dict[int, float] = {}
-        self.description = (f"LRU replay of {label} ({len(keys)} requests, {self.uniq} "
-                            f"distinct experts; hits counted over its second half)")
+        from .experts import make_policy
+        self._policy = lambda slots: make_policy(None, slots)
+        self.description = (f"{self._policy(1).name.upper()} replay of {label} ({len(keys)} "
+                            f"requests, {self.uniq} distinct experts; hits counted over its "
+                            f"second half)")
 
     @classmethod
     def from_file(cls, path: str) -> "TraceRouting":
@@ -850,11 +854,10 @@ class TraceRouting(HitModel):
 
     def steady_hit(self, slots, model):
         if slots not in self._memo:
-            from .experts import LRUPolicy
             n, half = len(self.keys), len(self.keys) // 2
             hits = 0
             if n and slots > 0:
-                access = LRUPolicy(slots).access
+                access = self._policy(slots).access
                 for i, k in enumerate(self.keys):
                     h = access(k)
                     if i >= half:

@@ -4,20 +4,20 @@ Routing does not depend on the cache, so one run's `expert_trace.bin` (int32 LE 
 (layer, expert), §6.8) yields the whole hit-rate-versus-capacity curve.  The LRU column is
 replayed through `experts.LRUPolicy`, the very victim choice the engine makes; Belady
 (optimal, offline) and PIN+LRU (the trace's hottest keys held for good) are ceilings that
-use future knowledge; S3-FIFO (the later upstream default, §4.10) is optional.  Output is
-the reference's published table (§11.3).
+use future knowledge; S3-FIFO (the later upstream default, §4.10, `experts.S3FIFOPolicy`,
+the engine's with K3_CACHE_POLICY=s3fifo) is optional.  Output is the reference's
+published table (§11.3).
 """
 from __future__ import annotations
 
 import argparse
 import heapq
 import sys
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..experts import TOKENS_DIVISOR, LRUPolicy
+from ..experts import TOKENS_DIVISOR, LRUPolicy, S3FIFOPolicy
 
 EXPERT_BYTES = 17_547_264        # one routed expert of the released checkpoint
 POOL = 92 * 896                  # routed experts in the released checkpoint
@@ -113,55 +113,10 @@ def pin_lru_hits(keys: list[int], cap: int, npin: int, ranked=None) -> int:
     return hits
 
 
-def s3fifo_hits(keys: list[int], cap: int, small_share: float = 0.1) -> int:
-    """S3-FIFO (§4.10): new keys enter a small FIFO (10 % of slots) unless a ghost FIFO of
-    recently evicted keys (sized like the cache) remembers them, then they enter the main
-    FIFO.  A 2-bit saturating frequency promotes from small to main and buys a key in
-    main another lap."""
-    small_target = max(1, int(cap * small_share))
-    small, main = deque(), deque()
-    ghost, ghosted = deque(), set()
-    freq: dict[int, int] = {}
-    hits = 0
-
-    def evict() -> None:
-        while True:
-            if small and (len(small) >= small_target or not main):
-                v = small.popleft()
-                if freq[v]:
-                    freq[v] = 0
-                    main.append(v)
-                    continue
-                del freq[v]
-                if len(ghost) >= cap:
-                    ghosted.discard(ghost.popleft())
-                ghost.append(v)
-                ghosted.add(v)
-                return
-            v = main.popleft()
-            if freq[v]:
-                freq[v] -= 1
-                main.append(v)
-                continue
-            del freq[v]
-            return
-
-    for k in keys:
-        f = freq.get(k)
-        if f is not None:
-            hits += 1
-            if f < 3:
-                freq[k] = f + 1
-            continue
-        if len(freq) >= cap:
-            evict()
-        freq[k] = 0
-        if k in ghosted:
-            ghosted.discard(k)
-            main.append(k)
-        else:
-            small.append(k)
-    return hits
+def s3fifo_hits(keys: list[int], cap: int) -> int:
+    """S3-FIFO (§4.10), replayed through `experts.S3FIFOPolicy`, the engine's own."""
+    access = S3FIFOPolicy(cap).access
+    return sum(map(access, keys))
 
 
 # ---- the table -------------------------------------------------------------------------
