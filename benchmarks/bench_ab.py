@@ -1,12 +1,15 @@
-"""A/B of two engine source trees on one budget, runs alternated (a script, not a test).
+"""A/B of two engine source trees or two settings on one budget, runs alternated (a
+script, not a test).
 
     python benchmarks/bench_ab.py MODEL_DIR TRUNK_DIR BASE_ENGINE_DIR [--budget 0]
                                   [--pairs 3] [--gen 8] [--prompt 5] [--threads 1]
+                                  [--env-a VAR=VALUE]... [--env-b VAR=VALUE]...
 
 BASE_ENGINE_DIR is the `engine` directory of another checkout with its extensions built in
 place (e.g. `git archive main | tar -x -C /tmp/base && cd /tmp/base && python setup.py
 build_ext --inplace`); it is put first on PYTHONPATH for the A runs, the installed engine
-runs the B runs.  Each pair runs A then B (page cache dropped before each run when
+runs the B runs; `-` runs the installed engine on both sides, to compare the environment
+variables --env-a / --env-b set for one side only (e.g. K3_CACHE_POLICY=s3fifo).  Each pair runs A then B (page cache dropped before each run when
 /proc/sys/vm/drop_caches is writable) with bench_engine's `run_once`, so a shared machine's
 load hits both sides alike.  Reports the medians of the steady decode step's wall and
 process CPU seconds, the prefill's s/position (--prompt N > 5), and whether the ids agree.
@@ -32,36 +35,55 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=5, help="prompt length (5 = the tables' ids)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--env-a", action="append", default=[], metavar="VAR=VALUE",
+                    help="set for the A runs only (repeatable)")
+    ap.add_argument("--env-b", action="append", default=[], metavar="VAR=VALUE",
+                    help="set for the B runs only (repeatable)")
     a = ap.parse_args()
+    side_env = {"A": dict(v.split("=", 1) for v in a.env_a),
+                "B": dict(v.split("=", 1) for v in a.env_b)}
     name, args = BUDGETS[a.budget]
     args = [x.format(trunk=a.trunk) for x in args] + ["--threads", str(a.threads)]
     ids = prompt_ids(a.prompt, vocab_of(a.model))
     keep = os.environ.get("PYTHONPATH")
     res: dict[str, list[dict]] = {"A": [], "B": []}
     print(f"{name}, prompt {a.prompt}, gen {a.gen}, threads {a.threads}; A = "
-          f"{a.base_engine}, B = the installed engine; load average {loadavg()}", flush=True)
+          f"{a.base_engine} {side_env['A'] or ''}, B = the installed engine "
+          f"{side_env['B'] or ''}; load average {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.pairs):
             for side in ("A", "B"):
-                if side == "A":
+                if side == "A" and a.base_engine != "-":
                     os.environ["PYTHONPATH"] = os.path.abspath(a.base_engine) + (
                         os.pathsep + keep if keep else "")
                 elif keep is None:
                     os.environ.pop("PYTHONPATH", None)
                 else:
                     os.environ["PYTHONPATH"] = keep
+                saved = {k: os.environ.get(k) for k in side_env[side]}
+                os.environ.update(side_env[side])
                 drop_caches()
-                r = run_once(a.model, args, a.gen, tmp, ids)
+                try:
+                    r = run_once(a.model, args, a.gen, tmp, ids)
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
                 res[side].append(r)
                 print(f"  pair {i} {side}: steady {r['steady']:.3f} s (CPU {r['steady_cpu']:.3f})"
-                      f", ttft {r['ttft']:.2f} s, load {loadavg()}", flush=True)
-    med = {s: {k: statistics.median(r[k] for r in rs) for k in ("steady", "steady_cpu", "ttft")}
+                      f", ttft {r['ttft']:.2f} s, read {r['steady_read_gb']:.3f} GB a step, "
+                      f"load {loadavg()}", flush=True)
+    med = {s: {k: statistics.median(r[k] for r in rs)
+               for k in ("steady", "steady_cpu", "ttft", "steady_read_gb")}
            for s, rs in res.items()}
     same = len({tuple(r["ids"]) for rs in res.values() for r in rs}) == 1
     for s in ("A", "B"):
         m = med[s]
-        print(f"{s}: steady decode step {m['steady']:.3f} s wall, {m['steady_cpu']:.3f} s CPU; "
-              f"ttft {m['ttft']:.2f} s ({m['ttft'] / a.prompt:.4f} s/position)")
+        print(f"{s}: steady decode step {m['steady']:.3f} s wall, {m['steady_cpu']:.3f} s CPU, "
+              f"{m['steady_read_gb']:.3f} GB read; ttft {m['ttft']:.2f} s "
+              f"({m['ttft'] / a.prompt:.4f} s/position)")
     print(f"B/A: steady wall {med['B']['steady'] / med['A']['steady']:.3f}, CPU "
           f"{med['B']['steady_cpu'] / med['A']['steady_cpu']:.3f}, ttft "
           f"{med['B']['ttft'] / med['A']['ttft']:.3f}; ids identical across all runs: {same}")
