@@ -63,6 +63,23 @@ def test_full_recompute_and_incremental_cli_agree(tiny, tmp_path):
     assert ja["generated_ids"] == jb["generated_ids"] == GOLDEN["generated_ids"][:4]
 
 
+def test_cache_policy_is_named_and_changes_no_id(tiny, tmp_path):
+    """--cache-policy s3fifo (and K3_CACHE_POLICY) on a 6-slot cache: the init line names
+    it, the ids are LRU's; LRU keeps the reference's line."""
+    runs = {}
+    for name, extra, env in (("lru", (), None), ("flag", ("--cache-policy", "s3fifo"), None),
+                             ("env", (), {"K3_CACHE_POLICY": "s3fifo"})):
+        p = k3(tiny, "--ids", PROMPT, "--gen", 4, "--incremental", "--cache-gb", 0.0001,
+               *extra, "--out", tmp_path / f"{name}.json", env=env)
+        assert p.returncode == 0, p.stderr[-800:]
+        line = next(l for l in p.stdout.splitlines() if l.startswith("expert cache:"))
+        runs[name] = (json.loads((tmp_path / f"{name}.json").read_text())["generated_ids"], line)
+        print(f"[gate] --cache-policy {name}: ids {runs[name][0]}; {line}")
+    assert runs["lru"][0] == runs["flag"][0] == runs["env"][0] == GOLDEN["generated_ids"][:4]
+    assert "replacement" not in runs["lru"][1]
+    assert runs["flag"][1].endswith("S3-FIFO replacement)") and runs["env"][1] == runs["flag"][1]
+
+
 def test_ids_file_and_layers(tiny, tmp_path):
     f = tmp_path / "ids.txt"
     f.write_text(PROMPT.replace(",", "\n"))
@@ -89,6 +106,8 @@ def test_gen_zero_incremental_is_prefill_only(tiny, tmp_path):
     (("{m}", "--ids", "1", "--gen", "4097"), "--gen 4097 is out of range (0..4096)"),
     (("{m}", "--ids", "1", "--gen", "2.5"), "bad --gen value '2.5'"),
     (("{m}", "--ids", "1", "--threads", "0"), "--threads 0 is out of range"),
+    (("{m}", "--ids", "1", "--cache-policy", "arc"),
+     "--cache-policy must be lru or s3fifo, got 'arc'"),
     (("{m}", "--ids", "1", "--layers", "14"), "--layers 14 is out of range (1..13)"),
     (("{m}", "--ids", "1,256"), "token id 256 is outside the vocabulary of 256"),
     (("{m}", "--ids", ",".join(["1"] * 32769)), "the limit is 32768 (refused, never truncated)"),

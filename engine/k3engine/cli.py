@@ -19,6 +19,7 @@ from .console import Printer
 from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_RUNTIME, EXIT_USAGE,
                      EngineError, PlanRefused, UsageError, describe)
 from .events import Finished
+from .experts import POLICIES
 from .memory import DEFAULT_DRAFT_TRUNK_GB, BudgetError, human, list_presets_text, resolve_budgets
 from .report import RULE, out_line
 from .run import (MAX_GEN, Cancel, Draft, Prompt, Run, RunRequest, Sampling, io_seconds,
@@ -68,6 +69,8 @@ memory
   --trunk-gb X|auto     trunk budget, pinned layers + ring (default 16)
   --trunk-ring N        ring slots, 1..8 (default 2)
   --cache-gb X          routed-expert cache budget (default 64)
+  --cache-policy NAME   expert replacement: lru (default, the reference's) or s3fifo
+                        (more hits in large caches; same ids; also K3_CACHE_POLICY)
   --threads N           compute threads (default: OMP_NUM_THREADS, else physical cores)
   --list-presets        show the presets and exit
 generation
@@ -119,6 +122,7 @@ FLAGS = {
     "--prompt-file": ("prompt_file", True), "--tok": ("tok", True), "--config": ("config", True),
     "--preset": ("preset", True), "--trunk": ("trunk", True), "--trunk-gb": ("trunk_gb", True),
     "--trunk-ring": ("trunk_ring", True), "--cache-gb": ("cache_gb", True),
+    "--cache-policy": ("cache_policy", True),
     "--threads": ("threads", True), "--gen": ("gen", True), "--incremental": ("incremental", False),
     "--stop-id": ("stop_id", True), "--save-state": ("save_state", True),
     "--load-state": ("load_state", True), "--layers": ("layers", True),
@@ -159,6 +163,7 @@ class Options:
     trunk_gb: str | None = None
     trunk_ring: str = "2"
     cache_gb: str | None = None
+    cache_policy: str | None = None
     threads: str | None = None
     gen: str | None = None
     incremental: bool = False
@@ -283,6 +288,9 @@ def validate(o: Options) -> None:
     if o.threads is not None:
         strict_int("--threads", o.threads, 1)
     strict_int("--trunk-ring", o.trunk_ring, 1, 8)
+    if o.cache_policy is not None and o.cache_policy not in POLICIES:
+        raise UsageError(f"--cache-policy must be {' or '.join(POLICIES)}, "
+                         f"got '{o.cache_policy}'")
     if strict_int("--spec", o.spec, 0) and not o.incremental:
         ignored("--spec needs --incremental")
         o.spec = "0"
@@ -354,7 +362,8 @@ def build_request(o: Options) -> RunRequest:
         incremental=o.incremental, chat=o.chat, gen=o.gen_n, stop_ids=tuple(o.stop_ids),
         prompt=prompt, sampling=sampling, thinking=not o.no_think, effort=o.effort or "max",
         spec=int(o.spec), spec_auto=o.spec_auto, draft=draft, load_state=o.load_state,
-        save_state=o.save_state, keep_trace=bool(o.dump_cache_trace))
+        save_state=o.save_state, keep_trace=bool(o.dump_cache_trace),
+        cache_policy=o.cache_policy)
 
 
 def draft_gb(o: Options) -> float:

@@ -182,7 +182,7 @@ class SlotTable:
     INFLIGHT), reads, then publishes or releases.
     """
 
-    name = ""
+    name = title = ""
 
     def __init__(self, nslot: int):
         if nslot < 1:
@@ -325,7 +325,7 @@ class LRUPolicy(SlotTable):
     """Exactly the reference's LRU (§4.2): the victim is the least recently used live slot
     that is not pinned or in use.  "Used" means published or hit (each stamps the slot)."""
 
-    name = "lru"
+    name, title = "lru", "LRU"
 
     def __init__(self, nslot: int):
         super().__init__(nslot)
@@ -374,7 +374,7 @@ class S3FIFOPolicy(SlotTable):
     ever walked again and again.  A key's first use after its prefetch read is the request
     that missed, not a reuse (`touch(first=True)` leaves its frequency at 0)."""
 
-    name = "s3fifo"
+    name, title = "s3fifo", "S3-FIFO"
     SMALL_SHARE = 0.1
 
     def __init__(self, nslot: int):
@@ -928,9 +928,11 @@ class ExpertCache:
 
     def init_line(self) -> str:
         pool = len(self.moe_layers) * self.n_experts
+        # the reference's line as it is for its LRU; another policy is named
+        other = "" if self.policy.name == "lru" else f", {self.policy.title} replacement"
         return (f"expert cache: {self.nslot} slots x {self.slot_bytes / 1e6:.2f} MB = "
                 f"{self.nslot * self.slot_bytes / 1e9:.2f} GB ({100.0 * self.nslot / pool:.2f}% "
-                f"of the {pool * self.expert_bytes / 1e12:.2f} TB expert pool)")
+                f"of the {pool * self.expert_bytes / 1e12:.2f} TB expert pool{other})")
 
     def report_lines(self, label: str = "final step",
                      counters: CacheCounters | None = None) -> list[str]:

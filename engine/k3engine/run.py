@@ -96,6 +96,7 @@ class RunRequest:
     load_state: str | None = None
     save_state: str | None = None
     keep_trace: bool = False          # keep every expert request (--dump-cache-trace)
+    cache_policy: str | None = None   # "lru" / "s3fifo"; None: K3_CACHE_POLICY, else LRU
     trace_window: int = 0             # ...only the latest N of them (the app's session trace)
     # the app's process baseline (SYSTEM §5.8) and a fixed availability for tests
     baseline_bytes: int = 0
@@ -270,7 +271,8 @@ class Run:
         t0 = time.monotonic()
         lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
                         cache_bytes=int(the_plan.expert_cache_bytes), ultra=the_plan.ultra,
-                        keep_trace=req.keep_trace, trace_window=req.trace_window)
+                        keep_trace=req.keep_trace, trace_window=req.trace_window,
+                        cache_policy=req.cache_policy)
         self.lm = lm
         tr = lm.trunk
         one_slot = lm.ultra and not req.incremental

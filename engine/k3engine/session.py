@@ -192,11 +192,13 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                n_layers: int | None = None, plan: Plan | None = None,
                on_trunk_read: Callable[[int, int, float], None] | None = None,
                cache_bytes: int | None = None, ultra: bool = False,
-               keep_trace: bool = True, trace_window: int = 0) -> LoadedModel:
+               keep_trace: bool = True, trace_window: int = 0,
+               cache_policy: str | None = None) -> LoadedModel:
     """Bind the model tables and the trunk (resident, or streamed when the setup has a
     packed trunk and `plan` chose its pinned set and ring).  Routed experts come from a
     bounded cache of `cache_bytes`, or are read once and kept when it is None.  `ultra`
-    streams the embedding and lm_head too (needs a packed trunk)."""
+    streams the embedding and lm_head too (needs a packed trunk).  `cache_policy` names
+    the cache's replacement policy (experts.make_policy)."""
     setup = model_dir if isinstance(model_dir, ModelSetup) else \
         open_model(model_dir, cfg, n_layers)
     cfg, ck, binder, nl = setup.cfg, setup.ck, setup.binder, setup.n_layers
@@ -216,7 +218,8 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
         weights = ResidentWeights(binder, nl)
         trunk_bytes = weights.trunk_nbytes()
     experts = ExpertCache(ck, cfg, cache_bytes, n_layers=nl, fail_reads=_injected_failure(),
-                          keep_trace=keep_trace, trace_window=trace_window) \
+                          keep_trace=keep_trace, trace_window=trace_window,
+                          policy=cache_policy) \
         if cache_bytes else ResidentExperts(CheckpointExperts(binder), cfg.n_layers,
                                             cfg.n_experts, keep_trace, trace_window)
     table_bytes = deep_nbytes(tables) if not ultra else \
