@@ -1,4 +1,4 @@
-"""Memory panel: preset, budgets, ring and threads, and the live plan (SYSTEM §5).
+"""Memory panel: preset, budgets, ring, expert replacement and threads, and the live plan (SYSTEM §5).
 
 `memory.plan` is pure arithmetic, so it is recomputed on every slider move: every term, the
 available memory, whether the run would be admitted and, if not, the engine's own refusal
@@ -170,6 +170,16 @@ class MemoryPanel(QWidget):
                              "let the reader fetch the next layer while this one computes; "
                              "one slot means no read-ahead.")
         form.addRow("Ring slots", self.ring)
+        self.policy = QComboBox()
+        self.policy.addItem("LRU (the reference's)", "lru")
+        self.policy.addItem("S3-FIFO", "s3fifo")
+        self.policy.setToolTip(
+            "Which routed expert the cache drops for a new one (--cache-policy). LRU drops the "
+            "least recently used; S3-FIFO keeps experts that are used again and again, which "
+            "reads fewer experts from disk once the cache holds thousands of K3's (32 GB and "
+            "up) and more below ~16 GB. The What-if tab's trace shows which suits a budget. "
+            "Never changes the tokens.")
+        form.addRow("Expert replacement", self.policy)
         self.threads = QSpinBox()
         self.threads.setRange(0, max(os.cpu_count() or 1, 1))
         from k3engine.session import default_threads
@@ -248,6 +258,7 @@ class MemoryPanel(QWidget):
         self.trunk.changed.connect(self._budget_moved)
         self.cache.changed.connect(self._budget_moved)
         self.ring.valueChanged.connect(self._other_changed)
+        self.policy.currentIndexChanged.connect(self._other_changed)
         self.threads.valueChanged.connect(self._other_changed)
         self.refresh_available()
 
@@ -260,6 +271,8 @@ class MemoryPanel(QWidget):
             self.trunk.set_value(s.trunk_gb)
             self.cache.set_value(s.cache_gb)
             self.ring.setValue(s.trunk_ring)
+            i = self.policy.findData(s.cache_policy)
+            self.policy.setCurrentIndex(max(i, 0))     # an unknown name: the reference's LRU
             self.threads.setValue(s.threads)
         finally:
             self._quiet = False
@@ -268,7 +281,7 @@ class MemoryPanel(QWidget):
     def values(self) -> dict:
         return dict(preset=self.preset.currentData(), trunk_gb=self.trunk.value(),
                     cache_gb=self.cache.value(), trunk_ring=self.ring.value(),
-                    threads=self.threads.value())
+                    cache_policy=self.policy.currentData(), threads=self.threads.value())
 
     def set_figures(self, figures) -> None:
         """The model's sizes (None: no model chosen).  Slider ranges follow the model."""

@@ -29,6 +29,7 @@ class RunSpec:
     trunk_gb: float = 3.0
     cache_gb: float = 1.0
     trunk_ring: int = 2
+    cache_policy: str = "lru"         # expert replacement (--cache-policy)
     threads: int = 0                  # 0 = engine default
     gen: int = 256
     thinking: bool = True
@@ -70,7 +71,7 @@ class RunSpec:
             available_override=available_override, total_memory=int(total_memory),
             # the What-if tab replays this session's expert requests: the latest window of
             # them (a long session's trace would grow without bound), counted in the plan
-            keep_trace=True, trace_window=trace_window())
+            keep_trace=True, trace_window=trace_window(), cache_policy=self.cache_policy)
 
 
 def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,
@@ -97,6 +98,8 @@ def model_flags(spec: RunSpec) -> list[str]:
         argv += ["--trunk-gb", _fmt_gb(spec.trunk_gb), "--cache-gb", _fmt_gb(spec.cache_gb)]
     if spec.trunk_ring != 2:
         argv += ["--trunk-ring", str(spec.trunk_ring)]
+    if spec.cache_policy != "lru":
+        argv += ["--cache-policy", spec.cache_policy]
     if spec.threads:
         argv += ["--threads", str(spec.threads)]
     return argv
@@ -128,7 +131,7 @@ def from_settings(s, history_path: str = "") -> RunSpec:
                    trunk_dir=os.path.expanduser(s.trunk_dir),
                    tok_dir=os.path.expanduser(s.tok_dir), preset=s.preset,
                    trunk_gb=s.trunk_gb, cache_gb=s.cache_gb, trunk_ring=s.trunk_ring,
-                   threads=s.threads, gen=s.gen, thinking=s.thinking, effort=s.effort,
+                   cache_policy=s.cache_policy, threads=s.threads, gen=s.gen, thinking=s.thinking, effort=s.effort,
                    greedy=s.greedy, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                    seed=s.seed, system_prompt=s.system_prompt,
                    history_path=history_path or s.conversation_path)

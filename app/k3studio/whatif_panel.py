@@ -314,7 +314,8 @@ def attach_whatif(window) -> None:
         if got:
             keys, total = got
             w.set_trace(keys, "this session's runs", total)
-            mem.forecast_box.hits = F.TraceRouting(keys, "this session's runs")
+            mem.forecast_box.hits = F.TraceRouting(keys, "this session's runs",
+                                                   window.spec().cache_policy)
             mem.refresh()
 
     window.setup.inspected.connect(inspected)

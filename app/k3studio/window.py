@@ -38,7 +38,7 @@ from .worker import EngineHost
 
 TAB_SETUP, TAB_MEMORY, TAB_CHAT = 0, 1, 2
 MEMORY_FIELDS = ("model_dir", "trunk_dir", "tok_dir", "preset", "trunk_gb", "cache_gb",
-                 "trunk_ring", "threads")
+                 "trunk_ring", "cache_policy", "threads")
 
 
 class ErrorBanner(QFrame):

@@ -831,18 +831,18 @@ class UniformRouting(HitModel):
 
 class TraceRouting(HitModel):
     """A recorded trace (`--dump-cache-trace`'s expert_trace.bin) replayed through the
-    engine's own replacement policy (experts.make_policy: the one K3_CACHE_POLICY gives a
-    run, as `k3 sim-cache` replays them) at the slot count.  The
+    engine's own replacement policy (experts.make_policy: `policy`, else the one
+    K3_CACHE_POLICY gives a run; as `k3 sim-cache` replays them) at the slot count.  The
     steady hit rate counts the second half of the trace only, replayed after the first
     (a warm cache): a trace starts with the prompt's compulsory misses, which a long decode
     does not see again."""
 
-    def __init__(self, keys: list[int], label: str = "trace"):
+    def __init__(self, keys: list[int], label: str = "trace", policy: str | None = None):
         self.keys = keys
         self.uniq = len(set(keys))
         self._memo: dict[int, float] = {}
         from .experts import make_policy
-        self._policy = lambda slots: make_policy(None, slots)
+        self._policy = lambda slots: make_policy(policy, slots)
         self.description = (f"{self._policy(1).name.upper()} replay of {label} ({len(keys)} "
                             f"requests, {self.uniq} distinct experts; hits counted over its "
                             f"second half)")

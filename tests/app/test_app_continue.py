@@ -170,3 +170,12 @@ def test_apply_loads_the_new_budgets_without_a_trip_to_setup(qtbot, window, demo
     assert any(m["content"] == "Keep this conversation" for m in window.host.messages)
     assert window.loaded_spec.cache_gb == window.settings.cache_gb == old * 2
     assert f"--cache-gb {old * 2:g} " in window.chat.command.text()
+    # the expert replacement policy is a memory setting too: Apply loads it
+    assert "replacement" not in after["cache_line"]          # the reference's LRU
+    window.memory.policy.setCurrentIndex(window.memory.policy.findData("s3fifo"))
+    assert window.memory.apply_btn.isEnabled()
+    with qtbot.waitSignal(window.host.loaded, timeout=TIMEOUT) as b:
+        window.memory.apply_btn.click()
+    assert b.args[0]["cache_line"].endswith("S3-FIFO replacement)")
+    assert "--cache-policy s3fifo" in window.chat.command.text()
+    assert not window.memory.apply_btn.isEnabled()
