@@ -135,11 +135,15 @@ def test_switching_back_to_this_machine(qtbot, window, server):
 
 
 def test_the_app_starts_and_stops_its_local_server(qtbot, window, demo_model):
-    """The Setup toggle runs `k3 serve` on the current model; the URL it shows answers."""
+    """The Setup toggle runs `k3 serve` on the current model, with the Memory tab's
+    settings (S3-FIFO replacement here: serve takes every flag the app passes); the URL it
+    shows answers."""
     import json
     import urllib.request
     window.setup.set_paths(*demo_model)
+    window.memory.policy.setCurrentIndex(window.memory.policy.findData("s3fifo"))
     qtbot.waitUntil(lambda: window.spec().model_dir == demo_model[0], timeout=TIMEOUT)
+    assert window.spec().cache_policy == "s3fifo"
     p = window.backend_panel
     p.serve.setChecked(True)
     qtbot.waitUntil(lambda: p.serve_url.text().startswith("http://127.0.0.1:"),

@@ -16,6 +16,7 @@ import socket
 import sys
 
 from ..errors import EXIT_OK, EXIT_USAGE, describe
+from ..experts import POLICIES
 from ..session import MAX_GEN, MAX_PROMPT
 
 USAGE_NOTE = """\
@@ -47,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
                        metavar="X")
     p.add_argument("--ultra-low-memory", action=_Memory, nargs=0, dest="memory_ultra")
     p.add_argument("--trunk-ring", type=int, default=2, choices=range(1, 9), metavar="N")
+    p.add_argument("--cache-policy", choices=sorted(POLICIES),
+                   help="expert replacement (default lru, the reference's; or K3_CACHE_POLICY)")
     p.add_argument("--threads", type=int, default=0, metavar="N")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
@@ -130,7 +133,8 @@ def main(argv: list[str]) -> int:
     try:
         req = run.request_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
                                config_path=a.config, trunk_ring=a.trunk_ring,
-                               threads=a.threads, chat=True, gen=a.gen)
+                               threads=a.threads, chat=True, gen=a.gen,
+                               cache_policy=a.cache_policy)
         r = run.open_run(req, Printer(Events()))
     except Exception as e:
         d = describe(e)
