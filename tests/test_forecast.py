@@ -11,11 +11,13 @@ import pytest
 
 from k3engine import forecast as F
 from k3engine.cli import main as k3_main
+from k3engine.experts import POLICIES
 from k3engine.memory import PRESETS
 from k3engine.tools import forecast as tool
 from k3engine.tools.sim_cache import trace_keys
 from k3engine.trunk import pack_trunk
 
+from conftest import peer_dir
 from engine_helpers import make_tiny
 
 GIVEN = F.MachineFigures(
@@ -99,8 +101,7 @@ def test_trace_hit_rate_is_the_replay_of_the_runs_policy(name, monkeypatch):
     pairs = np.stack([rng.integers(1, 4, 5000), rng.integers(0, 32, 5000)], axis=1)
     keys = trace_keys(pairs.astype(np.int32))
     hits = F.TraceRouting(keys, "a test trace")
-    assert hits.description.startswith(f"{name.upper()} replay")
-    from k3engine.experts import POLICIES
+    assert hits.description.startswith(f"{POLICIES[name].title} replay")
     policy = POLICIES[name](40)
     tail = [policy.access(k) for k in keys][len(keys) // 2:]     # warm: the second half
     assert hits.steady_hit(40, None) == sum(tail) / len(tail)
@@ -245,6 +246,27 @@ def test_cli_text_and_local_checkpoint(tiny, monkeypatch, capsys):
                     "--cache-gb", "0.01"]) == 0
     out = capsys.readouterr().out
     assert "peak RSS" in out and "computed from:" in out and "s/token" in out
+
+
+def test_cli_trace_is_replayed_with_the_cache_policy(tmp_path, monkeypatch, capsys):
+    """--trace with --cache-policy: the shipped K3 trace at a 64 GB cache (3,645 slots),
+    second half, through each policy (S3-FIFO keeps more of it, SYSTEM §4.10)."""
+    _given_cache(tmp_path, monkeypatch)
+    monkeypatch.delenv("K3_CACHE_POLICY", raising=False)
+    trace = str(peer_dir() / "expert_trace.bin")
+    got = {}
+    for policy in ([], ["--cache-policy", "lru"], ["--cache-policy", "s3fifo"]):
+        assert k3_main(["forecast", "k3", "--trunk-gb", "120", "--cache-gb", "64", "--trace",
+                        trace, *policy, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        got[policy[-1] if policy else "default"] = d["expert_hit_rate"]
+        assert any(a.startswith(f"expert hit rate: {'S3-FIFO' if 's3fifo' in policy else 'LRU'}"
+                                f" replay of the trace") for a in d["assumptions"])
+    print(f"[forecast] K3 trace at 64 GB, steady hit rate: {got}")
+    assert got["default"] == got["lru"] < got["s3fifo"]
+    with pytest.raises(SystemExit) as e:                    # argparse: usage, exit 2
+        tool.main(["k3", "--trace", trace, "--cache-policy", "arc"])
+    assert e.value.code == 2 and "invalid choice: 'arc'" in capsys.readouterr().err
 
 
 def test_cli_refuses_bad_input(tmp_path, monkeypatch, capsys):

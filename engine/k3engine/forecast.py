@@ -843,14 +843,14 @@ class TraceRouting(HitModel):
         self._memo: dict[int, float] = {}
         from .experts import make_policy
         self._policy = lambda slots: make_policy(policy, slots)
-        self.description = (f"{self._policy(1).name.upper()} replay of {label} ({len(keys)} "
+        self.description = (f"{self._policy(1).title} replay of {label} ({len(keys)} "
                             f"requests, {self.uniq} distinct experts; hits counted over its "
                             f"second half)")
 
     @classmethod
-    def from_file(cls, path: str) -> "TraceRouting":
+    def from_file(cls, path: str, policy: str | None = None) -> "TraceRouting":
         from .tools.sim_cache import read_trace, trace_keys
-        return cls(trace_keys(read_trace(path)), f"the trace {os.path.basename(path)}")
+        return cls(trace_keys(read_trace(path)), f"the trace {os.path.basename(path)}", policy)
 
     def steady_hit(self, slots, model):
         if slots not in self._memo:

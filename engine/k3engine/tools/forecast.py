@@ -16,6 +16,7 @@ import os
 import sys
 
 from ..errors import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, describe
+from ..experts import POLICIES
 from ..memory import BudgetError, available_memory, human, resolve_budgets
 
 RELEASED_NAMES = ("k3", "kimi-k3")
@@ -37,8 +38,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=16, metavar="N")
     ap.add_argument("--gen", type=int, default=8, metavar="N")
     ap.add_argument("--trace", metavar="FILE",
-                    help="expert_trace.bin of a run (--dump-cache-trace): its LRU hit rate "
-                         "replaces the uniform-routing assumption")
+                    help="expert_trace.bin of a run (--dump-cache-trace): its hit rate "
+                         "replayed through the cache's policy replaces the uniform-routing "
+                         "assumption")
+    ap.add_argument("--cache-policy", choices=sorted(POLICIES),
+                    help="the policy --trace is replayed with, as for k3 (default lru)")
     ap.add_argument("--device", metavar="DIR",
                     help="where to measure the read rate (default: the trunk, else the model "
                          "directory, else the cache dir)")
@@ -126,7 +130,7 @@ def main(argv: list[str]) -> int:
             os.makedirs(device, exist_ok=True)
         machine = F.machine_figures(device, a.threads, a.refresh).with_overrides(
             a.read_gbs, a.bf16_gbs, a.mxfp4_gbs)
-        hits = F.TraceRouting.from_file(a.trace) if a.trace else None
+        hits = F.TraceRouting.from_file(a.trace, a.cache_policy) if a.trace else None
     except Exception as e:  # noqa: BLE001 - engine failures are reported, bugs propagate
         known = describe(e)
         if known is None and not isinstance(e, (OSError, ValueError)):
