@@ -1,9 +1,11 @@
 """What-if panel: from a recorded expert trace, the expert cache's hit-rate curve over cache
 sizes and the predicted s/token of every trunk/cache split of the same total memory.
 
-The curve is `k3 sim-cache`'s computation (`sim_cache.hit_curve`): LRU replayed through the
-engine's own victim choice, Belady's optimal eviction as the ceiling, and the compulsory
-ceiling no policy passes.  The splits are `forecast.splits` with the trace's LRU hit rate.
+The curve is `k3 sim-cache`'s computation (`sim_cache.hit_curve`): LRU and S3-FIFO (the two
+replacement policies the Memory tab offers) replayed through the engine's own policy
+classes, Belady's optimal eviction as the ceiling, and the compulsory ceiling no policy
+passes.  The splits are `forecast.splits` with the trace's hit rate under the Memory tab's
+policy.
 "Use this split" hands the chosen budgets to the Memory tab (the `useSplit` signal).
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView,
                                QWidget)
 
 from k3engine import forecast as F
+from k3engine.experts import POLICIES
 from k3engine.memory import TRACE_PAIR_BYTES, human
 from k3engine.tools import sim_cache
 
@@ -25,7 +28,7 @@ from .tasks import Task
 CURVE_POINTS = 14
 REFILL_MS = 250          # splits are recomputed once the sliders rest (a trace replay each)
 SPLIT_ROWS = 10
-SPLIT_COLUMNS = ["trunk GB", "cache GB", "pinned", "slots", "LRU hit", "read/token",
+SPLIT_COLUMNS = ["trunk GB", "cache GB", "pinned", "slots", "hit", "read/token",
                  "s/token (forecast)"]
 
 
@@ -38,9 +41,10 @@ def slot_series(min_slots: int, max_slots: int, n: int = CURVE_POINTS) -> list[i
 
 def compute_curve(keys: list[int], slots: list[int], **_) -> dict:
     """The curve (run on a task thread: Belady over a long trace takes seconds)."""
-    pts = sim_cache.hit_curve(keys, slots)
+    pts = sim_cache.hit_curve(keys, slots, s3fifo=True)
     return {"slots": [p.slots for p in pts], "lru": [p.lru for p in pts],
-            "belady": [p.belady for p in pts], "ceiling": sim_cache.compulsory_ceiling(keys)}
+            "s3fifo": [p.s3fifo for p in pts], "belady": [p.belady for p in pts],
+            "ceiling": sim_cache.compulsory_ceiling(keys)}
 
 
 class WhatIfPanel(QWidget):
@@ -57,6 +61,7 @@ class WhatIfPanel(QWidget):
         self.curve: dict | None = None
         self.rows: list = []
         self.hits: F.TraceRouting | None = None    # one per trace: its replays are memoised
+        self.policy = "lru"                         # the Memory tab's replacement policy
         self._task: Task | None = None
         self._refill = QTimer(self)
         self._refill.setSingleShot(True)
@@ -81,7 +86,11 @@ class WhatIfPanel(QWidget):
         self.plot.addLegend(offset=(10, 10))
         self.plot.showGrid(x=True, y=True, alpha=0.2)
         self.lru_curve = self.plot.plot([], [], pen=pg.mkPen("#1f6feb", width=2), symbol="o",
-                                        symbolSize=5, name="LRU (what the engine does)")
+                                        symbolSize=5, name="LRU (the default)")
+        # the other replacement the Memory tab offers: where it crosses LRU is the budget
+        # from which it reads fewer experts
+        self.s3fifo_curve = self.plot.plot([], [], pen=pg.mkPen("#bf8700", width=2),
+                                           symbol="t", symbolSize=6, name="S3-FIFO")
         self.belady_curve = self.plot.plot([], [], pen=pg.mkPen("#8250df", width=2,
                                                                 style=Qt.DashLine),
                                            name="Belady (ceiling)")
@@ -139,6 +148,15 @@ class WhatIfPanel(QWidget):
         self.machine = machine
         self._fill_splits()
 
+    def set_policy(self, name: str) -> None:
+        """The Memory tab's replacement policy: the splits replay the trace with it."""
+        if name != self.policy:
+            self.policy = name
+            self.hits = F.TraceRouting(self.keys, self.trace_label, name) if self.keys else None
+            self._fill_splits()
+        title = POLICIES[name].title if name in POLICIES else name
+        self.table.horizontalHeaderItem(SPLIT_COLUMNS.index("hit")).setText(f"{title} hit")
+
     def set_budget(self, trunk_gb: float, cache_gb: float, ring: int = 2) -> None:
         self.budget = (float(trunk_gb), float(cache_gb), int(ring))
         self._mark_current()
@@ -151,7 +169,7 @@ class WhatIfPanel(QWidget):
         self.keys = list(keys) if keys else None
         self.trace_label = label
         self.total_requests = max(total or 0, len(self.keys or ()))
-        self.hits = F.TraceRouting(self.keys, label) if self.keys else None
+        self.hits = F.TraceRouting(self.keys, label, self.policy) if self.keys else None
         self.curve = None
         self.recompute()
 
@@ -176,8 +194,8 @@ class WhatIfPanel(QWidget):
     # -- the curve -----------------------------------------------------------------
     def recompute(self) -> None:
         if self.keys is None or self.shape is None:
-            self.lru_curve.setData([], [])
-            self.belady_curve.setData([], [])
+            for c in (self.lru_curve, self.s3fifo_curve, self.belady_curve):
+                c.setData([], [])
             self.ceiling.setVisible(False)
             self._fill_splits()
             return
@@ -212,6 +230,7 @@ class WhatIfPanel(QWidget):
         sb = self.shape.figures.expert_slot_bytes
         gb = [s * sb / 1e9 for s in curve["slots"]]
         self.lru_curve.setData(gb, curve["lru"])
+        self.s3fifo_curve.setData(gb, curve["s3fifo"])
         self.belady_curve.setData(gb, curve["belady"])
         self.ceiling.setValue(curve["ceiling"])
         self.ceiling.setVisible(True)
@@ -307,19 +326,34 @@ def attach_whatif(window) -> None:
         if p is not None:
             w.set_budget(p.trunk_gb, p.cache_gb, mem.ring.value())
 
+    session: list[list[int]] = []                   # the latest session trace's keys
+
+    def session_hits() -> None:
+        if session:
+            mem.forecast_box.hits = F.TraceRouting(session[0], "this session's runs",
+                                                   mem.policy.currentData())
+
     def turn_done(info: dict) -> None:
         if info.get("failed"):
             return
         got = session_trace(window.host)
         if got:
             keys, total = got
+            session[:] = [keys]
             w.set_trace(keys, "this session's runs", total)
-            mem.forecast_box.hits = F.TraceRouting(keys, "this session's runs",
-                                                   window.spec().cache_policy)
+            session_hits()
+            mem.refresh()
+
+    def policy_changed(_i: int) -> None:            # both forecasts replay with the policy
+        w.set_policy(mem.policy.currentData())
+        if session:
+            session_hits()
             mem.refresh()
 
     window.setup.inspected.connect(inspected)
     mem.planUpdated.connect(planned)
+    mem.policy.currentIndexChanged.connect(policy_changed)
+    w.set_policy(mem.policy.currentData())          # the one the settings restored
     mem.forecast_box.machineMeasured.connect(w.set_machine)
     window.host.turnFinished.connect(turn_done)
     w.useSplit.connect(mem.set_budgets)

@@ -44,20 +44,23 @@ def test_curve_from_a_trace_file_is_sim_cache(qtbot, window, demo_model, recorde
     assert w.open_trace(recorded_trace)
     qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
     keys = sim_cache.trace_keys(sim_cache.read_trace(recorded_trace))
-    want = sim_cache.hit_curve(keys, w.curve["slots"])
+    want = sim_cache.hit_curve(keys, w.curve["slots"], s3fifo=True)
     assert w.curve["lru"] == [p.lru for p in want]              # the very same replay
+    assert w.curve["s3fifo"] == [p.s3fifo for p in want]
     assert w.curve["belady"] == [p.belady for p in want]
     assert w.curve["ceiling"] == sim_cache.compulsory_ceiling(keys)
-    for lru, bel in zip(w.curve["lru"], w.curve["belady"]):
-        assert lru <= bel + 1e-9 <= w.curve["ceiling"] + 1e-9
+    for lru, s3, bel in zip(w.curve["lru"], w.curve["s3fifo"], w.curve["belady"]):
+        assert max(lru, s3) <= bel + 1e-9 <= w.curve["ceiling"] + 1e-9
     assert w.curve["lru"] == sorted(w.curve["lru"])             # more slots, more hits
-    xs, ys = w.lru_curve.getData()
-    assert len(xs) == len(w.curve["slots"]) and list(ys) == w.curve["lru"]
+    for curve, name in ((w.lru_curve, "lru"), (w.s3fifo_curve, "s3fifo")):
+        xs, ys = curve.getData()
+        assert len(xs) == len(w.curve["slots"]) and list(ys) == w.curve[name]
     assert w.ceiling.isVisible()
     # the current budget is marked at the Memory tab's cache budget
     assert w.current.value() == pytest.approx(window.memory.plan.cache_gb)
     print(f"[cli] what-if curve: {len(keys)} requests, LRU {w.curve['lru'][0]:.1f}..."
-          f"{w.curve['lru'][-1]:.1f}%, ceiling {w.curve['ceiling']:.1f}%")
+          f"{w.curve['lru'][-1]:.1f}%, S3-FIFO {w.curve['s3fifo'][0]:.1f}..."
+          f"{w.curve['s3fifo'][-1]:.1f}%, ceiling {w.curve['ceiling']:.1f}%")
 
 
 def test_splits_and_use_this_split(qtbot, window, demo_model, recorded_trace):
@@ -73,6 +76,13 @@ def test_splits_and_use_this_split(qtbot, window, demo_model, recorded_trace):
         assert t + c == pytest.approx(total, abs=2e-3)
         assert fc.s_per_token > 0
         assert "LRU replay" in " ".join(fc.assumptions)          # the trace's hit rate
+    # the Memory tab's S3-FIFO: the splits replay the trace with it
+    window.memory.policy.setCurrentIndex(window.memory.policy.findData("s3fifo"))
+    assert w.policy == "s3fifo" and w.table.rowCount() == len(w.rows) > 2
+    assert w.table.horizontalHeaderItem(4).text() == "S3-FIFO hit"
+    assert all("S3-FIFO replay" in " ".join(fc.assumptions) for _, _, fc in w.rows)
+    window.memory.policy.setCurrentIndex(window.memory.policy.findData("lru"))
+    assert all("LRU replay" in " ".join(fc.assumptions) for _, _, fc in w.rows)
     assert not w.use_btn.isEnabled()
     row = len(w.rows) - 1
     w.table.selectRow(row)
@@ -106,7 +116,13 @@ def test_trace_of_a_real_turn_reaches_the_panel(qtbot, window, demo_model):
     assert not res.get("failed")
     qtbot.waitUntil(lambda: w.curve is not None, timeout=TIMEOUT)
     assert w.trace_label == "this session's runs" and len(w.keys) > 0
-    assert isinstance(window.memory.forecast_box.hits, F.TraceRouting)
+    box = window.memory.forecast_box
+    assert isinstance(box.hits, F.TraceRouting)
+    assert box.hits.description.startswith("LRU replay of this session's runs")
+    # another replacement policy: the forecast column replays the session with it
+    window.memory.policy.setCurrentIndex(window.memory.policy.findData("s3fifo"))
+    assert box.hits.description.startswith("S3-FIFO replay of this session's runs")
+    assert "S3-FIFO replay" in box.assumptions.text()
 
 
 def test_the_session_trace_is_a_bounded_window(qtbot, window, demo_model, monkeypatch,

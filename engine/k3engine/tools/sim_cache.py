@@ -142,6 +142,7 @@ class CurvePoint:
     slots: int
     lru: float            # % of requests hit, replayed through the engine's LRU
     belady: float         # % with Belady's optimal (offline) eviction: the ceiling
+    s3fifo: float | None = None   # % through the engine's S3-FIFO, when asked for
 
 
 def compulsory_ceiling(keys: list[int]) -> float:
@@ -150,11 +151,12 @@ def compulsory_ceiling(keys: list[int]) -> float:
     return 100.0 * (n - len(set(keys))) / n if n else 0.0
 
 
-def hit_curve(keys: list[int], slot_counts) -> list[CurvePoint]:
+def hit_curve(keys: list[int], slot_counts, s3fifo: bool = False) -> list[CurvePoint]:
     """The hit-rate curve over cache sizes (in slots): the computation behind both this
     command's table and K3 Studio's what-if view."""
     n = len(keys)
-    return [CurvePoint(cap, 100.0 * lru_hits(keys, cap) / n, 100.0 * belady_hits(keys, cap) / n)
+    return [CurvePoint(cap, 100.0 * lru_hits(keys, cap) / n, 100.0 * belady_hits(keys, cap) / n,
+                       100.0 * s3fifo_hits(keys, cap) / n if s3fifo else None)
             for cap in slot_counts] if n else []
 
 
@@ -166,12 +168,11 @@ def capacity_rows(keys: list[int], capacities_gb=CAPACITIES_GB, expert_bytes: in
     caps = [(gb, int(gb * 1e9 // expert_bytes)) for gb in capacities_gb]
     caps = [(gb, cap) for gb, cap in caps if cap >= MIN_SLOTS]
     rows = []
-    for (gb, cap), pt in zip(caps, hit_curve(keys, [cap for _, cap in caps])):
+    for (gb, cap), pt in zip(caps, hit_curve(keys, [cap for _, cap in caps], s3fifo)):
         gb_tok = (n - pt.lru * n / 100.0) * expert_bytes / 1e9 / ntok
         rows.append(Row(gb, cap, pt.lru, pt.belady,
                         100.0 * pin_lru_hits(keys, cap, cap // 2, ranked) / n,
-                        gb_tok, gb_tok * 1000.0 / disk_mbs,
-                        100.0 * s3fifo_hits(keys, cap) / n if s3fifo else None))
+                        gb_tok, gb_tok * 1000.0 / disk_mbs, pt.s3fifo))
     return rows
 
 
