@@ -31,6 +31,9 @@ def main() -> int:
     ap.add_argument("trunk")
     ap.add_argument("base_engine")
     ap.add_argument("--budget", type=int, default=0, help="row of bench_engine's budget table")
+    ap.add_argument("--budget-args", metavar="ARGS",
+                    help="memory flags instead of a table row, e.g. '--trunk {trunk} "
+                         "--trunk-gb 8 --cache-gb 1'")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=5, help="prompt length (5 = the tables' ids)")
@@ -42,7 +45,7 @@ def main() -> int:
     a = ap.parse_args()
     side_env = {"A": dict(v.split("=", 1) for v in a.env_a),
                 "B": dict(v.split("=", 1) for v in a.env_b)}
-    name, args = BUDGETS[a.budget]
+    name, args = (a.budget_args, a.budget_args.split()) if a.budget_args else BUDGETS[a.budget]
     args = [x.format(trunk=a.trunk) for x in args] + ["--threads", str(a.threads)]
     ids = prompt_ids(a.prompt, vocab_of(a.model))
     keep = os.environ.get("PYTHONPATH")
