@@ -2,16 +2,17 @@
 script, not a test).
 
     python benchmarks/bench_ab.py MODEL_DIR TRUNK_DIR BASE_ENGINE_DIR [--budget 0]
-                                  [--pairs 3] [--gen 8] [--prompt 5] [--threads 1]
-                                  [--env-a VAR=VALUE]... [--env-b VAR=VALUE]...
+                                  [--budget-args ARGS] [--pairs 3] [--gen 8] [--prompt 5]
+                                  [--threads 1] [--env-a VAR=VALUE]... [--env-b VAR=VALUE]...
 
 BASE_ENGINE_DIR is the `engine` directory of another checkout with its extensions built in
 place (e.g. `git archive main | tar -x -C /tmp/base && cd /tmp/base && python setup.py
 build_ext --inplace`); it is put first on PYTHONPATH for the A runs, the installed engine
 runs the B runs; `-` runs the installed engine on both sides, to compare the environment
-variables --env-a / --env-b set for one side only (e.g. K3_CACHE_POLICY=s3fifo).  Each pair runs A then B (page cache dropped before each run when
-/proc/sys/vm/drop_caches is writable) with bench_engine's `run_once`, so a shared machine's
-load hits both sides alike.  Reports the medians of the steady decode step's wall and
+variables --env-a / --env-b set for one side only (e.g. K3_CACHE_POLICY=s3fifo).  Each
+pair runs A then B (page cache dropped before each run when /proc/sys/vm/drop_caches is
+writable) with bench_engine's `run_once`, so a shared machine's load hits both sides
+alike.  Reports the medians of the steady decode step's wall and
 process CPU seconds, the prefill's s/position (--prompt N > 5), and whether the ids agree.
 """
 from __future__ import annotations

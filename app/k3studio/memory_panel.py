@@ -1,4 +1,5 @@
-"""Memory panel: preset, budgets, ring, expert replacement and threads, and the live plan (SYSTEM §5).
+"""Memory panel: preset, budgets, ring, expert replacement and threads, and the live plan
+(SYSTEM §5).
 
 `memory.plan` is pure arithmetic, so it is recomputed on every slider move: every term, the
 available memory, whether the run would be admitted and, if not, the engine's own refusal

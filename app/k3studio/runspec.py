@@ -131,7 +131,8 @@ def from_settings(s, history_path: str = "") -> RunSpec:
                    trunk_dir=os.path.expanduser(s.trunk_dir),
                    tok_dir=os.path.expanduser(s.tok_dir), preset=s.preset,
                    trunk_gb=s.trunk_gb, cache_gb=s.cache_gb, trunk_ring=s.trunk_ring,
-                   cache_policy=s.cache_policy, threads=s.threads, gen=s.gen, thinking=s.thinking, effort=s.effort,
+                   cache_policy=s.cache_policy, threads=s.threads, gen=s.gen,
+                   thinking=s.thinking, effort=s.effort,
                    greedy=s.greedy, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                    seed=s.seed, system_prompt=s.system_prompt,
                    history_path=history_path or s.conversation_path)

@@ -96,8 +96,8 @@ class RunRequest:
     load_state: str | None = None
     save_state: str | None = None
     keep_trace: bool = False          # keep every expert request (--dump-cache-trace)
-    cache_policy: str | None = None   # "lru" / "s3fifo"; None: K3_CACHE_POLICY, else LRU
     trace_window: int = 0             # ...only the latest N of them (the app's session trace)
+    cache_policy: str | None = None   # "lru" / "s3fifo"; None: K3_CACHE_POLICY, else LRU
     # the app's process baseline (SYSTEM §5.8) and a fixed availability for tests
     baseline_bytes: int = 0
     baseline_label: str = "python baseline"
