@@ -285,7 +285,7 @@ def test_policy_access_is_plain_lru():
                 ref.pop(0)
             ref.append(k)
             hits += hit
-        assert hits == sim_cache.lru_hits(keys, cap)
+        assert hits == sim_cache.policy_hits(keys, cap)
 
 
 def _upstream_s3fifo(keys: list[int], cap: int) -> list[bool]:
@@ -893,7 +893,7 @@ def test_sim_cache_s3fifo_and_options(tmp_path, capsys):
     gates = []
     for slots, want in ((455, 35.32), (1823, 42.68), (3647, 49.97), (7294, 73.73),
                         (10941, 90.00)):
-        got = round(100.0 * sim_cache.s3fifo_hits(keys, slots) / n, 2)
+        got = round(100.0 * sim_cache.policy_hits(keys, slots, "s3fifo") / n, 2)
         gates.append(f"[gate] sim-cache S3-FIFO {slots} slots: {got:.2f}% "
                      f"(SYSTEM §4.10: {want:.2f}%)")
         assert got == want

@@ -154,8 +154,8 @@ class WhatIfPanel(QWidget):
             self.policy = name
             self.hits = F.TraceRouting(self.keys, self.trace_label, name) if self.keys else None
             self._fill_splits()
-        title = POLICIES[name].title if name in POLICIES else name
-        self.table.horizontalHeaderItem(SPLIT_COLUMNS.index("hit")).setText(f"{title} hit")
+        self.table.horizontalHeaderItem(SPLIT_COLUMNS.index("hit")).setText(
+            f"{POLICIES[name].title} hit")
 
     def set_budget(self, trunk_gb: float, cache_gb: float, ring: int = 2) -> None:
         self.budget = (float(trunk_gb), float(cache_gb), int(ring))

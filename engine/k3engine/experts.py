@@ -49,7 +49,7 @@ from .errors import EXIT_DROP, EngineError
 __all__ = [
     "ExpertLoadError", "ExpertCacheError", "RunTensor", "ExpertRun", "resolve_expert",
     "slot_bytes_for", "EMPTY", "INFLIGHT", "SlotTable", "LRUPolicy", "S3FIFOPolicy",
-    "POLICIES", "make_policy", "CacheCounters", "RequestTrace",
+    "POLICIES", "policy_class", "make_policy", "CacheCounters", "RequestTrace",
     "ExpertCache", "ResidentExperts",
 ]
 
@@ -460,7 +460,7 @@ class S3FIFOPolicy(SlotTable):
 POLICIES = {p.name: p for p in (LRUPolicy, S3FIFOPolicy)}
 
 
-def make_policy(name: str | None, nslot: int) -> SlotTable:
+def policy_class(name: str | None) -> type[SlotTable]:
     """The replacement policy called name ("lru", "s3fifo"); None: $K3_CACHE_POLICY, else
     DEFAULT_POLICY.  Policy choice never changes tokens (routing does not read the cache)."""
     where = ""
@@ -471,7 +471,12 @@ def make_policy(name: str | None, nslot: int) -> SlotTable:
     if cls is None:
         raise ExpertCacheError(f"{where}unknown cache policy {name!r} "
                                f"(one of {', '.join(POLICIES)})")
-    return cls(nslot)
+    return cls
+
+
+def make_policy(name: str | None, nslot: int) -> SlotTable:
+    """A slot table of nslot slots under `policy_class(name)`."""
+    return policy_class(name)(nslot)
 
 
 # ---------------------------------------------------------------------------------------

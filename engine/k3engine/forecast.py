@@ -831,8 +831,9 @@ class UniformRouting(HitModel):
 
 class TraceRouting(HitModel):
     """A recorded trace (`--dump-cache-trace`'s expert_trace.bin) replayed through the
-    engine's own replacement policy (experts.make_policy: `policy`, else the one
-    K3_CACHE_POLICY gives a run; as `k3 sim-cache` replays them) at the slot count.  The
+    engine's own replacement policy (experts.policy_class: `policy`, else the one
+    K3_CACHE_POLICY gives a run, resolved once; as `k3 sim-cache` replays them) at the slot
+    count.  The
     steady hit rate counts the second half of the trace only, replayed after the first
     (a warm cache): a trace starts with the prompt's compulsory misses, which a long decode
     does not see again."""
@@ -841,9 +842,9 @@ class TraceRouting(HitModel):
         self.keys = keys
         self.uniq = len(set(keys))
         self._memo: dict[int, float] = {}
-        from .experts import make_policy
-        self._policy = lambda slots: make_policy(policy, slots)
-        self.description = (f"{self._policy(1).title} replay of {label} ({len(keys)} "
+        from .experts import policy_class
+        self._policy = policy_class(policy)
+        self.description = (f"{self._policy.title} replay of {label} ({len(keys)} "
                             f"requests, {self.uniq} distinct experts; hits counted over its "
                             f"second half)")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..experts import TOKENS_DIVISOR, LRUPolicy, S3FIFOPolicy
+from ..experts import TOKENS_DIVISOR, LRUPolicy, policy_class
 
 EXPERT_BYTES = 17_547_264        # one routed expert of the released checkpoint
 POOL = 92 * 896                  # routed experts in the released checkpoint
@@ -45,10 +45,9 @@ def trace_keys(pairs: np.ndarray) -> list[int]:
 
 # ---- policies ------------------------------------------------------------------------
 
-def lru_hits(keys: list[int], cap: int) -> int:
-    policy = LRUPolicy(cap)
-    access = policy.access
-    return sum(map(access, keys))
+def policy_hits(keys: list[int], cap: int, policy: str = "lru") -> int:
+    """Hits of the engine's own replacement policy (experts.POLICIES) at cap slots."""
+    return sum(map(policy_class(policy)(cap).access, keys))
 
 
 def belady_hits(keys: list[int], cap: int) -> int:
@@ -113,12 +112,6 @@ def pin_lru_hits(keys: list[int], cap: int, npin: int, ranked=None) -> int:
     return hits
 
 
-def s3fifo_hits(keys: list[int], cap: int) -> int:
-    """S3-FIFO (§4.10), replayed through `experts.S3FIFOPolicy`, the engine's own."""
-    access = S3FIFOPolicy(cap).access
-    return sum(map(access, keys))
-
-
 # ---- the table -------------------------------------------------------------------------
 
 @dataclass
@@ -155,8 +148,9 @@ def hit_curve(keys: list[int], slot_counts, s3fifo: bool = False) -> list[CurveP
     """The hit-rate curve over cache sizes (in slots): the computation behind both this
     command's table and K3 Studio's what-if view."""
     n = len(keys)
-    return [CurvePoint(cap, 100.0 * lru_hits(keys, cap) / n, 100.0 * belady_hits(keys, cap) / n,
-                       100.0 * s3fifo_hits(keys, cap) / n if s3fifo else None)
+    return [CurvePoint(cap, 100.0 * policy_hits(keys, cap) / n,
+                       100.0 * belady_hits(keys, cap) / n,
+                       100.0 * policy_hits(keys, cap, "s3fifo") / n if s3fifo else None)
             for cap in slot_counts] if n else []
 
 
