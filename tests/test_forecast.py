@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from k3engine import forecast as F
+from k3engine import kernels as K
 from k3engine.cli import main as k3_main
 from k3engine.experts import POLICIES
 from k3engine.memory import PRESETS
@@ -202,8 +203,8 @@ def test_a_prefill_is_priced_at_the_prefill_rates():
     per run, and a given (another machine's) rate replaces the probe's."""
     from dataclasses import replace
     m = replace(GIVEN, bf16_prefill_bps=40e9, mxfp4_prefill_bps=6e9)
-    assert m.bf16_rate(1) == m.bf16_rate(F.PANEL_MIN_TOKENS - 1) == 10e9
-    assert m.bf16_rate(F.PANEL_MIN_TOKENS) == m.bf16_rate(2048) == 40e9
+    assert m.bf16_rate(1) == m.bf16_rate(K.PANEL_MIN_TOKENS - 1) == 10e9
+    assert m.bf16_rate(K.PANEL_MIN_TOKENS) == m.bf16_rate(2048) == 40e9
     assert replace(m, bf16_prefill_bps=5e9).bf16_rate(512) == 10e9     # never below T = 1
     assert GIVEN.bf16_rate(512) == 10e9 and GIVEN.mxfp4_rate(4) == 3e9   # not measured
     assert m.mxfp4_rate(1) == 3e9 and m.mxfp4_rate(4) == m.mxfp4_rate(40) == 6e9

@@ -18,9 +18,9 @@ from test_cli import k3
 from test_trunk import GOLDEN, N, run_streamed
 from k3engine.diskio import ALIGN, align_up
 from k3engine.kernels import _k3z as Z
-from k3engine.trunk import TRUNK_BIN, TRUNK_JSON, TrunkManifest, pack_trunk
+from k3engine.trunk import TRUNK_BIN, TRUNK_JSON, TrunkManifest, compress_trunk, pack_trunk
 from k3engine.trunk_compress import (K3Z_BIN, K3Z_JSON, MODE_ENV, CompressedTrunk, K3zError,
-                                     block_plan, code_lengths, compress_trunk, compressed_wins,
+                                     block_plan, code_lengths, compressed_wins,
                                      encode_block)
 
 WANT = GOLDEN["generated_ids"][:N]
@@ -390,7 +390,7 @@ def test_the_plan_counts_the_compressed_readers_scratch(tiny, packed, monkeypatc
     of the largest block: the planner counts it (session.open_model -> figures), and with
     compression off or without a k3z it counts nothing."""
     from k3engine.memory import plan
-    from k3engine.session import open_model, read_config
+    from k3engine.loading import open_model, read_config
     from k3engine.trunk import IO_THREADS
     got = {}
     cfg, _ = read_config(tiny)

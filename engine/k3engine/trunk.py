@@ -40,6 +40,8 @@ from .inputfile import InputFileError, read_regular_file
 from .names import PREFIX
 from .strict_json import JSONFormatError, loads_strict
 from .weights import I8R, LayerWeights, ModelTables
+from . import trunk_compress as K3Z
+from .kernels import _k3z as Z
 
 TRUNK_BIN, TRUNK_JSON = "trunk.bin", "trunk.json"
 DRAFT_FORMATS = ("i8r", "bf16")
@@ -254,6 +256,80 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
     m = TrunkManifest.load(trunk_dir)
     m.notes = notes + _drop_stale_compressed(trunk_dir, m)
     return m
+
+
+# ---- the compressed copy (trunk_compress's format) --------------------------------------------------------------------------
+
+def compress_trunk(trunk_dir: str, block_bytes: int = K3Z.BLOCK_BYTES,
+                   min_coded: int = K3Z.MIN_CODED,
+                   progress: Callable[[int, int, int], None] | None = None,
+                   cancel: Callable[[], bool] | None = None) -> K3Z.CompressedTrunk:
+    """Write trunk.k3z + trunk.k3z.json from the packed trunk in `trunk_dir`, each layer's
+    plain bytes checked against trunk.json's digest first.  `progress(layers_done,
+    raw_bytes_done, stored_bytes_done)`.  Atomic: both files complete before the renames,
+    the manifest last; trunk.bin and trunk.json are only read."""
+    m = TrunkManifest.load(trunk_dir)
+    if any(layer.sha256 is None for layer in m.layers):
+        raise K3Z.K3zError(f"{os.path.join(trunk_dir, 'trunk.json')}: layers without a recorded "
+                       f"digest (packed by an older pack-trunk); re-pack before compressing",
+                       trunk_dir)
+    notes = [f"removed {n}, left by an interrupted pack-trunk --compress"
+             for n in remove_stale(trunk_dir, K3Z.PARTIAL_RE)]
+    zpath, jpath = os.path.join(trunk_dir, K3Z.K3Z_BIN), os.path.join(trunk_dir, K3Z.K3Z_JSON)
+    tmp_z, tmp_j = f"{zpath}.partial-{os.getpid()}", f"{jpath}.partial-{os.getpid()}"
+    doc = {"format": K3Z.FORMAT, "version": K3Z.VERSION, "block_bytes": block_bytes,
+           "min_coded": min_coded, "layers": []}
+    raw_done = stored_done = 0
+    try:
+        fd = os.open(m.bin_path, os.O_RDONLY)
+        try:
+            with open(tmp_z, "wb") as out:
+                for L, layer in enumerate(m.layers):
+                    run = bytearray(layer.nbytes)
+                    if pread_into(fd, memoryview(run), layer.file_off) != layer.nbytes:
+                        raise K3Z.K3zError(f"{m.bin_path}: short read on layer {L}", m.bin_path)
+                    if hashlib.sha256(run).hexdigest() != layer.sha256:
+                        raise K3Z.K3zError(f"{m.bin_path}: layer {L} does not match its recorded "
+                                       f"SHA-256; re-pack the trunk before compressing it",
+                                       m.bin_path)
+                    digest = hashlib.sha256()
+                    blocks, first = [], out.tell()
+                    for raw_off, n, coded in K3Z.block_plan(layer.tensors, layer.nbytes,
+                                                        block_bytes, min_coded):
+                        if cancel and cancel():
+                            raise PackCancelled(f"{trunk_dir}: compression cancelled at "
+                                                f"layer {L}", trunk_dir)
+                        raw = memoryview(run)[raw_off:raw_off + n]
+                        codec, payload = K3Z.encode_block(raw, coded)
+                        blocks.append({"raw_off": raw_off, "raw_nbytes": n,
+                                       "file_off": out.tell(), "stored_nbytes": len(payload),
+                                       "codec": codec, "check": f"{Z.check(raw):016x}"})
+                        out.write(payload)
+                        digest.update(payload)
+                    pad = b"\0" * (-out.tell() % ALIGN)    # an aligned read never passes EOF
+                    out.write(pad)
+                    digest.update(pad)
+                    doc["layers"].append({"layer": L, "nbytes": layer.nbytes,
+                                          "raw_sha256": layer.sha256, "file_off": first,
+                                          "stored_nbytes": out.tell() - first,
+                                          "sha256": digest.hexdigest(), "blocks": blocks})
+                    raw_done += layer.nbytes
+                    stored_done = out.tell()
+                    if progress:
+                        progress(L + 1, raw_done, stored_done)
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            os.close(fd)
+        # a kill between the renames leaves a trunk.k3z with no manifest (plain reads)
+        publish_with_manifest(tmp_z, zpath, doc, tmp_j, jpath)
+    finally:
+        for p in (tmp_z, tmp_j):
+            if os.path.exists(p):
+                os.unlink(p)
+    ct = K3Z.CompressedTrunk.load(trunk_dir, m)
+    ct.notes = notes
+    return ct
 
 
 def _drop_stale_compressed(trunk_dir: str, m: "TrunkManifest") -> list[str]:

@@ -23,7 +23,6 @@ Silent-failure traps handled here (tests in tests/test_trunk_compress.py):
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import os
 import re
@@ -31,11 +30,9 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from .atomic import publish_with_manifest, remove_stale
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
 from .inputfile import InputFileError, read_regular_file
 from .kernels import _k3z as Z
@@ -132,81 +129,6 @@ def block_plan(tensors: dict, nbytes: int, block_bytes: int = BLOCK_BYTES,
     add(cursor, nbytes, False)
     return [(o, min(block_bytes, hi - o), coded)
             for lo, hi, coded in segs for o in range(lo, hi, block_bytes)]
-
-
-# ---- packing --------------------------------------------------------------------------
-
-def compress_trunk(trunk_dir: str, block_bytes: int = BLOCK_BYTES,
-                   min_coded: int = MIN_CODED,
-                   progress: Callable[[int, int, int], None] | None = None,
-                   cancel: Callable[[], bool] | None = None) -> "CompressedTrunk":
-    """Write trunk.k3z + trunk.k3z.json from the packed trunk in `trunk_dir`, each layer's
-    plain bytes checked against trunk.json's digest first.  `progress(layers_done,
-    raw_bytes_done, stored_bytes_done)`.  Atomic: both files complete before the renames,
-    the manifest last; trunk.bin and trunk.json are only read."""
-    from .trunk import TrunkManifest, PackCancelled
-    m = TrunkManifest.load(trunk_dir)
-    if any(layer.sha256 is None for layer in m.layers):
-        raise K3zError(f"{os.path.join(trunk_dir, 'trunk.json')}: layers without a recorded "
-                       f"digest (packed by an older pack-trunk); re-pack before compressing",
-                       trunk_dir)
-    notes = [f"removed {n}, left by an interrupted pack-trunk --compress"
-             for n in remove_stale(trunk_dir, PARTIAL_RE)]
-    zpath, jpath = os.path.join(trunk_dir, K3Z_BIN), os.path.join(trunk_dir, K3Z_JSON)
-    tmp_z, tmp_j = f"{zpath}.partial-{os.getpid()}", f"{jpath}.partial-{os.getpid()}"
-    doc = {"format": FORMAT, "version": VERSION, "block_bytes": block_bytes,
-           "min_coded": min_coded, "layers": []}
-    raw_done = stored_done = 0
-    try:
-        fd = os.open(m.bin_path, os.O_RDONLY)
-        try:
-            with open(tmp_z, "wb") as out:
-                for L, layer in enumerate(m.layers):
-                    run = bytearray(layer.nbytes)
-                    if pread_into(fd, memoryview(run), layer.file_off) != layer.nbytes:
-                        raise K3zError(f"{m.bin_path}: short read on layer {L}", m.bin_path)
-                    if hashlib.sha256(run).hexdigest() != layer.sha256:
-                        raise K3zError(f"{m.bin_path}: layer {L} does not match its recorded "
-                                       f"SHA-256; re-pack the trunk before compressing it",
-                                       m.bin_path)
-                    digest = hashlib.sha256()
-                    blocks, first = [], out.tell()
-                    for raw_off, n, coded in block_plan(layer.tensors, layer.nbytes,
-                                                        block_bytes, min_coded):
-                        if cancel and cancel():
-                            raise PackCancelled(f"{trunk_dir}: compression cancelled at "
-                                                f"layer {L}", trunk_dir)
-                        raw = memoryview(run)[raw_off:raw_off + n]
-                        codec, payload = encode_block(raw, coded)
-                        blocks.append({"raw_off": raw_off, "raw_nbytes": n,
-                                       "file_off": out.tell(), "stored_nbytes": len(payload),
-                                       "codec": codec, "check": f"{Z.check(raw):016x}"})
-                        out.write(payload)
-                        digest.update(payload)
-                    pad = b"\0" * (-out.tell() % ALIGN)    # an aligned read never passes EOF
-                    out.write(pad)
-                    digest.update(pad)
-                    doc["layers"].append({"layer": L, "nbytes": layer.nbytes,
-                                          "raw_sha256": layer.sha256, "file_off": first,
-                                          "stored_nbytes": out.tell() - first,
-                                          "sha256": digest.hexdigest(), "blocks": blocks})
-                    raw_done += layer.nbytes
-                    stored_done = out.tell()
-                    if progress:
-                        progress(L + 1, raw_done, stored_done)
-                out.flush()
-                os.fsync(out.fileno())
-        finally:
-            os.close(fd)
-        # a kill between the renames leaves a trunk.k3z with no manifest (plain reads)
-        publish_with_manifest(tmp_z, zpath, doc, tmp_j, jpath)
-    finally:
-        for p in (tmp_z, tmp_j):
-            if os.path.exists(p):
-                os.unlink(p)
-    ct = CompressedTrunk.load(trunk_dir, m)
-    ct.notes = notes
-    return ct
 
 
 # ---- the manifest ---------------------------------------------------------------------
@@ -485,7 +407,7 @@ def device_rate(trunk, reads, fd: int, io_threads: int) -> tuple[float, str]:
     / the forecast cached for this device, else one timed read of up to 64 MiB of
     trunk.bin the way the trunk reads it (parallel chunks on the same descriptor)."""
     try:
-        from .forecast import cached_machine_figures
+        from .machine import cached_machine_figures
         mf = cached_machine_figures(trunk.trunk_dir)
     except Exception:  # noqa: BLE001 - a damaged cache is as if absent
         mf = None

@@ -7,7 +7,8 @@ import os
 import shutil
 
 from k3engine.kernels import _k3z as Z
-from k3engine.trunk_compress import K3Z_BIN, MODE_ENV, CompressedTrunk, compress_trunk
+from k3engine.trunk import compress_trunk
+from k3engine.trunk_compress import K3Z_BIN, MODE_ENV, CompressedTrunk
 from k3engine.trunk import TrunkManifest
 
 from .app_helpers import load, send

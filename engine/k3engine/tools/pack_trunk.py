@@ -78,7 +78,8 @@ def main(argv: list[str]) -> int:
     for note in m.notes:
         print(f"k3 pack-trunk: {note}")
     if a.compress:
-        from ..trunk_compress import BLOCK_BYTES, K3zError, compress_trunk
+        from ..trunk import compress_trunk
+        from ..trunk_compress import BLOCK_BYTES, K3zError
         block = a.compress_block_kb * 1024 if a.compress_block_kb else BLOCK_BYTES
         t1 = time.monotonic()
         try:
