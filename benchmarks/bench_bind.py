@@ -15,7 +15,7 @@ import time
 
 from k3engine.config import load_config
 from k3engine.diskio import AlignedBuffer
-from k3engine.session import open_model
+from k3engine.loading import open_model
 from k3engine.trunk import TrunkLayerSource
 
 

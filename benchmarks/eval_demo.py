@@ -28,9 +28,11 @@ from collections import Counter
 
 import numpy as np
 
-from k3engine.chat import ChatError, ChatOptions, History, Message
-from k3engine.sampler import Sampler
-from k3engine.session import ChatSession, load_model, read_config
+from k3engine.chat import History, Message
+from k3engine.conversation import Conversation
+from k3engine.engine import Engine, GenSpec
+from k3engine.events import TurnEnded
+from k3engine.loading import load_model, read_config
 from k3engine.tokenizer import Tokenizer, control_ids
 from k3engine.tools.demo import shipped_dir
 from k3engine.tools.demo_corpus import corpus_words, make_corpus, words
@@ -45,13 +47,20 @@ def load(model_dir):
     return lm, tok, control_ids(tok, None)
 
 
+def greedy_turn(chat: Conversation, thinking: bool, gen: int):
+    """One greedy turn's TurnSummary (a closed reply joins the history)."""
+    res = None
+    for ev in chat.turn(GenSpec(gen=gen, thinking=thinking)):
+        if isinstance(ev, TurnEnded):
+            res = ev.result
+    return res
+
+
 def one_turn(lm, tok, ctl, history, thinking, gen):
-    chat = ChatSession(lm, tok, ctl, history, ChatOptions(thinking=thinking),
-                       Sampler.from_flags(greedy=True), incremental=True)
-    try:
-        r = chat.turn(gen=gen)
-    except ChatError as e:          # closed by an end id but malformed
-        return dict(ended=True, parsed=False, error=str(e), n=None, content="", reasoning="")
+    r = greedy_turn(Conversation(Engine.around(lm, tok), history), thinking, gen)
+    if r.malformed is not None:     # closed by an end id but malformed
+        return dict(ended=True, parsed=False, error=r.malformed, n=None, content="",
+                    reasoning="")
     return dict(ended=r.end_id is not None, parsed=r.end_id is not None, n=len(r.ids),
                 content=r.content or "", reasoning=r.reasoning or "")
 
@@ -121,12 +130,11 @@ def transcripts(lm, tok, ctl, convs):
     out = []
     for k, (system, thinking) in enumerate(settings):
         h = History([Message("system", system)] if system else [])
-        chat = ChatSession(lm, tok, ctl, h, ChatOptions(thinking=thinking),
-                           Sampler.from_flags(greedy=True), incremental=True)
+        chat = Conversation(Engine.around(lm, tok), h)
         turns = []
         for conv in convs[3 * k:3 * k + 3]:
             h.add(Message("user", conv.turns[0].user))
-            r = chat.turn(gen=GEN_ON if thinking else GEN_OFF)
+            r = greedy_turn(chat, thinking, GEN_ON if thinking else GEN_OFF)
             turns.append(dict(user=conv.turns[0].user, reasoning=r.reasoning, content=r.content,
                               ended=r.end_id is not None, reused=r.reused, ids=len(r.ids)))
             if r.end_id is None:
@@ -140,7 +148,7 @@ def trace_figures(model_dir, tok, convs, cfg, n_tokens=1000):
     """A held-out chat prompt, then greedy decode to n_tokens positions in all (one token per
     step: the trace holds every decode step's routing), through the CLI with
     --dump-cache-trace; then k3 sim-cache on that trace."""
-    from k3engine.chat import encode_prompt, render_segments
+    from k3engine.chat import ChatOptions, encode_prompt, render_segments
     h = History([Message("user", convs[0].turns[0].user)])
     ids = encode_prompt(tok, render_segments(h, ChatOptions(thinking=True)))
     with tempfile.TemporaryDirectory() as d:

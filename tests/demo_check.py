@@ -16,7 +16,7 @@ def tolerance(hidden: int) -> float:
 def compare_engine_torch(model_dir: str, tok, convs) -> dict:
     import torch
     from k3engine.chat import ChatOptions, encode_prompt, render_segments
-    from k3engine.session import load_model, read_config
+    from k3engine.loading import load_model, read_config
     from k3engine.tools.demo_torch import load_checkpoint
     torch.set_num_threads(1)
     cfg, _ = read_config(model_dir)

@@ -5,7 +5,7 @@ import numpy as np
 
 from k3engine import kernels as K
 from k3engine.model import greedy
-from k3engine.session import load_model, read_config
+from k3engine.loading import load_model, read_config
 from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
 
 GOLDEN_SEED = 1234
@@ -62,3 +62,42 @@ def with_threads(n: int):
         def __exit__(self, *a):
             K.set_num_threads(self.old)
     return _Ctx()
+
+
+def decode(lm, prompt: list[int], gen: int, spec: int = 0, proposer=None,
+           spec_auto: bool = False):
+    """The engine's one decode loop over a model loaded here (Engine.around): a greedy
+    batch run of `gen` ids after `prompt`, its TurnSummary."""
+    from k3engine.engine import Engine
+    from k3engine.generate import GenSpec
+    steps = Engine.around(lm, spec=spec, draft=proposer).batch(
+        list(prompt), GenSpec(gen=gen, spec=spec, spec_auto=spec_auto))
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def chat_on(lm, tok, history, sampler=None):
+    """A Conversation over a model loaded here (Engine.around), with `sampler` in place of
+    the one its GenSpec would make (a forced reply, a fixed seed)."""
+    from k3engine.conversation import Conversation
+    from k3engine.engine import Engine
+    return Conversation(Engine.around(lm, tok), history, sampler=sampler)
+
+
+def run_turn(turn, on_token=None):
+    """Drive a Conversation turn (or continue_turn) generator; `on_token(n, id)` per id.
+    Returns its TurnSummary."""
+    from k3engine.events import TokenOut
+    n = 0
+    while True:
+        try:
+            ev = next(turn)
+        except StopIteration as done:
+            return done.value
+        if isinstance(ev, TokenOut) and ev.id >= 0:
+            n += 1
+            if on_token is not None:
+                on_token(n, ev.id)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_helpers import load
+from engine_helpers import chat_on, load, run_turn
 from k3engine.chat import ChatOptions, History, Message, encode_prompt, render_segments
 from k3engine.sampler import Sampler
-from k3engine.session import Cancel, ChatSession
+from k3engine.generate import Cancel, GenSpec
 from k3engine.tokenizer import Tokenizer, control_ids
 from k3engine.tools.make_checkpoint import dims_config, make_checkpoint
 
@@ -50,20 +50,20 @@ def test_second_turn_reuses_state_bit_identical_to_full_prefill(demo):
     lm, tok, ctl = demo
     h = History([Message("system", "Be brief."), Message("user", "Hello")])
     forced = ForcedReply(reply_ids(tok, ctl, "A short thought.", "Hi!"))
-    chat = ChatSession(lm, tok, ctl, h, ChatOptions(), forced, incremental=True)
-    r1 = chat.turn(gen=len(forced.ids) + 5)
+    chat = chat_on(lm, tok, h, forced)
+    r1 = run_turn(chat.turn(GenSpec(gen=len(forced.ids) + 5)))
     assert r1.end_id == ctl.end_of_msg and r1.content == "Hi!"
     assert r1.reasoning == "A short thought."
     h.add(Message("user", "And again?"))
     forced.ids = reply_ids(tok, ctl, "", "Ok")[:-1] + [ctl.eos]   # closed by [EOS] this time
     forced.seen = []
     prompt2 = encode_prompt(tok, render_segments(h, ChatOptions()))
-    r2 = chat.turn(gen=len(forced.ids))
+    r2 = run_turn(chat.turn(GenSpec(gen=len(forced.ids))))
     full = lm.model.forward(prompt2, lm.model.new_state(len(prompt2)))
-    print(f"[gate] chat turn 2: {r2.reused} of {r2.prompt_ids} positions reused; first "
+    print(f"[gate] chat turn 2: {r2.reused} of {r2.prompt_positions} positions reused; first "
           f"logits vs full prefill of the same transcript bit-identical: "
           f"{np.array_equal(forced.seen[0].view(np.uint32), full.view(np.uint32))}")
-    assert r2.reused > 0 and r2.reused == r1.prompt_ids + len(r1.ids) - 1
+    assert r2.reused > 0 and r2.reused == r1.prompt_positions + len(r1.ids) - 1
     assert np.array_equal(forced.seen[0].view(np.uint32), full.view(np.uint32))
     assert r2.end_id == ctl.eos                  # either end id closes a turn
 
@@ -71,9 +71,8 @@ def test_second_turn_reuses_state_bit_identical_to_full_prefill(demo):
 def test_unclosed_turn_leaves_history_usable(demo):
     lm, tok, ctl = demo
     h = History([Message("user", "Hello")])
-    chat = ChatSession(lm, tok, ctl, h, ChatOptions(thinking=False), Sampler.from_flags(seed=5),
-                       incremental=True)
-    r = chat.turn(gen=6)
+    chat = chat_on(lm, tok, h, Sampler.from_flags(seed=5))
+    r = run_turn(chat.turn(GenSpec(gen=6, thinking=False)))
     assert r.end_id is None and len(r.ids) == 6 and len(h) == 1   # nothing appended
     cancel = Cancel()
     seen = []
@@ -82,7 +81,7 @@ def test_unclosed_turn_leaves_history_usable(demo):
         seen.append(tok_id)
         if i == 2:
             cancel.set()
-    r2 = chat.turn(gen=50, on_token=on_token, cancel=cancel)
+    r2 = run_turn(chat.turn(GenSpec(gen=50, thinking=False), cancel), on_token)
     assert r2.interrupted and len(r2.ids) == 2 and len(h) == 1
 
 
@@ -91,8 +90,7 @@ def test_sampled_turn_replays_with_the_same_seed(demo):
     runs = []
     for _ in range(2):
         h = History([Message("user", "Tell me a story")])
-        chat = ChatSession(lm, tok, ctl, h, ChatOptions(), Sampler.from_flags(seed=42),
-                           incremental=True)
-        runs.append(chat.turn(gen=8).ids)
+        chat = chat_on(lm, tok, h, Sampler.from_flags(seed=42))
+        runs.append(run_turn(chat.turn(GenSpec(gen=8))).ids)
     print(f"[gate] seed 42 twice: {runs[0]} == {runs[1]}")
     assert runs[0] == runs[1]

@@ -285,7 +285,7 @@ def test_after_a_first_sigint_the_default_action_stays_while_results_are_written
     decode loop must not reinstall Python's KeyboardInterrupt handler (which would raise
     into a half-written report).  Without a first Ctrl-C the old handler comes back."""
     from k3engine.cli import Interrupts
-    from k3engine.session import Cancel
+    from k3engine.generate import Cancel
     before = signal.getsignal(signal.SIGINT)
     with Interrupts(Cancel()):
         assert signal.getsignal(signal.SIGINT) is not before

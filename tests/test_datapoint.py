@@ -101,14 +101,14 @@ def test_doctor_datapoint_hook(model, given_machine, tmp_path, capsys):
     rec = json.loads((tmp_path / "doc.json").read_text())
     assert rec["plan"]["streamed"] and rec["measured"]["tokens"] == 8
     assert (rec["plan"]["trunk_gb"], rec["plan"]["cache_gb"]) == (16.0, 64.0)   # defaults
-    from k3engine.session import default_threads
+    from k3engine.threads import default_threads
     assert rec["threads"] == default_threads()              # what the run used, not null
 
 
 def test_the_shipped_demo_is_named_as_such():
     """The trained demo model has its own shape (not a --dims size): the record says what
     it is rather than "custom checkpoint", from the shape alone."""
-    from k3engine.session import read_config
+    from k3engine.loading import read_config
     from k3engine.tools.demo import shipped_dir
     cfg, _ = read_config(shipped_dir(), None)
     assert D.model_name(cfg).startswith("the K3 Studio demo model")

@@ -12,9 +12,11 @@ import sys
 
 import pytest
 
-from k3engine.chat import ChatOptions, History, Message
+from k3engine.chat import History, Message
 from k3engine.sampler import Sampler
-from k3engine.session import ChatSession, load_model, read_config
+from engine_helpers import chat_on, run_turn
+from k3engine.generate import GenSpec
+from k3engine.loading import load_model, read_config
 from k3engine.tokenizer import Tokenizer, control_ids
 from k3engine.tools import demo
 from k3engine.tools.demo_corpus import is_test_prompt, make_corpus
@@ -68,26 +70,26 @@ def test_the_corpus_is_deterministic_and_holds_out_its_test_prompts():
 def greedy_chat(shipped, first_user: str, thinking: bool):
     lm, tok, ctl = shipped
     h = History([Message("user", first_user)])
-    return h, ChatSession(lm, tok, ctl, h, ChatOptions(thinking=thinking),
-                          Sampler.from_flags(greedy=True), incremental=True)
+    chat = chat_on(lm, tok, h, Sampler.from_flags(greedy=True))
+    return h, lambda gen: run_turn(chat.turn(GenSpec(gen=gen, thinking=thinking)))
 
 
 def test_shipped_model_chats_two_turns_each_closed(shipped):
     ctl = shipped[2]
     h, chat = greedy_chat(shipped, "Hello!", thinking=False)
-    r1 = chat.turn(gen=128)
+    r1 = chat(128)
     h.add(Message("user", "What is 3 plus 4?"))
-    r2 = chat.turn(gen=128)
+    r2 = chat(128)
     print(f"[gate] turn 1: {r1.content!r} end {r1.end_id}; turn 2: {r2.content!r} end "
           f"{r2.end_id}, {r2.reused} positions reused")
     assert r1.end_id == ctl.end_of_msg and r2.end_id == ctl.end_of_msg
     assert r1.content and r2.content and len(h) == 4
-    assert r2.reused == r1.prompt_ids + len(r1.ids) - 1
+    assert r2.reused == r1.prompt_positions + len(r1.ids) - 1
 
 
 def test_thinking_turn_closes_with_reasoning(shipped):
     _, chat = greedy_chat(shipped, "What day comes after Monday?", thinking=True)
-    r = chat.turn(gen=256)
+    r = chat(256)
     print(f"[gate] thinking turn: reasoning {r.reasoning!r}, content {r.content!r}")
     assert r.end_id == shipped[2].end_of_msg and r.reasoning and r.content
 

@@ -11,13 +11,13 @@ import os
 import numpy as np
 import pytest
 
-from engine_helpers import GOLDEN_SEED, make_tiny
+from engine_helpers import GOLDEN_SEED, decode, make_tiny
 from k3engine.checkpoint import CheckpointError
 from k3engine.draft import DraftModel, DraftRouter, ResidentOnly
 from k3engine.experts import ExpertCache
 from k3engine.memory import plan
 from k3engine.model import Model
-from k3engine.session import generate, load_draft, load_model, open_model
+from k3engine.loading import load_draft, load_model, open_model
 from k3engine.speculative import SpecWidth
 from k3engine.trunk import TrunkError, draft_quantised, pack_trunk, qdq_bf16_rows
 from test_cli import GOLDEN
@@ -249,8 +249,7 @@ def _hybrid(tiny, trunks, which: str, spec=4, topk=2, cache_only=False, auto=Fal
                            cache_only)
         if mutate:
             mutate(draft)
-        res = generate(lm, PROMPT, len(WANT), True, spec=spec, proposer=draft,
-                       spec_auto=auto)
+        res = decode(lm, PROMPT, len(WANT), spec=spec, proposer=draft, spec_auto=auto)
         draft.close()
         return res, draft
     finally:
@@ -266,9 +265,9 @@ def test_hybrid_ids_equal_greedy(tiny, trunks, which, cache_only, auto):
     sp = res.spec
     print(f"[gate] hybrid, {which} draft{', cache-only' if cache_only else ''}"
           f"{', --spec-auto' if auto else ''}: {sp.rounds} rounds, {sp.drafted} drafted, "
-          f"{sp.accepted} accepted, {len(res.steps)} steps for {len(WANT)} ids; "
-          f"ids equal greedy: {res.generated_ids == WANT}")
-    assert res.generated_ids == WANT
+          f"{sp.accepted} accepted, {res.steps} steps for {len(WANT)} ids; "
+          f"ids equal greedy: {res.ids == WANT}")
+    assert res.ids == WANT
     assert sp.rounds > 0 and draft.steps > 0
     if which == "exact" and not cache_only:
         # the exact trunk with the exact routing proposes exactly the greedy continuation
@@ -291,8 +290,8 @@ def test_rejected_proposals_are_rewound(tiny, trunks):
     res, _ = _hybrid(tiny, trunks, "exact", mutate=corrupt_second)
     sp = res.spec
     print(f"[gate] hybrid with the second draft of every round corrupted: {sp.rounds} rounds, "
-          f"{sp.accepted} accepted; ids equal greedy: {res.generated_ids == WANT}")
-    assert res.generated_ids == WANT
+          f"{sp.accepted} accepted; ids equal greedy: {res.ids == WANT}")
+    assert res.ids == WANT
     multi = sp.rounds                  # every round here drafts >= 2 (cap = min(4, left - 1))
     assert sp.accepted == multi
 
@@ -416,9 +415,15 @@ def test_cli_draft_usage_errors(tiny, trunks, extra, code, message):
     assert p.returncode == code and message in p.stderr, p.stderr
 
 
-def test_cli_draft_in_chat_is_refused(tiny, trunks):
-    p = k3(tiny, "--chat", "--tok", tiny, "--draft-trunk", trunks[1].trunk_dir)
-    assert p.returncode == 2 and "--chat cannot be combined with --draft-trunk" in p.stderr
+def test_cli_draft_works_in_chat(tiny, trunks):
+    """Ours, not the reference's (which refuses it): the draft model proposes in chat as
+    in batch runs, implying --spec 4 (the chat's ids are gated in test_chat_spec.py)."""
+    from k3engine.cli import build_gen, build_load, parse_args
+    o = parse_args([tiny, "--chat", "--tok", tiny, "--trunk", trunks[0].trunk_dir,
+                    "--draft-trunk", trunks[1].trunk_dir])
+    load, gen = build_load(o), build_gen(o)
+    assert load.draft is not None and load.draft.trunk_dir == trunks[1].trunk_dir
+    assert load.spec == gen.spec == 4 and load.incremental
 
 
 @pytest.mark.parametrize("args,warning", [

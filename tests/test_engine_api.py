@@ -1,23 +1,23 @@
-"""The run API (k3engine.run): one request builder for every front end, typed events, the
-poisoned state after a failed or stopped pass, stops inside a prefill, the streaming reply
-parser against parse_reply, and the layering (errors is a leaf, no front-end cycles)."""
+"""The engine API (k3engine.engine): one LoadSpec builder for every front end, typed events,
+the poisoned state after a failed or stopped pass, stops inside a prefill, the streaming
+reply parser against parse_reply, and the layering (errors is a leaf, no import cycle)."""
 from __future__ import annotations
 
 import ast
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine_helpers import GOLDEN_SEED, golden_prompt, make_tiny
+from engine_helpers import GOLDEN_SEED, make_tiny
 from k3engine import events as E
 from k3engine.errors import StateUnusable
 from k3engine.memory import PRESETS
-from k3engine.run import Cancel, Prompt, open_run, request_from
+from k3engine.conversation import Conversation
+from k3engine.engine import Cancel, GenSpec, Prompt, load_spec_from, open_engine
 from test_cli import GOLDEN, k3
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine" / "k3engine"
@@ -46,39 +46,46 @@ def demo(tmp_path_factory):
 
 
 def collect(gen):
-    evs = list(gen)
-    return evs, next(e.result for e in evs if isinstance(e, (E.Finished, E.TurnEnded)))
+    """(events, the generator's return value: its TurnSummary)."""
+    evs = []
+    while True:
+        try:
+            evs.append(next(gen))
+        except StopIteration as done:
+            return evs, done.value
 
 
 # ---- one request builder -------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", sorted(PRESETS) + ["auto"])
-def test_cli_flags_and_app_settings_build_the_same_request(preset, tiny, trunk):
-    """`k3 ... --chat --preset P` and the app's preset P give one RunRequest."""
-    from k3engine.cli import build_request, parse_args
+def test_cli_flags_and_app_settings_build_the_same_specs(preset, tiny, trunk):
+    """`k3 ... --chat --preset P` and the app's preset P give one LoadSpec and GenSpec."""
+    from k3engine.cli import build_gen, build_load, parse_args
     from k3studio.runspec import RunSpec
     o = parse_args([tiny, "--chat", "--tok", tiny, "--trunk", trunk, "--preset", preset,
                     "--gen", "256", "--thinking-effort", "low", "--greedy"])
-    cli = build_request(o)
-    app = RunSpec(model_dir=tiny, trunk_dir=trunk, tok_dir=tiny, preset=preset,
-                  gen=256, effort="low").request()
+    cli, cli_gen = build_load(o), build_gen(o)
+    spec = RunSpec(model_dir=tiny, trunk_dir=trunk, tok_dir=tiny, preset=preset,
+                   gen=256, effort="low")
+    app, app_gen = spec.load_spec(), spec.gen_spec()
     print(f"[gate] preset {preset}: cli budgets {cli.budgets} == app budgets {app.budgets}")
     assert cli.budgets == app.budgets
-    for f in ("model_dir", "trunk_dir", "tok_dir", "trunk_ring", "chat", "incremental",
-              "gen", "thinking", "effort", "spec", "draft"):
+    for f in ("model_dir", "trunk_dir", "tok_dir", "trunk_ring", "incremental", "spec",
+              "draft"):
         assert getattr(cli, f) == getattr(app, f), f
-    assert cli.sampling.sampler().greedy and app.sampling.sampler().greedy
+    for f in ("gen", "thinking", "effort", "spec", "stop_ids"):
+        assert getattr(cli_gen, f) == getattr(app_gen, f), f
+    assert cli_gen.sampling.sampler().greedy and app_gen.sampling.sampler().greedy
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_plan_and_load_agree_for_every_preset(preset, tiny, trunk):
-    """What open_run planned is what it loaded: streamed tables under ultra, the planned
-    pinned set and ring, the planned cache slots."""
-    req = request_from(tiny, [("--preset", preset)], trunk_dir=trunk, tok_dir=None,
-                       chat=False, gen=2, prompt=Prompt(ids=(1, 2, 3)),
-                       available_override=64 << 30)
+    """What open_engine planned is what it loaded: streamed tables under ultra, the
+    planned pinned set and ring, the planned cache slots."""
+    spec = load_spec_from(tiny, [("--preset", preset)], trunk_dir=trunk, tok_dir=None,
+                          available_override=64 << 30)
     seen = []
-    r = open_run(req, seen.append)
+    r = open_engine(spec, seen.append, prompt=Prompt(ids=(1, 2, 3)), gen=2)
     try:
         p, lm = r.plan, r.lm
         loaded = next(e for e in seen if isinstance(e, E.Loaded))
@@ -120,21 +127,22 @@ def test_app_worker_streams_the_tables_under_ultra(qtbot, demo, tmp_path):
 # ---- events and figures ------------------------------------------------------------------
 
 def test_generate_yields_typed_events_with_the_golden_ids(tiny):
-    req = request_from(tiny, incremental=True, gen=6,
-                       prompt=Prompt(ids=tuple(GOLDEN["prompt_ids"])))
     seen = []
-    r = open_run(req, seen.append)
+    r = open_engine(load_spec_from(tiny, incremental=True), seen.append,
+                    prompt=Prompt(ids=tuple(GOLDEN["prompt_ids"])), gen=6)
+    kinds = [type(e).__name__ for e in seen]          # the set-up, in the reference's order
     try:
-        evs, res = collect(r.generate())
+        evs, res = collect(r.batch(r.prompt_ids, GenSpec(gen=6)))
     finally:
         r.close()
-    kinds = [type(e).__name__ for e in seen]
     assert kinds[:2] == ["ThreadsSet", "ConfigRead"] and "Planned" in kinds and \
         kinds[-1] == "Loaded"
+    progress = [e for e in seen[len(kinds):] if isinstance(e, E.LoadProgress)]
+    assert [e.layer for e in progress] == list(range(r.nl))    # the prompt pass, per layer
     steps = [e for e in evs if isinstance(e, E.StepDone)]
     tokens = [e.id for e in evs if isinstance(e, E.TokenOut)]
-    print(f"[gate] run API ids {tokens} vs golden {GOLDEN['generated_ids'][:6]}")
-    assert tokens == res.generated_ids == GOLDEN["generated_ids"][:6]
+    print(f"[gate] engine API ids {tokens} vs golden {GOLDEN['generated_ids'][:6]}")
+    assert tokens == res.ids == GOLDEN["generated_ids"][:6]
     assert [s.step for s in steps] == list(range(6))
     assert steps[0].telemetry.expert_requests > 0 and steps[0].logits is not None
 
@@ -155,14 +163,12 @@ def test_overlapped_expert_reads_change_no_id_and_no_counter(demo, trunk_gb, mon
     runs = {}
     for overlap in ("0", "1"):
         monkeypatch.setenv("K3_NO_EXPERT_PIPELINE", "1" if overlap == "0" else "0")
-        req = request_from(demo, flags, incremental=True, gen=6,
-                           prompt=Prompt(ids=tuple(range(40, 56))), **kw)
-        r = open_run(req, lambda e: None)
+        r = open_engine(load_spec_from(demo, flags, incremental=True, **kw), gen=6)
         try:
-            evs, res = collect(r.generate())
+            evs, res = collect(r.batch(list(range(40, 56)), GenSpec(gen=6)))
         finally:
             r.close()
-        runs[overlap] = (res.generated_ids, [
+        runs[overlap] = (res.ids, [
             tuple(getattr(e.telemetry, k) for k in (
                 "expert_requests", "expert_hits", "expert_misses", "expert_evictions",
                 "expert_prefetch_reads", "expert_bytes", "trunk_bytes"))
@@ -178,18 +184,18 @@ def test_overlapped_expert_reads_change_no_id_and_no_counter(demo, trunk_gb, mon
 
 def test_failed_pass_poisons_the_state_and_nothing_reuses_it(tiny, monkeypatch):
     monkeypatch.setenv("K3_FAIL_EXPERT", "2,*")
-    req = request_from(tiny, [("--cache-gb", "0.001")], incremental=True, gen=4,
-                       prompt=Prompt(ids=(96, 45, 40)))
-    r = open_run(req)
+    r = open_engine(load_spec_from(tiny, [("--cache-gb", "0.001")], incremental=True), gen=4)
     try:
-        evs, res = collect(r.generate())
-        assert res.expert_drop is not None and res.generated_ids == []
-        assert res.state.poisoned, "a pass that failed part-way must mark the state"
-        print(f"[gate] poisoned: {res.state.poisoned}")
+        seq = r.sequence()
+        evs, res = collect(r.batch([96, 45, 40], GenSpec(gen=4), seq=seq))
+        assert res.expert_drop is not None and res.ids == []
+        assert seq.poisoned, "a pass that failed part-way must mark the state"
+        print(f"[gate] poisoned: {seq.poisoned}")
         with pytest.raises(StateUnusable):
-            r.save_state(os.devnull, res)
+            seq.save(os.devnull)
         with pytest.raises(StateUnusable):
-            r.lm.model.forward([1], res.state)
+            r.lm.model.forward([1], seq.state)
+        assert seq.prepare([96, 45, 40, 7], 4) == 0, "a poisoned state is never reused"
     finally:
         r.close()
 
@@ -208,18 +214,19 @@ def test_chat_turn_after_a_failed_pass_starts_afresh(demo, monkeypatch):
     from scratch and gives the ids a fresh session gives."""
     from k3engine.chat import History, Message
     monkeypatch.setenv("K3_FAIL_EXPERT", "2,*")
-    req = request_from(demo, [("--cache-gb", "0.05")], tok_dir=demo, chat=True, gen=3)
-    r = open_run(req)
+    r = open_engine(load_spec_from(demo, [("--cache-gb", "0.05")], tok_dir=demo,
+                                   incremental=True), gen=3)
+    spec = GenSpec(gen=3)
     try:
-        chat = r.chat(History([Message("user", "Hello")]))
+        chat = Conversation(r, History([Message("user", "Hello")]))
         from k3engine.experts import ExpertLoadError
         with pytest.raises(ExpertLoadError):
-            collect(r.turn(chat))
-        assert chat.state is None and chat.record == []
+            collect(chat.turn(spec))
+        assert chat.seq.state is None and chat.seq.ids == []
         r.lm.experts._fail_reads = None
-        _, res = collect(r.turn(chat))
-        fresh = r.chat(History([Message("user", "Hello")]))
-        _, want = collect(r.turn(fresh))
+        _, res = collect(chat.turn(spec))
+        fresh = Conversation(r, History([Message("user", "Hello")]))
+        _, want = collect(fresh.turn(spec))
     finally:
         r.close()
     print(f"[gate] after a failure: {res.ids} (reused {res.reused}) vs fresh {want.ids}")
@@ -235,8 +242,9 @@ def test_stop_inside_a_long_streamed_prefill(demo, tmp_path):
     from k3engine.trunk import pack_trunk
     t = tmp_path / "trunk"
     pack_trunk(demo, str(t))
-    req = request_from(demo, [("--trunk-gb", "0"), ("--cache-gb", "0.02")], trunk_dir=str(t),
-                       tok_dir=demo, chat=True, gen=2)
+    ls = load_spec_from(demo, [("--trunk-gb", "0"), ("--cache-gb", "0.02")], trunk_dir=str(t),
+                        tok_dir=demo, incremental=True)
+    spec = GenSpec(gen=2)
     layers = []
     cancel = Cancel()
 
@@ -245,20 +253,20 @@ def test_stop_inside_a_long_streamed_prefill(demo, tmp_path):
             layers.append(ev.layer)
             if ev.layer == 2:
                 cancel.set()                 # asked while layer 3 is about to run
-    r = open_run(req, sink)
+    r = open_engine(ls, sink, gen=2)
     try:
         text = " ".join(f"word{i}" for i in range(150))
-        chat = r.chat(History([Message("user", text)]))
-        _, res = collect(r.turn(chat, cancel=cancel))
-        assert res.interrupted and res.ids == [] and res.prompt_ids >= 256
+        chat = Conversation(r, History([Message("user", text)]))
+        _, res = collect(chat.turn(spec, cancel))
+        assert res.interrupted and res.ids == [] and res.prompt_positions >= 256
         stopped_after = max(layers)
         layers.clear()
-        _, again = collect(r.turn(chat))
-        fresh = r.chat(History([Message("user", text)]))
-        _, want = collect(r.turn(fresh))
+        _, again = collect(chat.turn(spec))
+        fresh = Conversation(r, History([Message("user", text)]))
+        _, want = collect(fresh.turn(spec))
     finally:
         r.close()
-    print(f"[gate] stop in a {res.prompt_ids}-position prefill: honoured after layer "
+    print(f"[gate] stop in a {res.prompt_positions}-position prefill: honoured after layer "
           f"{stopped_after + 1} of {r.nl}; next turn {again.ids} vs fresh {want.ids}")
     assert stopped_after == 2
     assert again.ids == want.ids and again.reused == 0
@@ -268,7 +276,7 @@ def test_stop_inside_a_long_streamed_prefill(demo, tmp_path):
 
 def test_reply_stream_equals_parse_reply(demo):
     from k3engine.chat import ReplyStream, parse_reply
-    from k3engine.run import chat_controls
+    from k3engine.engine import chat_controls
     from k3engine.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(demo)
     ctl = chat_controls(tok)
@@ -323,7 +331,7 @@ def test_sigint_during_load_is_kept_even_if_inherited_ignored(demo, tmp_path):
     import signal
     code = ("import signal, sys, os, threading\n"
             "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            "import k3engine.run as R\n"
+            "import k3engine.engine as R\n"
             "real = R.load_model\n"
             "def slow(*a, **k):\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"

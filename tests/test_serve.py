@@ -147,7 +147,7 @@ def test_completions_with_ids_and_text(client):
 def test_greedy_completion_equals_k3_batch_on_the_same_ids(client, demo, tmp_path):
     """The completions route runs Run.generate, the loop `k3` runs: the same ids as
     `k3 MODEL --ids ... --incremental` with the chat's end ids as stop ids."""
-    from k3engine.run import chat_controls
+    from k3engine.engine import chat_controls
     from k3engine.tokenizer import Tokenizer
     ends = chat_controls(Tokenizer.from_dir(demo)).end_ids
     prompt = [5, 6, 7, 40, 41]
@@ -294,7 +294,7 @@ def test_three_request_chat_reuses_state_and_equals_fresh_prefills(client, demo)
     request fed (its prompt and all but the last generated id) when the new transcript
     starts with it (the reply sent back re-encodes to the generated ids), else the
     snapshot the server kept where the previous user message started
-    (ChatSession.forks).  The later requests' ids equal fresh full prefills'."""
+    (Sequence.forks).  The later requests' ids equal fresh full prefills'."""
     from k3engine.chat import ChatOptions, History, Message, encode_prompt, render_segments
     from k3engine.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(demo)
@@ -408,16 +408,17 @@ def test_sigterm_stops_cleanly(demo):
 def test_a_request_whose_kv_cache_cannot_fit_is_refused(demo):
     """Each request's KV cache is checked against the memory available at load, as each
     chat turn's is (SYSTEM 5.5.1); here the server is told only 1 MB was available."""
-    from k3engine import run
+    from k3engine.engine import load_spec_from, open_engine
     from k3engine.server.engine import Backend
     from k3engine.server.protocol import ApiError, Limits
-    r = run.open_run(run.request_from(demo, chat=True, gen=8, tok_dir=demo))
+    r = open_engine(load_spec_from(demo, tok_dir=demo, incremental=True), gen=8)
     try:
-        roomy = Backend(r, "demo", Limits(), available=None)
-        roomy._check_length(100, 8)                       # unknown availability: no refusal
-        tight = Backend(r, "demo", Limits(), available=1 << 20)
+        backend = Backend(r, "demo", Limits())
+        r.available = None
+        backend._check(100, 8)                            # unknown availability: no refusal
+        r.available = 1 << 20
         with pytest.raises(ApiError) as e:
-            tight._check_length(4000, 8)
+            backend._check(4000, 8)
         assert e.value.status == 400 and e.value.code == "kv_cache_refused"
         print(f"[gate] kv refusal: {e.value.message.splitlines()[0]}")
     finally:

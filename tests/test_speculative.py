@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_helpers import GOLDEN_SEED, load, make_tiny
+from engine_helpers import GOLDEN_SEED, decode, load, make_tiny
 from k3engine import speculative
-from k3engine.session import generate
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "tiny_seed1234.json").read_text())
 
@@ -47,15 +46,15 @@ def test_oracle_drafts_give_greedy_ids(lm, monkeypatch, corrupt):
             return [(x + 1) % 256 if (T + i) % 3 == 0 else x for i, x in enumerate(d)]
         return d
     monkeypatch.setattr(speculative, "draft", oracle)
-    res = generate(lm, prompt, len(want), True, spec=4)
+    res = decode(lm, prompt, len(want), spec=4)
     sp = res.spec
     print(f"[gate] --spec 4 with {corrupt!r} corrupted drafts: {sp.rounds} sweeps, "
-          f"{sp.drafted} drafted, {sp.accepted} accepted, {len(res.steps)} steps for "
-          f"{len(want)} tokens; ids equal greedy: {res.generated_ids == want}")
-    assert res.generated_ids == want
+          f"{sp.drafted} drafted, {sp.accepted} accepted, {res.steps} steps for "
+          f"{len(want)} tokens; ids equal greedy: {res.ids == want}")
+    assert res.ids == want
     assert sp.rounds > 0
     if corrupt == "none":
-        assert sp.accepted == sp.drafted and len(res.steps) < len(want)
+        assert sp.accepted == sp.drafted and res.steps < len(want)
     if corrupt == "all":
         assert sp.accepted == 0
 

@@ -10,7 +10,7 @@ import pytest
 
 from k3engine import memory as M
 from k3engine.experts import RequestTrace
-from k3engine.run import Prompt, open_run, request_from
+from k3engine.engine import GenSpec, Prompt, load_spec_from, open_engine
 from k3engine.tools import sim_cache
 
 from engine_helpers import make_tiny
@@ -67,9 +67,8 @@ def tiny(tmp_path_factory):
 def test_the_plan_counts_the_window(tiny):
     window = 4096
     base = dict(trunk_gb=0, cache_gb=0.01, streamed=False, incremental=True)
-    req = request_from(tiny, [("--cache-gb", 0.01)], keep_trace=True, trace_window=window,
-                       prompt=Prompt(ids=(5, 17)), gen=2)
-    run = open_run(req)
+    run = open_engine(load_spec_from(tiny, [("--cache-gb", 0.01)], keep_trace=True,
+                                     trace_window=window), prompt=Prompt(ids=(5, 17)), gen=2)
     try:
         fig = run.setup.figures
         positions = 40
@@ -85,8 +84,9 @@ def test_the_plan_counts_the_window(tiny):
         # without a window, every request of the run's positions (as before)
         assert kept.trace_bytes == fig.trace_bytes(positions, True) > 0
         assert kept.trace_window == 0 and none.trace_bytes == 0
-        # the run API carries the window to the planner and to the trace it builds
-        assert M.plan_for(fig, req.plan_request(positions)).trace_bytes == windowed.trace_bytes
+        # the engine carries the window to the planner and to the trace it builds
+        assert M.plan_for(fig, run.spec.plan_request(positions)).trace_bytes == \
+            windowed.trace_bytes
         trace = run.lm.experts.trace
         assert trace.window == window
         assert trace._ring.buffer_info()[1] * trace._ring.itemsize == windowed.trace_bytes
@@ -99,14 +99,12 @@ def test_the_plan_counts_the_window(tiny):
 def test_a_real_run_keeps_only_its_window(tiny):
     """A real generation that makes more requests than its window: what is kept is the
     tail of the full trace of the same run (routing does not depend on the cache)."""
-    prompt = Prompt(ids=(5, 17, 99, 123))
     runs = {}
     for name, window in (("full", 0), ("window", 150)):
-        req = request_from(tiny, [("--cache-gb", 0.01)], keep_trace=True, trace_window=window,
-                           gen=6, incremental=True, prompt=prompt)
-        run = open_run(req)
+        run = open_engine(load_spec_from(tiny, [("--cache-gb", 0.01)], keep_trace=True,
+                                         trace_window=window, incremental=True), gen=6)
         try:
-            for _ in run.generate():
+            for _ in run.batch([5, 17, 99, 123], GenSpec(gen=6)):
                 pass
             tr = run.lm.experts.trace
             runs[name] = (tr.kept_pairs(), tr.requests)

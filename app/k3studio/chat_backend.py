@@ -1,18 +1,15 @@
 """Which engine the chat panel talks to: this machine's (worker.EngineHost) or a remote
-endpoint (remote_host.RemoteHost).  `ChatBackend` has the interface the chat panel uses and
-relays the active host's observations only, so switching never mixes two conversations.
+endpoint (remote_host.RemoteHost).  `ChatBackend` has the interface both hosts implement
+(chat_host.ChatHost) and relays the active host's observations only, so switching never
+mixes two conversations.
 `attach(window)` puts the backend choice into Setup and wires it."""
 from __future__ import annotations
 
 from PySide6.QtCore import QObject, Signal
 
+from .chat_host import REQUESTS as FORWARDED
+from .chat_host import SIGNALS as RELAYED
 from .remote_host import LOCAL_ONLY
-
-RELAYED = ("busyChanged", "conversation", "turnStarted", "records", "prefillProgress",
-           "turnFinished", "pendingChanged")
-FORWARDED = ("send", "edit", "continue_reply", "regenerate", "stop", "take_back",
-             "new_conversation", "open_conversation", "save_conversation", "set_system",
-             "refresh_conversation")
 
 
 class ChatBackend(QObject):

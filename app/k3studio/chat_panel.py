@@ -226,7 +226,7 @@ def stats_text(info: dict) -> str:
 
 def progress_text(p: dict) -> str:
     """Prefill progress: layers done of the prompt pass, elapsed time and an ETA from the
-    layers done so far (the run API's LoadProgress)."""
+    layers done so far (the engine's LoadProgress)."""
     frac = p["done_bytes"] / p["total_bytes"] if p.get("total_bytes") else 0.0
     eta = p.get("eta_s")
     left = f" · about {_secs(eta)} left" if eta is not None else ""

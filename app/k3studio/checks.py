@@ -58,7 +58,7 @@ def inspect(model_dir: str, trunk_dir: str = "", tok_dir: str = "") -> Inspectio
     """Validate the three directories in the order the engine meets them."""
     from k3engine.checkpoint import CheckpointError
     from k3engine.config import ConfigError
-    from k3engine.session import open_model, read_config
+    from k3engine.loading import open_model, read_config
 
     none = Check(EMPTY, "")
     model_dir, trunk_dir, tok_dir = (os.path.expanduser(p.strip()) for p in

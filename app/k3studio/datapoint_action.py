@@ -25,7 +25,7 @@ from .tasks import Task
 def make_record(turn: dict, device: str | None, figures, paths: list[str]) -> dict:
     """The record and its files (task thread): config, machine, the engine's build and
     write.  Raises OSError / ValueError (PersonalDataError included) with nothing written."""
-    from k3engine.session import read_config
+    from k3engine.loading import read_config
     cfg, _ = read_config(turn["model_dir"], None)
     events = D.turn_events(turn["plan"], turn["steps"], turn["ids"], turn["prompt_ids"],
                            turn["reused"], turn["seconds"], turn["peak_rss_bytes"])

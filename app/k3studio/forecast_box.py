@@ -24,7 +24,7 @@ def model_shape(model_dir: str, figures, streamed: bool) -> F.ModelShape | None:
     """The forecast's model from the Setup inspection's figures and the config (read
     only: nothing is indexed again); None when the config cannot be read."""
     from k3engine.config import ConfigError
-    from k3engine.session import read_config
+    from k3engine.loading import read_config
     try:
         cfg, _ = read_config(model_dir, None)
     except (ConfigError, OSError):

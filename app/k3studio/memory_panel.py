@@ -183,7 +183,7 @@ class MemoryPanel(QWidget):
         form.addRow("Expert replacement", self.policy)
         self.threads = QSpinBox()
         self.threads.setRange(0, max(os.cpu_count() or 1, 1))
-        from k3engine.session import default_threads
+        from k3engine.threads import default_threads
         self.threads.setSpecialValueText(f"engine default ({default_threads()})")
         self.threads.setToolTip("Compute threads (--threads). The default is OMP_NUM_THREADS, "
                                 "else the number of physical cores. Never changes the tokens.")

@@ -112,7 +112,7 @@ class RemoteHost(QObject):
                                       else []))
         self._guard("new conversation", do)
 
-    def open_conversation(self, path: str) -> None:
+    def open_conversation(self, path: str, extra: dict | None = None) -> None:
         from k3engine.chat import History
 
         def do():

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass
 
 from k3engine.memory import AUTO, PRESETS, Plan, plan_for, trace_window
-from k3engine.run import RunRequest, Sampling, memory_flags, request_from
+from k3engine.engine import GenSpec, LoadSpec, Sampling, load_spec_from, memory_flags
 
 CUSTOM = "custom"
 # The app renders this label on the plan's baseline line (SYSTEM §5.8).
@@ -55,31 +55,36 @@ class RunSpec:
         """What the CLI's chat plans for: no batch prompt, so gen + 1 (cli.prepare)."""
         return self.gen + 1
 
-    def request(self, available_override: int | None = None, baseline_bytes: int = 0,
-                total_memory: int = 0) -> RunRequest:
-        """The run API's request for these settings, through the same function that turns
+    def load_spec(self, available_override: int | None = None, baseline_bytes: int = 0,
+                  total_memory: int = 0) -> LoadSpec:
+        """What the engine loads for these settings, through the same function that turns
         `k3`'s flags into one (presets and defaults applied once)."""
-        sampling = Sampling(greedy=True) if self.greedy else Sampling(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None,
-            seed=self.seed or None)
-        return request_from(
+        return load_spec_from(
             self.model_dir, memory_flags(self.preset, self.trunk_gb, self.cache_gb),
             trunk_dir=self.trunk_dir or None, tok_dir=self.tokenizer_dir,
-            trunk_ring=int(self.trunk_ring), threads=int(self.threads), chat=True,
-            gen=int(self.gen), sampling=sampling, thinking=self.thinking, effort=self.effort,
+            trunk_ring=int(self.trunk_ring), threads=int(self.threads), incremental=True,
             baseline_bytes=int(baseline_bytes), baseline_label=BASELINE_LABEL,
             available_override=available_override, total_memory=int(total_memory),
             # the What-if tab replays this session's expert requests: the latest window of
             # them (a long session's trace would grow without bound), counted in the plan
-            keep_trace=True, trace_window=trace_window(), cache_policy=self.cache_policy)
+            keep_trace=True, trace_window=trace_window(), cache_policy=self.cache_policy,
+            turn_peaks=True)
+
+    def gen_spec(self) -> GenSpec:
+        """What every turn asks with these settings."""
+        sampling = Sampling(greedy=True) if self.greedy else Sampling(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None,
+            seed=self.seed or None)
+        return GenSpec(gen=int(self.gen), sampling=sampling, thinking=self.thinking,
+                       effort=self.effort)
 
 
 def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,
               total_memory: int = 0) -> Plan:
     """The whole-run plan for a chat run (incremental, like `k3 --chat`): the plan
-    open_run admits the load under."""
-    req = spec.request(baseline_bytes=baseline_bytes, total_memory=total_memory)
-    return plan_for(figures, req.plan_request(spec.positions), available, total_memory)
+    open_engine admits the load under."""
+    ls = spec.load_spec(baseline_bytes=baseline_bytes, total_memory=total_memory)
+    return plan_for(figures, ls.plan_request(spec.positions), available, total_memory)
 
 
 def _fmt_gb(x: float) -> str:

@@ -414,7 +414,7 @@ class SetupPanel(QWidget):
     # -- doctor ---------------------------------------------------------------------
     def refresh_doctor(self) -> None:
         from k3engine.memory import available_memory
-        from k3engine.session import default_threads, physical_cores
+        from k3engine.threads import default_threads, physical_cores
         _, probe = available_memory()
         name, why = checks.recommend_preset(probe.bytes if probe.known else 0)
         lines = [f"<b>Available memory:</b> {probe.how}"]

@@ -291,18 +291,16 @@ class WhatIfPanel(QWidget):
 
 
 def session_trace(host) -> tuple[list[int], int] | None:
-    """(keys, requests) of the loaded model's request trace (experts.trace; the app's
-    RunRequest keeps the latest window of it): the kept requests in order, and how many
-    the session made in all (more than the keys once the window has moved on).  Read after
-    a turn, while the worker is idle.  Reaches through the worker's Run because the run API
-    does not expose the trace; any change there makes this return None (the panel then
-    shows no session trace, and the app test says so)."""
-    worker = getattr(host, "worker", None)
-    lm = getattr(getattr(worker, "run", None), "lm", None) or getattr(worker, "lm", None)
-    trace = getattr(getattr(lm, "experts", None), "trace", None)
-    if trace is None or not hasattr(trace, "kept_pairs") or not trace.kept:
+    """(keys, requests) of the loaded model's request trace (the app's LoadSpec keeps the
+    latest window of it): the kept requests in order, and how many the session made in all
+    (more than the keys once the window has moved on).  Read after a turn, while the
+    worker is idle; None without a model or a trace."""
+    engine = getattr(getattr(host, "worker", None), "engine", None)
+    kept = engine.kept_trace() if engine is not None else None
+    if kept is None:
         return None
-    return sim_cache.trace_keys(trace.kept_pairs()), trace.requests
+    pairs, requests = kept
+    return sim_cache.trace_keys(pairs), requests
 
 
 def attach_whatif(window) -> None:

@@ -1,8 +1,8 @@
 """The engine on ONE QThread (SYSTEM §12.1; GPT4All's model-on-its-worker).
 
 `EngineWorker` lives on the engine thread and owns everything of the engine: the loaded
-model, the tokenizer, the conversation (`History`) and the `ChatSession` that reuses state
-between turns.  Widgets never touch these; they send requests through `EngineHost` (which
+`Engine` and the `Conversation` on it (history, the sequence whose state the next turn
+reuses, the incomplete reply) -- both Qt-free, in the engine package.  Widgets never touch these; they send requests through `EngineHost` (which
 lives on the GUI thread) and observe plain-value signals.
 
 Telemetry is coalesced, never queued without bound: per-token records go into a mailbox and
@@ -20,12 +20,11 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from dataclasses import replace
 
 from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
+from k3engine.conversation import Conversation
 from k3engine.errors import EXIT_MEANING, EXIT_RUNTIME, EXIT_USAGE, EngineError
-from k3engine.run import MAX_POSITIONS
 
 from .runspec import RunSpec, command_line
 
@@ -97,53 +96,42 @@ class ChatRefusal(EngineError):
         self.exit_code = code
 
 
-def messages_of(history, incomplete: set[int] = frozenset()) -> list[dict]:
-    """Plain message dicts; `incomplete` marks replies that were cut short and answered
-    anyway (their index in the history)."""
-    return [{"role": m.role, "content": m.content, "reasoning": m.reasoning_content,
-             "incomplete": i in incomplete} for i, m in enumerate(history)]
-
-
 # --------------------------------------------------------------------------- the worker
 
 class EngineWorker(QObject):
-    """Runs on the engine thread.  Every slot catches its own errors."""
+    """Runs on the engine thread: a thin Qt shell around the engine's Qt-free objects (the
+    Engine and a Conversation on it).  Every slot catches its own errors."""
 
     busyChanged = Signal(bool)
     status = Signal(str)
     planned = Signal(object)          # the plan event (memory.Plan.as_event()) of a load
     loaded = Signal(object)           # dict: what was loaded and how (trunk map, slots, RSS)
     unloaded = Signal()
-    conversation = Signal(object)     # list of {"role","content","reasoning"}
+    conversation = Signal(object)     # list of {"role","content","reasoning","incomplete"}
     turnStarted = Signal(object)      # dict: prompt size, limit, command line
     recordsReady = Signal()           # per-token records waiting in `records`
     progressReady = Signal()          # newest first-token progress waiting in `progress`
     heatReady = Signal()              # newest expert heat map waiting in `heat`
-    turnFinished = Signal(object)     # dict: TurnResult as plain values + stats
+    turnFinished = Signal(object)     # dict: the turn summary's figures as plain values
     errored = Signal(object)          # dict: code, kind, message, during
     pendingChanged = Signal(object)   # the incomplete last reply (dict) or None
 
     def __init__(self):
         super().__init__()
         self.records, self.progress, self.heat = Mailbox(), Latest(), Latest()
-        self.run = None                   # k3engine.run.Run: the loaded model and its plan
+        self.engine = None                # k3engine.engine.Engine: the loaded model, its plan
         self.spec: RunSpec | None = None
-        self.available = None
-        self.chat = None
-        self.sampler = None
-        self._sampler_key = None
-        from k3engine.chat import History
-        self.history = History()
+        # the conversation (history, state, incomplete reply), with or without a model
+        self.conv = Conversation(None)
         self._in_turn = False             # prefill progress is posted only during a turn
         self._prompt_ids = 0
         self._loaded_event = None
         from k3engine.telemetry import PeakWindow
-        self.peak = PeakWindow()          # this model's / this reply's peak RSS, from the OS
-        # The incomplete last reply: {"content", "reasoning", "ids", "why", "continuable"}.
-        # It is not in the History (a reference reader must never take it for a turn); once
-        # the person answers it, it joins the transcript and its index goes in `incomplete`.
-        self.pending: dict | None = None
-        self.incomplete: set[int] = set()
+        self.peak = PeakWindow()          # this model's peak RSS (a reply's: its summary)
+
+    @property
+    def history(self):
+        return self.conv.history
 
     # -- helpers ------------------------------------------------------------------
     def _fail(self, e: BaseException, during: str) -> None:
@@ -155,73 +143,23 @@ class EngineWorker(QObject):
         self.errored.emit(info)
 
     def _emit_conversation(self) -> None:
-        self.conversation.emit(messages_of(self.history, self.incomplete))
+        self.conversation.emit(self.conv.messages())
+        p = self.conv.pending
+        self.pendingChanged.emit(p.as_dict() if p is not None else None)
 
-    def _set_pending(self, pending: dict | None) -> None:
-        self.pending = pending
-        self.pendingChanged.emit(dict(pending) if pending else None)
-
-    def _set_history(self, history, incomplete=()) -> None:
-        """Another transcript on the same session: the cached state and its fork snapshots
-        stay (the next turn reuses what still matches), the sampler's turn index follows
-        the new history as a fresh session's would."""
-        self.history = history
-        self.incomplete = set(incomplete)
-        if self.chat is not None:
-            self.chat.history = history
-            self.chat.turn0, self.chat.turns_done = history.assistant_count(), 0
-            self.chat.pending = None
-        self._set_pending(None)
-
-    def _commit_pending(self) -> None:
-        """The person answers an incomplete reply: it becomes part of the transcript (the
-        context of what follows), marked incomplete in the sidecar."""
-        from k3engine.chat import Message
-        p = self.pending
-        if p is None or not self.history.ends_with_user:
-            return
-        self.history.add(Message("assistant", p["content"],
-                                 p["reasoning"] if p.get("reasoning") is not None else None))
-        self.incomplete.add(len(self.history) - 1)
-        if self.chat is not None:
-            self.chat.pending = None
-            self.chat.turns_done += 1
-        self._set_pending(None)
-
-    def _new_session(self) -> None:
-        """A fresh ChatSession on the loaded model: the next turn prefills from scratch."""
-        self.chat = None
-        if self.run is None:
-            return
-        from k3engine.chat import ChatOptions
-        self.chat = self.run.chat(self.history, self._sampler_for(self.spec))
-        self.chat.opts = ChatOptions(thinking=self.spec.thinking, effort=self.spec.effort)
-
-    def _sampler_for(self, spec: RunSpec):
-        """One sampler per session and sampling settings (the PCG32 stream is per session,
-        seeded per turn), rebuilt only when the settings change."""
-        key = (spec.greedy, spec.temperature, spec.top_p, spec.top_k, spec.seed)
-        if self.sampler is None or key != self._sampler_key:
-            self.sampler = spec.request().sampling.sampler()
-            self._sampler_key = key
-        return self.sampler
-
-    def _apply_chat_options(self, spec: RunSpec) -> None:
-        """Thinking, effort and sampling change per turn without reloading the model (a
-        changed rendering simply reuses nothing)."""
-        from k3engine.chat import ChatOptions
-        self.spec = spec if self.spec is None else replace(
-            self.spec, gen=spec.gen, thinking=spec.thinking, effort=spec.effort,
-            greedy=spec.greedy, temperature=spec.temperature, top_p=spec.top_p,
-            top_k=spec.top_k, seed=spec.seed, system_prompt=spec.system_prompt)
-        if self.chat is not None:
-            self.chat.opts = ChatOptions(thinking=spec.thinking, effort=spec.effort)
-            self.chat.sampler = self._sampler_for(spec)
+    def _refuse_turn(self, e: BaseException, during: str) -> None:
+        """A turn refused before it started: reported, the transcript re-sent as it is,
+        and the turn ends (the panel leaves its generating state)."""
+        if type(e).__name__ == "ChatError":
+            e = ChatRefusal(str(e), EXIT_USAGE)
+        self._fail(e, during)
+        self._emit_conversation()
+        self.turnFinished.emit({"failed": True, "n": 0})
 
     # -- model ----------------------------------------------------------------------
     @Slot(object, object, int)
     def load(self, spec: RunSpec, available_override, baseline_bytes: int) -> None:
-        """plan -> refusals -> tokenizer -> load, in the CLI's order (cli.prepare)."""
+        """plan -> refusals -> tokenizer -> load, in the CLI's order (open_engine)."""
         self.busyChanged.emit(True)
         try:
             self._unload()
@@ -233,43 +171,42 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False)
 
     def _load(self, spec: RunSpec, available_override, baseline_bytes: int) -> None:
-        """open_run: the same set-up, plan, refusals and load as `k3 --chat`."""
+        """open_engine: the same set-up, plan, refusals and load as `k3 --chat`."""
+        from k3engine.engine import open_engine
         from k3engine.memory import available_memory, human
-        from k3engine.run import open_run
         t0 = time.monotonic()
         if available_override is not None:
             available, total = int(available_override), 0
         else:
             _, probe = available_memory()
             available, total = probe.bytes, probe.total or 0
-        req = spec.request(available, baseline_bytes, total)
         self.status.emit(f"opening {spec.model_dir}" + (" and checking the packed trunk"
                                                         if spec.trunk_dir else ""))
         self._loaded_event = None
         self.peak.reset()                 # this model's peak, not the previous one's
-        run = open_run(req, self._on_event)
+        eng = open_engine(spec.load_spec(available, baseline_bytes, total), self._on_event,
+                          gen=spec.gen)
         try:
-            from k3engine.run import chat_controls
-            run.ctl = chat_controls(run.tok)       # no control tokens: refused (exit 2)
+            eng.ctl                       # no control tokens: refused (exit 2)
         except BaseException:
-            run.close()
+            eng.close()
             raise
-        self.run, self.spec, self.available = run, spec, available
-        self._new_session()
-        lm, cfg, ev = run.lm, run.cfg, self._loaded_event
+        self.engine, self.spec = eng, spec
+        self._rebind()
+        lm, cfg, ev = eng.lm, eng.cfg, self._loaded_event
         info = dict(
             command=command_line(spec), model_dir=spec.model_dir, trunk_dir=spec.trunk_dir,
-            n_layers=run.nl, n_experts=cfg.n_experts,
-            moe_layers=[L for L in range(run.nl) if not cfg.is_dense(L)],
-            layer_kinds=["MLA" if cfg.is_mla(L) else "KDA" for L in range(run.nl)],
+            n_layers=eng.nl, n_experts=cfg.n_experts,
+            moe_layers=[L for L in range(eng.nl) if not cfg.is_dense(L)],
+            layer_kinds=["MLA" if cfg.is_mla(L) else "KDA" for L in range(eng.nl)],
             streamed=ev.streamed, pinned_layers=list(ev.pinned_layers),
             ring_slots=ev.ring_slots, slot_bytes=ev.slot_bytes,
-            trunk_total_bytes=sum(run.setup.figures.layer_sizes[:run.nl]),
+            trunk_total_bytes=sum(eng.setup.figures.layer_sizes[:eng.nl]),
             expert_slots=ev.expert_slots, expert_slot_bytes=ev.expert_slot_bytes,
-            cache_line=ev.cache_line, plan_lines=run.plan.lines(),
-            plan_total=run.plan.total_bytes, available=run.plan.available_bytes,
+            cache_line=ev.cache_line, plan_lines=eng.plan.lines(),
+            plan_total=eng.plan.total_bytes, available=eng.plan.available_bytes,
             peak_rss_after_load=self.peak.sample(), peak_measured=self.peak.measured,
-            threads=run.threads,
+            threads=eng.threads,
             seconds=time.monotonic() - t0, vocab=cfg.vocab, ultra=lm.ultra,
             streamed_tables=lm.table_stream is not None)
         self.status.emit(f"loaded in {info['seconds']:.1f} s; peak RSS after loading weights "
@@ -277,7 +214,7 @@ class EngineWorker(QObject):
         self.loaded.emit(info)
 
     def _on_event(self, ev) -> None:
-        """The run API's set-up and progress events (engine thread)."""
+        """The engine's set-up and progress events (engine thread)."""
         from k3engine import events as E
         if isinstance(ev, E.Planned):
             self.planned.emit(ev.plan.as_event())
@@ -289,20 +226,20 @@ class EngineWorker(QObject):
             self.status.emit(("warning: " if ev.warning else "") + ev.message)
         elif isinstance(ev, E.LoadProgress) and ev.phase == "prefill" and self._in_turn:
             if self.progress.put(dict(phase="prefill", layers=ev.layer + 1,
-                                      n_layers=self.run.nl if self.run else 0,
+                                      n_layers=self.engine.nl if self.engine else 0,
                                       done_bytes=ev.done_bytes, total_bytes=ev.total_bytes,
                                       elapsed_s=ev.elapsed_s, eta_s=ev.eta_s,
                                       prompt_ids=self._prompt_ids)):
                 self.progressReady.emit()
 
     def _unload(self) -> None:
-        had = self.run is not None
-        self.chat = None
-        if self.run is not None:
+        had = self.engine is not None
+        if self.engine is not None:
             try:
-                self.run.close()
+                self.engine.close()
             finally:
-                self.run = None
+                self.engine = None
+        self._rebind()
         if had:
             self.unloaded.emit()
 
@@ -314,17 +251,35 @@ class EngineWorker(QObject):
             self._fail(e, "unload")
 
     # -- conversation (works with or without a model) ----------------------------------
+    def _edit_conversation(self, during: str, change) -> None:
+        """Apply one change to the conversation; a refusal is reported, the transcript
+        re-sent either way."""
+        try:
+            change(self.conv)
+        except BaseException as e:  # noqa: BLE001
+            if type(e).__name__ == "ChatError":
+                e = ChatRefusal(str(e), EXIT_USAGE)
+            self._fail(e, during)
+        self._emit_conversation()
+
     @Slot(object)
     def new_conversation(self, system_prompt: str) -> None:
         from k3engine.chat import History, Message
-        try:
-            self.history = History([Message("system", system_prompt)] if system_prompt else [])
-            self.incomplete = set()
-            self._set_pending(None)
-            self._new_session()
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e, "new conversation")
-        self._emit_conversation()
+        self._edit_conversation("new conversation", lambda c: self._fresh(
+            History([Message("system", system_prompt)] if system_prompt else [])))
+
+    def _rebind(self) -> None:
+        """The same transcript on the engine now loaded (or none): a new sequence, so an
+        incomplete reply stays answerable but can no longer be continued."""
+        p = self.conv.pending
+        if p is not None:
+            p.continuable = False
+        self._fresh(self.conv.history, self.conv.incomplete, p)
+
+    def _fresh(self, history, incomplete=(), pending=None) -> None:
+        """Another transcript: a fresh sequence (the next turn prefills from scratch)."""
+        self.conv = Conversation(self.engine, history, incomplete=incomplete)
+        self.conv.pending = pending
 
     @Slot(str, object)
     def open_conversation(self, path: str, extra=None) -> None:
@@ -332,20 +287,20 @@ class EngineWorker(QObject):
         "incomplete_messages": [indices]}); the engine state of a reply from an earlier
         session is gone, so it is shown and answerable, not continuable."""
         from k3engine.chat import History
-        try:
-            self.history = History.load(path)
-            extra = extra or {}
-            self.incomplete = {int(i) for i in extra.get("incomplete_messages") or ()
-                               if 0 <= int(i) < len(self.history)}
-            p = extra.get("incomplete")
-            self._set_pending(dict(p, continuable=False) if p and self.history.ends_with_user
-                              else None)
-            self._new_session()
-        except BaseException as e:  # noqa: BLE001
-            if type(e).__name__ == "ChatError":
-                e = ChatRefusal(str(e), EXIT_USAGE)
-            self._fail(e, "open conversation")
-        self._emit_conversation()
+        from k3engine.conversation import PendingReply
+
+        def change(_):
+            history = History.load(path)
+            x = extra or {}
+            incomplete = {int(i) for i in x.get("incomplete_messages") or ()
+                          if 0 <= int(i) < len(history)}
+            p = x.get("incomplete")
+            pending = PendingReply(list(p.get("ids") or ()), 0, 0, p.get("content") or "",
+                                   p.get("reasoning"), p.get("why") or "stopped",
+                                   continuable=False) \
+                if p and history.ends_with_user else None
+            self._fresh(history, incomplete, pending)
+        self._edit_conversation("open conversation", change)
 
     @Slot(str)
     def save_conversation(self, path: str) -> None:
@@ -358,88 +313,43 @@ class EngineWorker(QObject):
     @Slot(str)
     def set_system(self, text: str) -> None:
         """Replace (or drop) the system message; the rest of the transcript is kept."""
-        from k3engine.chat import History, Message
-        try:
-            rest = [m for m in self.history if m.role != "system"]
-            shift = (1 if text else 0) - (1 if self.history.system is not None else 0)
-            self.history = History(([Message("system", text)] if text else []) + rest)
-            self.incomplete = {i + shift for i in self.incomplete}
-            self._new_session()
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e, "system prompt")
-        self._emit_conversation()
+        self._edit_conversation("system prompt", lambda c: c.set_system(text))
 
     @Slot()
     def take_back(self) -> None:
-        """Remove the last exchange (the last user message and any reply after it) so it
-        can be edited and sent again."""
-        try:
-            self._set_pending(None)
-            if len(self.history) and self.history[-1].role == "assistant":
-                self.history.remove_last()
-            if len(self.history) and self.history[-1].role == "user":
-                self.history.remove_last()
-            self.incomplete = {i for i in self.incomplete if i < len(self.history)}
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e, "edit")
-        self._emit_conversation()
+        """Remove the last exchange so it can be edited and sent again."""
+        self._edit_conversation("edit", lambda c: c.take_back())
 
     # -- turns ------------------------------------------------------------------------
     @Slot(str, object, object)
     def send(self, text: str, spec: RunSpec, cancel) -> None:
-        """Add a user message and answer it.  An unanswered user message at the end (a
-        reply that hit the limit or was stopped) is replaced by the new one."""
-        from k3engine.chat import ChatError, Message
+        """Add a user message and answer it.  An incomplete reply it answers joins the
+        transcript (marked incomplete); an unanswered user message is replaced."""
         try:
-            if self.pending is not None:
-                self._commit_pending()    # the incomplete reply is answered: keep it
-            elif self.history.ends_with_user:
-                self.history.remove_last()   # a turn that failed: its message is replaced
-            self.history.add(Message("user", text))
-        except ChatError as e:
+            self.conv.add_user(text)
+        except BaseException as e:  # noqa: BLE001
             self._refuse_turn(e, "send")
             return
         self._emit_conversation()
         self._turn(spec, cancel)
 
-    def _refuse_turn(self, e: BaseException, during: str) -> None:
-        """A turn refused before it started: reported, the transcript re-sent as it is,
-        and the turn ends (the panel leaves its generating state)."""
-        self._fail(e, during)
-        self._emit_conversation()
-        self.turnFinished.emit({"failed": True, "n": 0})
-
     @Slot(object, object)
     def regenerate(self, spec: RunSpec, cancel) -> None:
         """Answer the last user message again (dropping the previous reply, if any)."""
-        self._set_pending(None)
-        if self.chat is not None:
-            self.chat.pending = None
-        if len(self.history) and self.history[-1].role == "assistant":
-            self.history.remove_last()
-            self.incomplete.discard(len(self.history))
-            if self.chat is not None:
-                self.chat.turns_done = max(0, self.chat.turns_done - 1)
-            self._emit_conversation()
+        self.conv.drop_reply()
+        self._emit_conversation()
         if not self.history.ends_with_user:
-            self._fail(ChatRefusal("there is no user message to answer", EXIT_USAGE),
-                       "regenerate")
-            self.turnFinished.emit({"failed": True, "n": 0})
+            self._refuse_turn(ChatRefusal("there is no user message to answer", EXIT_USAGE),
+                              "regenerate")
             return
         self._turn(spec, cancel)
 
     @Slot(int, str, object, object)
     def edit(self, index: int, text: str, spec: RunSpec, cancel) -> None:
         """Replace the user message at `index` and answer it: the conversation forks there
-        (what came after is dropped) and the state is reused up to it (the session's fork
-        snapshots)."""
-        from k3engine.chat import History, Message
+        (what came after is dropped) and the state is reused up to it."""
         try:
-            msgs = list(self.history)
-            if not (0 <= index < len(msgs)) or msgs[index].role != "user":
-                raise ChatRefusal(f"message {index + 1} is not a user message", EXIT_USAGE)
-            self._set_history(History(msgs[:index] + [Message("user", text)]),
-                              {i for i in self.incomplete if i < index})
+            self.conv.edit(index, text)
         except BaseException as e:  # noqa: BLE001
             self._refuse_turn(e, "edit")
             return
@@ -450,30 +360,33 @@ class EngineWorker(QObject):
     def continue_reply(self, spec: RunSpec, cancel) -> None:
         """Resume the incomplete reply from the retained state (exact: the ids of the
         uninterrupted turn) for up to the generation limit more tokens."""
-        if self.chat is None or self.chat.pending is None or self.pending is None:
-            self._fail(ChatRefusal("there is no stopped reply to continue on this model: "
-                                   "Regenerate answers the message again", EXIT_USAGE),
-                       "continue")
-            self.turnFinished.emit({"failed": True, "n": 0})
+        p = self.conv.pending
+        if p is None or not p.continuable:
+            self._refuse_turn(ChatRefusal("there is no stopped reply to continue on this "
+                                          "model: Regenerate answers the message again",
+                                          EXIT_USAGE), "continue")
             return
         self._turn(spec, cancel, resume=True)
 
     def _turn(self, spec: RunSpec, cancel, resume: bool = False) -> None:
-        if self.run is None:
-            self._fail(ChatRefusal("no model is loaded: load one in Setup first", EXIT_USAGE),
-                       "turn")
-            self.turnFinished.emit({"failed": True, "n": 0})
+        if self.engine is None:
+            self._refuse_turn(ChatRefusal("no model is loaded: load one in Setup first",
+                                          EXIT_USAGE), "turn")
             return
         self.busyChanged.emit(True)
         info = {"failed": True, "n": 0}
         try:
-            self._apply_chat_options(spec)
-            info = self._run_turn(cancel, resume)
+            self.spec = spec
+            info = self._run_turn(spec, cancel, resume)
         except BaseException as e:  # noqa: BLE001
-            # A failed forward may leave the carried state half-advanced: start afresh.
-            self._set_pending(None)
-            self._new_session()
+            # a refusal before the turn (the render, a limit): its message is dropped
+            if not resume and type(e).__name__ in ("ChatError", "LimitError") and \
+                    self.history.ends_with_user:
+                self.history.remove_last()
+            if type(e).__name__ == "ChatError":
+                e = ChatRefusal(str(e))
             self._fail(e, "turn")
+            self._emit_conversation()
         finally:
             self._in_turn = False
             # Idle first, the summary last: whatever reacts to turnFinished (New, Send, a
@@ -483,62 +396,35 @@ class EngineWorker(QObject):
             self.busyChanged.emit(False)
             self.turnFinished.emit(info)
 
-    def _run_turn(self, cancel, resume: bool = False) -> dict:
+    def _run_turn(self, spec: RunSpec, cancel, resume: bool = False) -> dict:
         from k3engine import events as E
-        from k3engine.chat import ChatError
-        from k3engine.memory import human, kv_check
-        run, chat, spec = self.run, self.chat, self.spec
-        lm, the_plan = run.lm, run.plan
-        gen = spec.gen
-        prior = self.pending if resume else None
-        done_ids = len(prior["ids"]) if prior else 0
-        try:
-            n_prompt = chat.pending.prompt_ids if resume else len(chat.render())
-        except ChatError as e:            # a later-turn render refusal: drop that message
-            self.history.remove_last()
-            self._emit_conversation()
-            raise ChatRefusal(str(e)) from None
-        if n_prompt + done_ids + gen + 1 > MAX_POSITIONS:
-            raise ChatRefusal(f"rendered transcript is {n_prompt} tokens; current engine limit "
-                              f"is 32768 prompt + 4096 generation tokens")
-        kv = kv_check(run.setup.figures, n_prompt + done_ids + gen + 1, self.available)
-        if kv.refusal is not None:
-            raise ChatRefusal(f"KV cache for {n_prompt + done_ids + gen + 1} positions needs "
-                              f"{human(kv.need_bytes)}, but only {human(kv.available_bytes)} is "
-                              f"available; history was preserved")
-        self.turnStarted.emit(dict(prompt_ids=n_prompt, gen=gen, command=command_line(spec),
-                                   thinking=spec.thinking, t=time.monotonic(),
-                                   resumed=done_ids,
-                                   prior=dict(prior) if prior else None))
-        self._prompt_ids, self._in_turn = n_prompt, not resume
-        self.peak.reset()                 # this reply's peak RSS
-        texts = ({"thinking": prior.get("reasoning") or "", "response": prior["content"]}
-                 if prior else {"thinking": "", "response": ""})
-        read_bytes = 0
+        eng, conv, the_plan = self.engine, self.conv, self.engine.plan
+        gen = spec.gen_spec()
+        prior = conv.pending.as_dict() if resume else None
+        turn = conv.continue_turn(gen, cancel) if resume else conv.turn(gen, cancel)
+        started = next(turn)                  # refusals (render, limits) raise here
+        self.turnStarted.emit(dict(prompt_ids=started.prompt_ids, gen=spec.gen,
+                                   command=command_line(spec), thinking=spec.thinking,
+                                   t=time.monotonic(), resumed=len(prior["ids"]) if prior else 0,
+                                   prior=prior))
+        self._prompt_ids, self._in_turn = started.prompt_ids, not resume
         heat_n = 0
-        res, tail = None, ""
-        for ev in run.turn(chat, gen, cancel, resume=resume):
+        res, tail, step = None, "", None
+        for ev in turn:
             if isinstance(ev, E.StepDone):
                 self._in_turn = False      # the first token is out: prefill is over
                 step = ev
             elif isinstance(ev, E.TokenOut):
                 if ev.id < 0:              # the parser's held-back tail
                     tail = ev.text
-                    if ev.phase in texts:
-                        texts[ev.phase] += ev.text
                     continue
-                if ev.phase in texts:
-                    texts[ev.phase] += ev.text
                 t = step.telemetry
-                read_bytes += t.trunk_bytes + t.expert_bytes
                 rec = dict(i=step.step + 1, id=ev.id, text_delta=ev.text, phase=ev.phase,
                            step=step.step, seconds=step.seconds,
                            **{k: getattr(t, k) for k in t.EVENT_KEYS},
                            retention=t.retention_rate / 100.0, raw_hit=t.raw_hit_rate / 100.0,
                            io_trunk_share=t.io_trunk_share, io_expert_share=t.io_expert_share,
                            plan_total=the_plan.total_bytes, available=the_plan.available_bytes)
-                # this reply's, from the OS (the step's VmHWM: clear_refs reset it)
-                rec["peak_rss_bytes"] = self.peak.sample(t.peak_rss_bytes)
                 if self.records.put(rec):
                     self.recordsReady.emit()
                 heat_n += 1
@@ -549,50 +435,44 @@ class EngineWorker(QObject):
             elif isinstance(ev, E.TurnEnded):
                 res = ev.result
         self._post_heat()
-        peak = self.peak.sample()
-        n = len(res.ids) - res.continued          # this run's ids (a continuation's new ones)
-        first_s = res.first_token_seconds
-        decode_s = res.seconds - first_s
-        if res.end_id is None and res.ids:
-            why = "stopped" if res.interrupted else "limit"
-            self._set_pending(dict(content=texts["response"],
-                                   reasoning=texts["thinking"] if spec.thinking else None,
-                                   ids=list(res.ids), why=why,
-                                   continuable=chat.pending is not None))
-        else:
-            self._set_pending(None)
-        info = dict(
-            failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_ids, reused=res.reused,
-            continued=res.continued, read_bytes=read_bytes, peak_measured=self.peak.measured,
-            seconds=res.seconds, first_token_seconds=first_s,
-            s_per_token=res.seconds / n if n else 0.0,
-            decode_s_per_token=decode_s / (n - 1) if n > 1 else 0.0,
-            tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
-            prefill_positions_per_s=(res.prompt_ids - res.reused) / first_s
-            if first_s > 0 else 0.0,
-            end_id=res.end_id,
-            end_name=(run.tok.added.get(res.end_id, str(res.end_id))
-                      if res.end_id is not None else None),
-            interrupted=res.interrupted, reasoning=res.reasoning, content=res.content,
-            tail=tail, gen=gen, thinking=spec.thinking, peak_rss_bytes=peak,
-            plan_total=the_plan.total_bytes, available=the_plan.available_bytes,
-            retention=lm.experts.total.retention / 100.0,
-            true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
-            expert_bytes_read=lm.experts.total.bytes_read,
-            trunk_bytes_read=lm.trunk.stored_bytes_read if lm.trunk else 0)
+        if res.malformed is not None:
+            raise ChatRefusal(f"malformed assistant turn: {res.malformed}")
         self._emit_conversation()
-        return info
+        return turn_info(res, spec, eng, tail)
 
     def _post_heat(self) -> None:
         """Requests per (layer, expert) so far: the trace's running counts, O(layers x
         experts) however long the session (no pass over the requests)."""
-        grid = self.run.expert_heat() if self.run is not None else None
+        grid = self.engine.expert_heat() if self.engine is not None else None
         if grid is not None and self.heat.put(grid):
             self.heatReady.emit()
 
     @Slot()
     def emit_conversation(self) -> None:
         self._emit_conversation()
+
+
+def turn_info(res, spec: RunSpec, eng, tail: str = "") -> dict:
+    """A finished turn for the panels: the engine's TurnSummary as plain values (its
+    figures(), the same the REPL and the server show) and what the panels label it with."""
+    lm, the_plan = eng.lm, eng.plan
+    n = res.new_ids
+    return dict(
+        res.figures(), failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_positions,
+        reused=res.reused, continued=res.continued, read_bytes=res.bytes_read,
+        peak_measured=eng.peak_measured, first_token_seconds=res.first_token_seconds,
+        s_per_token=res.seconds / n if n else 0.0,
+        decode_s_per_token=res.decode_seconds / (n - 1) if n > 1 else 0.0,
+        tokens_per_s=res.decode_tokens_per_s,
+        prefill_positions_per_s=res.prefill_positions_per_s,
+        end_id=res.end_id, end_name=res.end_name, interrupted=res.interrupted,
+        reasoning=res.reasoning, content=res.content, tail=tail, gen=spec.gen,
+        thinking=spec.thinking, plan_total=the_plan.total_bytes,
+        available=the_plan.available_bytes,
+        retention=lm.experts.total.retention / 100.0,
+        true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
+        expert_bytes_read=lm.experts.total.bytes_read,
+        trunk_bytes_read=lm.trunk.stored_bytes_read if lm.trunk else 0)
 
 
 # --------------------------------------------------------------------------- GUI side
@@ -678,22 +558,22 @@ class EngineHost(QObject):
         self._unload.emit()
 
     def send(self, text: str, spec: RunSpec) -> None:
-        from k3engine.run import Cancel
+        from k3engine.generate import Cancel
         self._cancel = Cancel()
         self._send.emit(text, spec, self._cancel)
 
     def regenerate(self, spec: RunSpec) -> None:
-        from k3engine.run import Cancel
+        from k3engine.generate import Cancel
         self._cancel = Cancel()
         self._regenerate.emit(spec, self._cancel)
 
     def edit(self, index: int, text: str, spec: RunSpec) -> None:
-        from k3engine.run import Cancel
+        from k3engine.generate import Cancel
         self._cancel = Cancel()
         self._edit.emit(index, text, spec, self._cancel)
 
     def continue_reply(self, spec: RunSpec) -> None:
-        from k3engine.run import Cancel
+        from k3engine.generate import Cancel
         self._cancel = Cancel()
         self._continue.emit(spec, self._cancel)
 
@@ -788,4 +668,4 @@ class EngineHost(QObject):
 
 
 __all__ = ["EngineWorker", "EngineHost", "describe_error", "Mailbox", "Latest",
-           "ChatRefusal", "EXIT_MEANING"]
+           "ChatRefusal", "EXIT_MEANING", "turn_info"]

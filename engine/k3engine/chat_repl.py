@@ -1,4 +1,4 @@
-"""`k3 <model> --chat`: the REPL of SYSTEM §9.4 over the run API, with the reference's
+"""`k3 <model> --chat`: the REPL of SYSTEM §9.4 on a Conversation, with the reference's
 messages, history file handling and exit codes (§9.3, §9.6).
 
 Two modes, told apart by whether stdin and stdout are both terminals:
@@ -16,18 +16,21 @@ import signal
 import sys
 import time
 
-from .chat import (HELP_LINES, USER_PROMPT, ChatError, History, HistoryLock, Message,
-                   apply_system)
+from .chat import HELP_LINES, USER_PROMPT, ChatError, History, HistoryLock, apply_system
 from .console import Printer
-from .errors import EXIT_DROP, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EngineError
+from .conversation import Conversation
+from .engine import Cancel, GenSpec, LoadSpec, chat_controls, open_engine
+from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE,
+                     EngineError)
 from .events import TokenOut, TurnEnded
 from .experts import ExpertLoadError
-from .run import Cancel, RunRequest, chat_controls, open_run
 from .telemetry import Events
 
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 CONTINUE = "/continue"
+REPL_HELP = HELP_LINES[:2] + ("/continue go on with a reply that stopped before its end",) + \
+    HELP_LINES[2:] + ("Ctrl-C  stop a reply (kept: /continue goes on); at the prompt, leave",)
 
 
 def _interactive() -> bool:
@@ -35,16 +38,22 @@ def _interactive() -> bool:
 
 
 def _read_line() -> str | None:
+    """The next input line; None at end of input or Ctrl-C at the prompt (a clean exit:
+    the history was saved when its last message was accepted)."""
     sys.stdout.write(USER_PROMPT)
     sys.stdout.flush()
-    line = sys.stdin.readline()
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return None
     if not line:
         return None
     return line.rstrip("\r\n")
 
 
-def chat_main(req: RunRequest, history_path: str | None, system: str | None,
-              events: Events) -> int:
+def chat_main(spec: LoadSpec, gen: GenSpec, history_path: str | None, system: str | None,
+              events: Events, verbose: bool = False) -> int:
     try:
         # held for the whole session: a second chat on this history is refused, not raced
         lock = HistoryLock(history_path) if history_path else None
@@ -52,14 +61,23 @@ def chat_main(req: RunRequest, history_path: str | None, system: str | None,
         print(f"chat: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return _chat(req, history_path, system, events)
+        return _chat(spec, gen, history_path, system, events, verbose)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _chat(req: RunRequest, history_path: str | None, system: str | None,
-          events: Events) -> int:
+class _Quiet(Printer):
+    """At a terminal, the engine's set-up report (plan, load, trunk) only with --verbose:
+    the --events lines still go out."""
+
+    def __call__(self, ev) -> None:
+        for kind, fields in ev.json():
+            self.events.emit(kind, **fields)
+
+
+def _chat(spec: LoadSpec, gen: GenSpec, history_path: str | None, system: str | None,
+          events: Events, verbose: bool) -> int:
     try:
         history = History.load(history_path) if history_path else History()
         if system is not None and apply_system(history, system) and history_path:
@@ -68,8 +86,9 @@ def _chat(req: RunRequest, history_path: str | None, system: str | None,
         print(f"chat: {e}", file=sys.stderr)
         return EXIT_USAGE
     from .tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(req.tok_dir)          # failures exit 1 (SYSTEM §6.5)
-    printer = Printer(events, step_lines=False)
+    tok = Tokenizer.from_dir(spec.tok_dir)          # failures exit 1 (SYSTEM §6.5)
+    live = _interactive()
+    printer = (Printer if verbose or not live else _Quiet)(events, step_lines=False)
     try:
         chat_controls(tok)
     except EngineError as e:
@@ -78,23 +97,24 @@ def _chat(req: RunRequest, history_path: str | None, system: str | None,
         return e.exit_code
     # Before loading the model, read one user line unless the history ends with one.
     if not history.ends_with_user:
-        if _next_user_line(history, history_path) is None:
+        line = _read_line()
+        while line not in (None, "/exit") and not _accept(line, None, history, history_path):
+            line = _read_line()
+        if line is None or line == "/exit":
             print(tok.report_line(), file=sys.stderr)
             return EXIT_OK
-    r = open_run(req, printer, tok=tok)
-    chat = r.chat(history)
-    gen = req.gen
-    live = _interactive()
+    eng = open_engine(spec, printer, tok=tok, gen=gen.gen)
+    conv = Conversation(eng, history)
     first = True
     line = None
     code = EXIT_OK
     try:
         while True:
             if line == CONTINUE:
-                code = _one_turn(r, chat, gen, printer, live, resume=True)
+                code = _one_turn(conv, gen, printer, live, resume=True)
             else:
                 try:
-                    prompt = chat.render()
+                    prompt = conv.render(gen)
                 except ChatError as e:
                     print(f"chat: {e}", file=sys.stderr)
                     if first:
@@ -103,68 +123,81 @@ def _chat(req: RunRequest, history_path: str | None, system: str | None,
                     code = None
                 else:
                     if first:
-                        s = chat.sampler
-                        print(f"  XTML prompt: {len(prompt)} ids, generation limit {gen}, "
+                        s = conv.sampler_for(gen.sampling)
+                        print(f"  XTML prompt: {len(prompt)} ids, generation limit {gen.gen}, "
                               f"{s.mode_text()}, "
-                              + (f"thinking_effort={chat.opts.effort}" if chat.opts.thinking
+                              + (f"thinking_effort={gen.effort}" if gen.thinking
                                  else "thinking off"))
                         if s.banner_line():
                             print(s.banner_line())
                     first = False
-                    code = _one_turn(r, chat, gen, printer, live)
+                    code = _one_turn(conv, gen, printer, live)
             if code not in (EXIT_OK, None):
                 return code
             if code is not None and history_path:
                 history.save(history_path)
-            line = _next_user_line(history, history_path, chat if live else None)
+            line = _next_line(conv, history_path, live)
             if line is None:
                 return EXIT_OK
     finally:
-        drops = r.lm.experts.drops
-        r.close()
+        drops = eng.lm.experts.drops
+        eng.close()
         if drops:
             print(f"chat invalid: {drops} routed expert loads failed; transcript kept",
                   file=sys.stderr)
             code = EXIT_DROP
 
 
-def _next_user_line(history: History, history_path: str | None, chat=None) -> str | None:
-    """Read lines until a user message is accepted (or, with `chat` in interactive mode,
-    /continue for its incomplete reply); None at /exit or end of input."""
+def _next_line(conv: Conversation, history_path: str | None, live: bool) -> str | None:
+    """Read lines until a user message is accepted (or, in interactive mode, /continue for
+    an incomplete reply); None at /exit, end of input or Ctrl-C at the prompt."""
     while True:
         line = _read_line()
         if line is None or line == "/exit":
             return None
-        if line == "":
-            continue
-        if line == CONTINUE:
-            if chat is not None and chat.pending is not None:
-                return line
-            print("chat: there is no incomplete reply to continue", file=sys.stderr)
-            continue
-        if chat is not None and chat.pending is not None and history.ends_with_user:
-            history.remove_last()                 # a new message replaces the unanswered one
-        if line == "/help":
-            for h in HELP_LINES:
-                print(h)
-            continue
-        if line == "/reset":
+        if line == CONTINUE and live and conv.pending is not None and conv.pending.continuable:
+            return line
+        if _accept(line, conv, conv.history, history_path):
+            return line
+
+
+def _accept(line: str, conv: Conversation | None, history: History,
+            history_path: str | None) -> bool:
+    """One input line: a command done here (False), or a user message added and saved
+    (True; a new message replaces a question whose reply stopped before its end)."""
+    if line == "":
+        return False
+    if line == "/help":                 # the spec's lines in a script; /continue and Ctrl-C
+        for h in REPL_HELP if _interactive() else HELP_LINES:    # work at a terminal
+            print(h)
+        return False
+    if line == "/reset":
+        if conv is not None:
+            conv.reset()
+        else:
             history.reset()
-            if history_path:
-                history.save(history_path)
-            print("chat reset")
-            continue
-        try:
-            history.add(Message("user", line))
-        except ChatError as e:
-            print(f"chat: {e}", file=sys.stderr)
-            continue
         if history_path:
             history.save(history_path)
-        return line
+        print("chat reset")
+        return False
+    if line == CONTINUE:
+        print("chat: there is no incomplete reply to continue", file=sys.stderr)
+        return False
+    try:
+        if conv is not None:
+            conv.add_user(line, answer_incomplete=False)
+        else:
+            from .chat import Message
+            history.add(Message("user", line))
+    except ChatError as e:
+        print(f"chat: {e}", file=sys.stderr)
+        return False
+    if history_path:
+        history.save(history_path)
+    return True
 
 
-def _one_turn(r, chat, gen: int, printer: Printer, live: bool = False,
+def _one_turn(conv: Conversation, gen: GenSpec, printer: Printer, live: bool = False,
               resume: bool = False) -> int:
     t0 = time.monotonic()
     res = None
@@ -172,13 +205,13 @@ def _one_turn(r, chat, gen: int, printer: Printer, live: bool = False,
     cancel = Cancel()
     phase = None
     try:
-        with _ctrl_c_stops(cancel, live):
-            for ev in r.turn(chat, gen, cancel, resume=resume):
+        with _ctrl_c_stops(cancel):
+            for ev in (conv.continue_turn(gen, cancel) if resume else conv.turn(gen, cancel)):
                 if isinstance(ev, TokenOut):
                     if ev.id >= 0:
                         n += 1
                         if not live:
-                            print(f"chat: token {n}/{gen} id {ev.id} "
+                            print(f"chat: token {n}/{gen.gen} id {ev.id} "
                                   f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
                     if live and ev.text and ev.phase in ("thinking", "response"):
                         if ev.phase != phase and phase == "thinking":
@@ -189,53 +222,60 @@ def _one_turn(r, chat, gen: int, printer: Printer, live: bool = False,
                 printer(ev)
                 if isinstance(ev, TurnEnded):
                     res = ev.result
-    except ChatError as e:
-        print(f"chat: malformed assistant turn: {e}", file=sys.stderr)
-        return EXIT_RUNTIME
     except ExpertLoadError as e:              # never show a reply computed without an expert
         print(f"chat invalid: {e}; transcript kept", file=sys.stderr)
         return EXIT_DROP
+    if res.malformed is not None:
+        print(f"chat: malformed assistant turn: {res.malformed}", file=sys.stderr)
+        return EXIT_RUNTIME
     if live:
-        return _live_end(chat, res, gen, phase)
-    print(f"chat: {res.reused} of {res.prompt_ids} prompt positions already cached, prefill "
-          f"for {res.prompt_ids - res.reused}")
+        return _live_end(res, gen.gen, phase)
+    print(f"chat: {res.reused} of {res.prompt_positions} prompt positions already cached, "
+          f"prefill for {res.prompt_positions - res.reused}")
     if res.end_id is None:
-        print(f"chat: assistant did not complete an official turn within --gen {gen}; "
+        if res.interrupted:
+            print("chat: interrupted by Ctrl-C; the transcript is preserved without this "
+                  "reply", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(f"chat: assistant did not complete an official turn within --gen {gen.gen}; "
               f"transcript is preserved", file=sys.stderr)
         return EXIT_RUNTIME
-    name = chat.tok.added.get(res.end_id, str(res.end_id))
-    print(f"chat: turn ended by {name} ({res.end_id})")
-    if chat.opts.thinking:
+    print(f"chat: turn ended by {res.end_name} ({res.end_id})")
+    if gen.thinking:
         print(f"<think>{res.reasoning or ''}</think>")
     print(f"<response>{res.content}</response>")
     return EXIT_OK
 
 
-def _live_end(chat, res, gen: int, phase) -> int:
-    """After a streamed reply: the stats line, and what to do with an incomplete one."""
+def _live_end(res, gen: int, phase) -> int:
+    """After a streamed reply: the stats line (the turn summary's figures), and what to
+    do with an incomplete one."""
     print(PLAIN if phase == "thinking" else "")
-    new = len(res.ids) - res.continued
-    decode = res.seconds - res.first_token_seconds
-    rate = f", {(new - 1) / decode:.2f} tokens/s" if new > 1 and decode > 0 else ""
-    print(f"{DIM}[{new} tokens, first after {res.first_token_seconds:.1f} s{rate}; "
-          f"{res.reused} of {res.prompt_ids} prompt positions reused]{PLAIN}")
-    if res.end_id is None:
+    rate = res.decode_tokens_per_s
+    rate = f", {rate:.2f} tokens/s" if rate > 0 else ""
+    print(f"{DIM}[{res.new_ids} tokens, first after {res.first_token_seconds:.1f} s{rate}; "
+          f"{res.reused} of {res.prompt_positions} prompt positions reused]{PLAIN}")
+    if res.end_id is None and res.ids:
         why = "stopped" if res.interrupted else f"reached --gen {gen}"
         print(f"chat: the reply {why} before its end; {CONTINUE} goes on, a new message "
               f"replaces the question", file=sys.stderr)
+    elif res.end_id is None:
+        print("chat: stopped before the first token; send the message again, or another",
+              file=sys.stderr)
     return EXIT_OK
 
 
 class _ctrl_c_stops:
-    """Interactive mode: Ctrl-C during a reply stops it at the next safe point (the reply
-    is kept and can be continued) instead of ending the REPL."""
+    """Ctrl-C during a reply stops it at the next safe point (between the prompt pass's
+    layers or between tokens) instead of raising into the engine: at a terminal the reply
+    is kept (/continue goes on); in a script the REPL then exits 5 with the transcript
+    as it was."""
 
-    def __init__(self, cancel: Cancel, live: bool):
-        self.cancel, self.live, self.old = cancel, live, None
+    def __init__(self, cancel: Cancel):
+        self.cancel, self.old = cancel, None
 
     def __enter__(self):
-        if self.live:
-            self.old = signal.signal(signal.SIGINT, lambda *a: self.cancel.set())
+        self.old = signal.signal(signal.SIGINT, lambda *a: self.cancel.set())
         return self
 
     def __exit__(self, *exc):

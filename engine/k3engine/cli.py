@@ -18,13 +18,13 @@ from .atomic import write_atomic
 from .console import Printer
 from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, EXIT_RUNTIME, EXIT_USAGE,
                      EngineError, PlanRefused, UsageError, describe)
-from .events import Finished
 from .experts import POLICIES
 from .memory import DEFAULT_DRAFT_TRUNK_GB, BudgetError, human, list_presets_text, resolve_budgets
 from .report import RULE, out_line
-from .run import (MAX_GEN, Cancel, Draft, Prompt, Run, RunRequest, Sampling, io_seconds,
-                  open_run, request_from, spec_keys, summary_values)
-from .session import RunResult
+from .engine import (MAX_GEN, Cancel, Draft, Engine, GenSpec, LoadSpec, Prompt, Sampling,
+                     load_spec_from, open_engine)
+from .generate import TurnSummary
+from .sequence import Sequence
 from .telemetry import Events, JsonLinesSink
 
 SUBCOMMANDS = {
@@ -82,8 +82,10 @@ generation
   --layers N            bind only the first N layers (NOT the full model)
 sampling (greedy by default)
   --temperature X  --top-p P  --top-k K  --seed N  --greedy
+  --min-p P             also drop ids below P x the most likely one's probability
 chat
   --chat  --system TEXT  --history PATH  --no-think  --thinking-effort low|high|max
+  --verbose             the engine's set-up report in chat too (plan, load, trunk)
 diagnostics
   --out FILE            one-line JSON result (default k3_run.json)
   --dump-logits PATH    first step's logits as raw little-endian float32
@@ -127,7 +129,8 @@ FLAGS = {
     "--stop-id": ("stop_id", True), "--save-state": ("save_state", True),
     "--load-state": ("load_state", True), "--layers": ("layers", True),
     "--temperature": ("temperature", True), "--top-p": ("top_p", True),
-    "--top-k": ("top_k", True), "--seed": ("seed", True), "--greedy": ("greedy", False),
+    "--top-k": ("top_k", True), "--min-p": ("min_p", True), "--seed": ("seed", True),
+    "--greedy": ("greedy", False), "--verbose": ("verbose", False),
     "--chat": ("chat", False), "--system": ("system", True), "--history": ("history", True),
     "--no-think": ("no_think", False), "--thinking-effort": ("effort", True),
     "--out": ("out", True), "--dump-logits": ("dump_logits", True),
@@ -141,8 +144,9 @@ FLAGS = {
 DRAFT_OPTIONS = ("--draft-trunk-gb", "--draft-topk", "--draft-cache-only")
 MEMORY_FLAGS = ("--preset", "--trunk-gb", "--cache-gb")
 CHAT_ONLY = ("--system", "--history", "--no-think", "--thinking-effort")
+# --spec and --draft-trunk work in chat too (ours: the reference refuses them there)
 NOT_IN_CHAT = ("--load-state", "--save-state", "--dump-logits", "--dump-cache-trace", "--out",
-               "--spec", "--tf-check", "--draft-trunk")
+               "--tf-check")
 MAX_STOP_IDS = 8
 
 
@@ -174,7 +178,9 @@ class Options:
     temperature: str | None = None
     top_p: str | None = None
     top_k: str | None = None
+    min_p: str | None = None
     seed: str | None = None
+    verbose: bool = False
     greedy: bool = False
     chat: bool = False
     system: str | None = None
@@ -291,7 +297,7 @@ def validate(o: Options) -> None:
     if o.cache_policy is not None and o.cache_policy not in POLICIES:
         raise UsageError(f"--cache-policy must be {' or '.join(POLICIES)}, "
                          f"got '{o.cache_policy}'")
-    if strict_int("--spec", o.spec, 0) and not o.incremental:
+    if strict_int("--spec", o.spec, 0) and not (o.incremental or o.chat):
         ignored("--spec needs --incremental")
         o.spec = "0"
     validate_draft(o)
@@ -301,6 +307,8 @@ def validate(o: Options) -> None:
         raise UsageError("--top-p must be in (0, 1]")
     if o.top_k is not None:
         strict_int("--top-k", o.top_k, 1)
+    if o.min_p is not None and not 0 <= strict_float("--min-p", o.min_p) < 1:
+        raise UsageError("--min-p must be in [0, 1)")
     if o.seed is not None:
         strict_int("--seed", o.seed, 0, 2**64 - 1)
     if o.dump_cache_trace and not os.path.isdir(o.dump_cache_trace):
@@ -327,7 +335,7 @@ def validate_draft(o: Options) -> None:
         raise UsageError("--draft-trunk-gb must be >= 0")
     if o.draft_topk is not None:
         strict_int("--draft-topk", o.draft_topk, 1)
-    if o.draft_trunk and not (o.incremental and o.trunk):
+    if o.draft_trunk and not ((o.incremental or o.chat) and o.trunk):
         ignored("--draft-trunk needs --incremental and --trunk")
         o.draft_trunk = None
     if not o.draft_trunk:
@@ -341,29 +349,34 @@ def validate_draft(o: Options) -> None:
         o.spec_auto = False
 
 
-def build_request(o: Options) -> RunRequest:
-    """The RunRequest for these flags (run.request_from applies presets and defaults)."""
-    prompt = None
-    if not o.chat:
-        prompt = Prompt(ids_text=o.ids, ids_file=o.ids_file, text=o.prompt,
-                        text_file=o.prompt_file)
+def build_load(o: Options) -> LoadSpec:
+    """The LoadSpec for these flags (engine.load_spec_from applies presets and defaults)."""
     draft = None
     if o.draft_trunk:
         draft = Draft(o.draft_trunk, draft_gb(o),
                       None if o.draft_topk is None else int(o.draft_topk), o.draft_cache_only)
-    sampling = Sampling(temperature=None if o.temperature is None else float(o.temperature),
-                        top_p=None if o.top_p is None else float(o.top_p),
-                        top_k=None if o.top_k is None else int(o.top_k),
-                        seed=None if o.seed is None else int(o.seed), greedy=o.greedy)
-    return request_from(
+    return load_spec_from(
         o.model_dir, o.memory, trunk_dir=o.trunk, tok_dir=o.tok, config_path=o.config,
         trunk_ring=int(o.trunk_ring), threads=int(o.threads) if o.threads is not None else 0,
         layers=None if o.layers is None else strict_int("--layers", o.layers, 1),
-        incremental=o.incremental, chat=o.chat, gen=o.gen_n, stop_ids=tuple(o.stop_ids),
-        prompt=prompt, sampling=sampling, thinking=not o.no_think, effort=o.effort or "max",
-        spec=int(o.spec), spec_auto=o.spec_auto, draft=draft, load_state=o.load_state,
-        save_state=o.save_state, keep_trace=bool(o.dump_cache_trace),
-        cache_policy=o.cache_policy)
+        incremental=o.incremental or o.chat, spec=int(o.spec), draft=draft,
+        keep_trace=bool(o.dump_cache_trace), cache_policy=o.cache_policy)
+
+
+def build_gen(o: Options) -> GenSpec:
+    """The GenSpec of every turn these flags run."""
+    sampling = Sampling(temperature=None if o.temperature is None else float(o.temperature),
+                        top_p=None if o.top_p is None else float(o.top_p),
+                        top_k=None if o.top_k is None else int(o.top_k),
+                        min_p=None if o.min_p is None else float(o.min_p),
+                        seed=None if o.seed is None else int(o.seed), greedy=o.greedy)
+    return GenSpec(gen=o.gen_n, sampling=sampling, stop_ids=tuple(o.stop_ids),
+                   thinking=not o.no_think, effort=o.effort or "max", spec=int(o.spec),
+                   spec_auto=o.spec_auto)
+
+
+def build_prompt(o: Options) -> Prompt:
+    return Prompt(ids_text=o.ids, ids_file=o.ids_file, text=o.prompt, text_file=o.prompt_file)
 
 
 def draft_gb(o: Options) -> float:
@@ -402,9 +415,7 @@ class Interrupts:
 
 
 def run(o: Options, events: Events) -> int:
-    """A batch run: the run API's events printed as the reference's report."""
-    req = build_request(o)
-
+    """A batch run: the engine's events printed as the reference's report."""
     unwritten: list[str] = []           # outputs that could not be written: exit 3
 
     def on_step(ev) -> None:
@@ -416,30 +427,39 @@ def run(o: Options, events: Events) -> int:
                 print(f"@K3TOKEN {i}", flush=True)
     printer = Printer(events, on_step)
     cancel = Cancel()
+    spec = build_gen(o)
     with Interrupts(cancel):
-        r = open_run(req, printer)
+        eng = open_engine(build_load(o), printer, prompt=build_prompt(o), gen=spec.gen,
+                          stop_ids=spec.stop_ids, load_state=o.load_state)
         try:
             if o.tf_check:
-                return tf_check(o, r)
-            res = None
-            for ev in r.generate(cancel):
-                printer(ev)
-                if isinstance(ev, Finished):
-                    res = ev.result
-            return finish(o, r, res, events, unwritten)
+                return tf_check(o, eng)
+            ids = eng.prompt_ids
+            resumed = None
+            if o.load_state:
+                seq, resumed = eng.resume(o.load_state, len(ids) + spec.gen + 1, len(ids))
+            else:
+                seq = eng.sequence()
+            printer(eng.decode_started(spec, len(seq.ids) + len(ids) + spec.gen + 1, resumed))
+            steps = eng.batch(ids, spec, cancel, seq)
+            while True:
+                try:
+                    printer(next(steps))
+                except StopIteration as done:
+                    res = done.value
+                    break
+            return finish(o, eng, spec, seq, res, events, unwritten)
         finally:
-            r.close()
+            eng.close()
 
 
-def tf_check(o: Options, r: Run) -> int:
+def tf_check(o: Options, eng: Engine) -> int:
     """--tf-check (SYSTEM §6.11): one teacher-forced pass, per-position agreement."""
-    ids = r.ids
+    ids = eng.prompt_ids
     if len(ids) < 2:
         raise UsageError("--tf-check needs at least 2 ids")
     t0 = time.monotonic()
-    from .model import greedy
-    logits = r.lm.model.forward(ids, r.lm.model.new_state(len(ids)), all_logits=True)
-    pred = [greedy(row) for row in logits[:-1]]
+    pred = eng.teacher_forced(ids)
     n, m = len(pred), sum(a == b for a, b in zip(pred, ids[1:]))
     print(f"teacher-forced agreement: {m}/{n} positions ({100 * m / n:.1f}%) in "
           f"{time.monotonic() - t0:.1f} s")
@@ -466,12 +486,13 @@ def write_output(path: str, data: bytes, unwritten: list[str]) -> bool:
         return False
 
 
-def finish(o: Options, r: Run, res: RunResult, events: Events, unwritten: list[str]) -> int:
-    lm = r.lm
+def finish(o: Options, eng: Engine, spec: GenSpec, seq: Sequence, res: TurnSummary,
+           events: Events, unwritten: list[str]) -> int:
+    lm = eng.lm
     gen = o.gen_n
-    n = len(res.generated_ids)
-    if res.stopped_at >= 0:
-        print(f"stop id {res.stopped_at} reached after {n} of {gen} tokens")
+    n = len(res.ids)
+    if res.end_id is not None:
+        print(f"stop id {res.end_id} reached after {n} of {gen} tokens")
     if res.interrupted:
         print(f"interrupted: {n} of {gen} tokens generated; state, results and reports follow "
               f"as for a finished run")
@@ -481,34 +502,34 @@ def finish(o: Options, r: Run, res: RunResult, events: Events, unwritten: list[s
         else:
             t0 = time.monotonic()
             try:
-                size = r.save_state(o.save_state, res)
-                print(f"wrote {o.save_state} ({human(size)}, {res.state.n_cached} positions) in "
+                size = seq.save(o.save_state)
+                print(f"wrote {o.save_state} ({human(size)}, {seq.position} positions) in "
                       f"{time.monotonic() - t0:.2f} s")
             except EngineError as e:      # StateFileError, StateUnusable (SYSTEM §4.9)
                 # reported, but the run's own exit code stands (SYSTEM §6.5, §6.9);
                 # test_cli_system.py::test_failed_save_state_keeps_the_exit_code
                 print(e.report(), file=sys.stderr)
     sp = res.spec
-    if r.draft is not None:
+    if eng.draft is not None:
         print(f"hybrid decode: {sp.rounds} rounds, {sp.drafted} drafted, {sp.accepted} accepted "
               f"({sp.accepted_pct:.1f}%), mean accepted run "
               f"{sp.mean_run:.2f}")
-        print(f"  draft model: {r.draft.seconds:.1f} s of {res.wall_seconds:.1f} s wall in "
-              f"{r.draft.steps} forward calls; draft trunk read "
-              f"{r.draft.trunk.bytes_read / 1e9:.2f} GB")
+        print(f"  draft model: {eng.draft.seconds:.1f} s of {res.seconds:.1f} s wall in "
+              f"{eng.draft.steps} forward calls; draft trunk read "
+              f"{eng.draft.trunk.bytes_read / 1e9:.2f} GB")
     print(RULE)
     if n:
-        print(f"{n} tokens in {res.wall_seconds:.1f} s, {res.wall_seconds / n:.2f} s/token average")
+        print(f"{n} tokens in {res.seconds:.1f} s, {res.seconds / n:.2f} s/token average")
     else:
-        print(f"prefill only: {res.state.n_cached if res.state else 0} positions cached, "
+        print(f"prefill only: {seq.position} positions cached, "
               f"0 tokens generated")
-    print(f"generated ids: {','.join(str(i) for i in res.generated_ids)}")
-    if sp.rounds and r.draft is None:
+    print(f"generated ids: {','.join(str(i) for i in res.ids)}")
+    if sp.rounds and eng.draft is None:
         print(f"speculative decode: {sp.rounds} sweeps, {sp.drafted} drafted, {sp.accepted} "
               f"accepted ({sp.accepted_pct:.1f}%)")
     text = None
-    if r.tok is not None and n:
-        text = r.tok.decode(res.generated_ids)
+    if eng.tok is not None and n:
+        text = eng.tok.decode(res.ids)
         print()
         print("--- generated text ---")
         sys.stdout.flush()
@@ -516,17 +537,17 @@ def finish(o: Options, r: Run, res: RunResult, events: Events, unwritten: list[s
         sys.stdout.flush()
         print("-" * 22)
     print()
-    values = summary_values(r, res, text)
+    values = eng.out_values(res, seq, eng.prompt_ids, text)
     print(f"PEAK RSS for the whole run: {human(values['peak_rss_bytes'])}   <- quote this, "
           f"not the plan")
-    print(f"layers completed: {res.layers_completed}/{r.nl}; routed expert drops: "
+    print(f"layers completed: {res.layers_completed}/{eng.nl}; routed expert drops: "
           f"{values['expert_drops']}")
     print()
     for line in lm.experts.report_lines():
         print(line)
     tr = lm.trunk
     code = EXIT_OK
-    extra = spec_keys(r, res)
+    extra = eng.spec_keys(spec, res)
     if write_output(o.out, out_line(values, extra), unwritten):
         print(f"wrote {o.out}")
     if o.dump_cache_trace:
@@ -539,24 +560,24 @@ def finish(o: Options, r: Run, res: RunResult, events: Events, unwritten: list[s
             unwritten.append(o.dump_cache_trace)
     if unwritten:
         code = EXIT_OUT
-    trunk_s, expert_s, table_s = io_seconds(r)
+    trunk_s, expert_s, table_s = eng.io_seconds()
     io_s = trunk_s + expert_s + table_s
-    if res.wall_seconds > 0:
-        print(f"I/O share of wall clock: {100 * io_s / res.wall_seconds:.1f}%  (trunk "
+    if res.seconds > 0:
+        print(f"I/O share of wall clock: {100 * io_s / res.seconds:.1f}%  (trunk "
               f"{trunk_s:.1f} s + experts {expert_s:.1f} s + model tables {table_s:.1f} s of "
-              f"{res.wall_seconds:.1f} s)")
-        print(f"  both figures are WHOLE-RUN totals over {len(res.steps)} steps")
+              f"{res.seconds:.1f} s)")
+        print(f"  both figures are WHOLE-RUN totals over {res.steps} steps")
     if tr is not None:
         print()
         print("trunk [final]")
-        print(f"  pinned {len(tr.pinned)}/{r.nl} layers, ring {tr.nslot} slots")
+        print(f"  pinned {len(tr.pinned)}/{eng.nl} layers, ring {tr.nslot} slots")
         print(f"  binds {tr.binds}, hits {tr.hits} ({100 * tr.hits / max(tr.binds, 1):.1f}%), "
               f"reads {tr.misses}")
         rate = tr.bytes_read / tr.read_seconds / 1e6 if tr.read_seconds > 0 else 0.0
         print(f"  read {tr.bytes_read / 1e9:.2f} GB in {tr.read_seconds:.2f} s ({rate:.0f} MB/s)")
     summary = dict(values, **extra, generated_text=None if text is None else
-                   text.decode("utf-8", errors="replace"), io_share=io_s / res.wall_seconds
-                   if res.wall_seconds > 0 else 0.0)
+                   text.decode("utf-8", errors="replace"), io_share=io_s / res.seconds
+                   if res.seconds > 0 else 0.0)
     events.emit("summary", **summary)
     if res.expert_drop is not None:              # 4 > 3 > 5 > 0
         print(f"RUN INVALID: {res.expert_drop}; the affected token was not emitted",
@@ -595,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
             events.sinks.append(sink)
         if o.chat:
             from .chat_repl import chat_main
-            code = chat_main(build_request(o), o.history, o.system, events)
+            code = chat_main(build_load(o), build_gen(o), o.history, o.system, events,
+                             verbose=o.verbose)
         else:
             code = run(o, events)
         if sink is not None:

@@ -1,4 +1,4 @@
-"""The reference's run report (SYSTEM §7.1-§7.3), rendered from the run API's events:
+"""The reference's run report (SYSTEM §7.1-§7.3), rendered from the engine's events:
 what `k3` and `k3 --chat` print to stdout/stderr, and the `--events` JSON lines.  The
 printer computes nothing; every figure comes with its event."""
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 from . import kernels as K
 from .config import ModelConfig
 from .model import Model, greedy
-from .state import begin_sweep, end_sweep, keep_prefix
+from .state import begin_sweep, end_sweep, grown, keep_prefix
 from .weights import MoEWeights
 
 DEFAULT_DRAFT_TOPK = 4
@@ -77,6 +77,7 @@ class DraftModel:
         self.model = model
         self.trunk = trunk              # the draft's StreamedTrunk (closed with it)
         self.state = model.new_state(capacity)
+        self.fed: list[int] = []        # the ids the draft's state took in
         self._snap = None
         self._snap_pos = 0
         self.seconds = 0.0              # wall time spent proposing and catching up
@@ -84,7 +85,20 @@ class DraftModel:
 
     def _forward(self, ids) -> np.ndarray:
         self.steps += 1
-        return self.model.forward(ids, self.state)
+        logits = self.model.forward(ids, self.state)
+        self.fed += list(ids)
+        return logits
+
+    def follow(self, seq: list[int], capacity: int) -> None:
+        """Before proposing for `seq`: a draft that followed another sequence (a chat
+        whose earlier turn was edited, another request on the server) starts again from
+        nothing and catches up on its next proposal; one that is short of room grows.
+        Only the drafts change with this, never the ids (the exact model verifies)."""
+        if self.fed != seq[:len(self.fed)] or self.state.poisoned:
+            self.state = self.model.new_state(max(capacity, self.state.capacity))
+            self.fed = []
+        elif capacity > self.state.capacity:
+            self.state = grown(self.state, capacity)
 
     def propose(self, seq: list[int], cap: int) -> list[int]:
         """Feed every committed id the draft has not seen (the whole prompt on the first
@@ -111,6 +125,7 @@ class DraftModel:
         if accepted < len(drafted) - 1:
             keep_prefix(self.state, self._snap, self._snap_pos, accepted)
         end_sweep(self.state)
+        del self.fed[self.state.n_cached:]
         self.seconds += time.monotonic() - t0
 
     def close(self) -> None:

@@ -28,6 +28,17 @@ class UsageError(EngineError):
     exit_code = EXIT_USAGE
 
 
+class LimitError(UsageError):
+    """A request beyond what the engine holds (exit 2), refused before any work: `kind` is
+    'prompt' (too many prompt ids), 'positions' (the position ceiling), 'kv_cache' (its KV
+    cache does not fit the memory available), 'vocab' (an id outside the vocabulary).
+    The server answers 400 naming it; the CLI exits 2; the app says why."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 class PlanRefused(EngineError):
     """The memory plan refused the run; its refusals were reported with the plan."""
 

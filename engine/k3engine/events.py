@@ -1,7 +1,8 @@
-"""The typed events of a run (SYSTEM §7.5): what the run API tells its front ends.
+"""The typed events of a run (SYSTEM §7.5): what the engine tells its front ends.
 
-`open_run` reports its set-up (threads, config, tokenizer, index, plan, load progress,
-what was loaded); `Run.generate` and `Run.turn` yield steps, tokens and a summary.  The CLI
+`open_engine` reports its set-up (threads, config, tokenizer, index, plan, load progress,
+what was loaded); the decode generator yields steps and tokens, a Conversation's turn
+starts with TurnStarted and ends with TurnEnded (its TurnSummary).  The CLI
 prints them (its report is a rendering of these events), the app's worker posts them to its
 mailboxes, the server streams them.  Each event that belongs to the `--events` JSON stream
 says so in `json()`: one (name, fields) pair per JSON line, in the order of §7.5.
@@ -21,7 +22,7 @@ class Event:
 Sink = Callable[[Event], None]
 
 
-# ---- set-up (open_run) ----------------------------------------------------------------
+# ---- set-up (open_engine) -------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ThreadsSet(Event):
@@ -142,7 +143,7 @@ class DraftLoaded(Event):
     ring_slots: int
 
 
-# ---- generation (Run.generate / Run.turn) ----------------------------------------------
+# ---- generation (generate.decode, Conversation) -------------------------------------------
 
 @dataclass(frozen=True)
 class Resumed(Event):
@@ -166,7 +167,7 @@ class DecodeStarted(Event):
 
 @dataclass(frozen=True)
 class StepTelemetry:
-    """One point of every per-token plot: computed once per step (run.measure_step)."""
+    """One point of every per-token plot: computed once per step (Engine.measure_step)."""
     rss_bytes: int
     peak_rss_bytes: int
     trunk_bytes: int
@@ -233,18 +234,11 @@ class TurnStarted(Event):
 
 @dataclass(frozen=True)
 class TurnEnded(Event):
-    result: Any                  # session.TurnResult
+    result: Any                  # generate.TurnSummary
 
     def json(self):
         r = self.result
         return [("chat", dict(phase="turn_end", reused_positions=r.reused, end_id=r.end_id))]
-
-
-@dataclass(frozen=True)
-class Finished(Event):
-    """The batch run's result (session.RunResult); the summary figures come from
-    run.summary_values."""
-    result: Any
 
 
 @dataclass(frozen=True)

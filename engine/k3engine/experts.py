@@ -1261,6 +1261,11 @@ class ExpertCache:
 
 # ---------------------------------------------------------------------------------------
 
+class _NoSlots:
+    """The slot figures of a source without slots (ResidentExperts)."""
+    resident = pinned = 0
+
+
 class ResidentExperts:
     """`batches()` for any source with `.expert(L, e)` (e.g. the unbounded resident
     `CheckpointExperts`): one group holding every requested expert.  Requests are
@@ -1270,16 +1275,29 @@ class ResidentExperts:
                  trace_window: int = 0):
         self.source = source
         self.trace = RequestTrace(n_layers, n_experts, keep_trace, trace_window)
+        # the cache's counters, so a step's telemetry reads the same on both paths: every
+        # request is served from memory (the source's own reads are its business)
+        self.step, self.total = CacheCounters(), CacheCounters()
+        self.policy = _NoSlots()
+        self.drops = 0
+
+    def reset_step(self) -> None:
+        self.step = CacheCounters()
+
+    def _count(self, layer: int, e: int) -> None:
+        self.trace.record(layer, e)
+        self.step.hits += 1
+        self.total.hits += 1
 
     def batches(self, layer: int, experts: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         group = []
         for e in experts:
-            self.trace.record(layer, e)
+            self._count(layer, e)
             group.append((e, self.source.expert(layer, e)))
         yield group
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
-        self.trace.record(layer, expert)
+        self._count(layer, expert)
         return self.source.expert(layer, expert)
 
     def dump_trace(self, directory) -> list[str]:

@@ -19,26 +19,25 @@ RSS: only the pages a run touches.  Everything here is arithmetic except `measur
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
-from . import __version__
 from .diskio import align_up
-from .kernels import PANEL_MIN_TOKENS   # from here a BF16 matvec runs through the panels
 from .memory import ModelFigures, Plan, moe_chunk_for, plan
 from .model import PREFILL_CHUNK
 from .state import MLAState
 from .trunk import IO_THREADS as TRUNK_IO_THREADS   # a layer's reads run on this many threads
+from .machine import (EXPERT_PROBE_TOKENS, READ_DEPTHS, MachineFigures, _read_cache,
+                      cache_file, cached_machine_figures, identity_key, machine_identity)
+from .threads import default_threads
 
 __all__ = [
     "MachineFigures", "machine_identity", "machine_figures", "cached_machine_figures",
@@ -47,10 +46,7 @@ __all__ = [
     "HitModel", "UniformRouting", "TraceRouting", "Forecast", "forecast", "splits",
 ]
 
-CACHE_NAME = "machine-figures.json"
-CALIBRATION_VERSION = 11         # bump when what is measured changes (old entries ignored)
 READ_BLOCK = 4 << 20             # device test block: between an expert and a trunk chunk
-READ_DEPTHS = (1, 4, 16)
 READ_SCRATCH_BYTES = 256 * 10**6
 READ_SECONDS = 1.5               # per queue depth
 SMALL_BLOCK = 256 << 10          # the latency probe's read size
@@ -65,201 +61,11 @@ KERNEL_SECONDS = 0.6             # per kernel
 BF16_WIDTHS = (1024, 2048, 4096)  # BF16 matrix widths measured besides K3's 7168
 COLD_ROTATION = 4                # copies x L3: every timed call streams its weights from DRAM
 PREFILL_PROBE_TOKENS = 64        # tokens of the prefill BF16 probe
-EXPERT_PROBE_TOKENS = 4          # tokens per expert of the prefill expert probe
 # The engine's Python-side cost per streamed layer bind (the binder's views of a freshly read
 # run) when the calibration could not measure it (glue_probe's bind_s), in units of one tiny
 # kernel call: benchmarks/bench_bind.py measured 0.33-0.41 ms per mid layer (0.80-0.96
 # before the bind bookkeeping was cached), ~60 calls of ~6 us.
 BIND_CALLS = 60
-
-
-# ---- the machine -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class MachineFigures:
-    identity: dict
-    read_bps: dict                 # queue depth -> bytes/s (O_DIRECT random READ_BLOCK reads)
-    direct: bool                   # whether the device test used O_DIRECT
-    bf16_bps: float                # BF16 matvec, weight bytes/s (cold, engine threads, T = 1)
-    bf16_call_s: float             # its fixed cost per call (parallel region start + join)
-    mxfp4_bps: float               # routed experts (moe_experts), packed bytes/s (cold, T = 1)
-    mxfp4_call_s: float            # its fixed cost per batch of experts (one thread region)
-    call_seconds: float            # one tiny single-threaded kernel call from Python
-    baseline_bytes: int            # RSS of a fresh interpreter that imported the engine
-    threads: int
-    measured_at: str
-    other_load: float | None = None  # CPU share other processes used while calibrating
-    read_latency_s: float = 0.0      # fixed seconds per read (one batch of parallel reads)
-    source: str = "measured"       # "measured", "cache <path>", or "given"
-    # the layer's small kernels, seconds per element of each SMALL_KINDS kind (measured by
-    # calibrate_small), and the engine's Python around each kernel call (measure_glue)
-    small_s: dict = field(default_factory=dict)
-    glue_call_s: float = 0.0
-    # the matvecs with their weights in the last-level cache (its size under "llc_bytes"):
-    # what a model small enough to stay there runs at (in_cache)
-    hot: dict = field(default_factory=dict)
-    trunk_read_bps: float = 0.0      # TRUNK_BLOCK reads on the trunk's reader threads (0: the
-                                     # 4 MiB rate at that depth stands in)
-    bind_s: float = 0.0              # main-thread seconds streaming adds per layer bound
-                                     # (glue_probe; 0: BIND_CALLS tiny calls stand in)
-    bf16_width_bps: dict = field(default_factory=dict)  # matrix width -> BF16 bytes/s (cold)
-    # a prefill's rates, weight bytes per position per second (0: not measured; the T = 1
-    # rates stand in): BF16 at PREFILL_PROBE_TOKENS tokens (the panels), and the experts
-    # at EXPERT_PROBE_TOKENS tokens each (what a 64-position chunk gives mid's experts)
-    bf16_prefill_bps: float = 0.0
-    mxfp4_prefill_bps: float = 0.0
-
-    def at_width(self, width: int) -> "MachineFigures":
-        """These figures with the BF16 rate of matrices `width` inputs wide (a model's
-        hidden size): shorter rows stream slower (2048-wide ran 13-27 % below 7168-wide
-        here, more at 2 threads), interpolated in log2(width) between the measured widths
-        and clamped at the ends.  Without measured widths, unchanged."""
-        if not self.bf16_width_bps:
-            return self
-        pts = sorted((int(w), float(r)) for w, r in self.bf16_width_bps.items())
-        x = math.log2(max(width, 1))
-        if x <= math.log2(pts[0][0]):
-            rate = pts[0][1]
-        elif x >= math.log2(pts[-1][0]):
-            rate = pts[-1][1]
-        else:
-            for (w0, r0), (w1, r1) in zip(pts, pts[1:]):
-                if x <= math.log2(w1):
-                    a = (x - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
-                    rate = r0 + a * (r1 - r0)
-                    break
-        return replace(self, bf16_bps=rate)
-
-    def bf16_rate(self, positions: float) -> float:
-        """BF16 weight bytes/s per position for a step over `positions` (the panels of a
-        prefill run compute-bound, several times the bytes/s of a one-token step)."""
-        if positions < PANEL_MIN_TOKENS or not self.bf16_prefill_bps:
-            return self.bf16_bps
-        return max(self.bf16_bps, self.bf16_prefill_bps)
-
-    def mxfp4_rate(self, tokens_per_run: float) -> float:
-        """Expert bytes/s per token when each expert run serves `tokens_per_run` tokens:
-        seconds per byte interpolated between 1 token (decode) and EXPERT_PROBE_TOKENS
-        (a tile decodes each weight once for up to 4 tokens), constant beyond.  From 8
-        tokens an AVX-512 call decodes once for all of them (1.1-1.28x the tiles' rate on
-        the Xeon, docs/benchmarks-kernels.md): not credited, since K3's 896 experts see
-        ~4.6 tokens each in a 256-position chunk, so the forecast errs slow there."""
-        if tokens_per_run <= 1 or not self.mxfp4_prefill_bps:
-            return self.mxfp4_bps
-        a = min((tokens_per_run - 1) / (EXPERT_PROBE_TOKENS - 1), 1.0)
-        return 1.0 / ((1 - a) / self.mxfp4_bps + a / self.mxfp4_prefill_bps)
-
-    def read_rate(self, queue_depth: float) -> float:
-        """The rate at the deepest measured depth not above `queue_depth` (reads in flight
-        that the engine issues together); at least depth 1."""
-        depths = sorted(int(q) for q in self.read_bps)
-        best = depths[0]
-        for q in depths:
-            if q <= max(queue_depth, 1):
-                best = q
-        return float(self.read_bps[str(best)] if str(best) in self.read_bps
-                     else self.read_bps[best])
-
-    def with_overrides(self, read_gbs: float | None = None, bf16_gbs: float | None = None,
-                       mxfp4_gbs: float | None = None) -> "MachineFigures":
-        """Another machine's published figures in place of measured ones (to recompute a
-        published result); the source says so."""
-        m = self
-        given = []
-        if read_gbs is not None:           # (its latency unknown: taken as 0)
-            m = replace(m, read_bps={str(q): read_gbs * 1e9 for q in READ_DEPTHS},
-                        read_latency_s=0.0, trunk_read_bps=read_gbs * 1e9)
-            given.append(f"read {read_gbs:g} GB/s")
-        if bf16_gbs is not None:                  # one given rate for every width
-            m = replace(m, bf16_bps=bf16_gbs * 1e9, bf16_width_bps={}, bf16_prefill_bps=0.0)
-            given.append(f"BF16 {bf16_gbs:g} GB/s")
-        if mxfp4_gbs is not None:
-            m = replace(m, mxfp4_bps=mxfp4_gbs * 1e9, mxfp4_prefill_bps=0.0)
-            given.append(f"MXFP4 {mxfp4_gbs:g} GB/s")
-        return replace(m, source=f"given ({', '.join(given)}) over {self.source}") if given else m
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict, source: str) -> "MachineFigures":
-        d = dict(d)
-        d["read_bps"] = {str(k): float(v) for k, v in d["read_bps"].items()}
-        d["source"] = source
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _mem_total() -> int:
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except Exception:  # noqa: BLE001 - identity only; unknown is allowed
-        return 0
-
-
-def _device_of(path: str) -> str:
-    """A stable name for the block device holding `path` (Linux: its sysfs name, model and
-    size; elsewhere the filesystem's device number).  Never a path or a user name."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return "unknown"
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    sysdev = f"/sys/dev/block/{major}:{minor}"
-    if os.path.exists(sysdev):
-        real = os.path.realpath(sysdev)
-        name = os.path.basename(real)
-        disk = real if os.path.exists(os.path.join(real, "device")) else os.path.dirname(real)
-        parts = [name]
-        for f in ("device/model", "size"):
-            try:
-                with open(os.path.join(disk, f)) as fh:
-                    parts.append(fh.read().strip())
-            except OSError:
-                pass
-        return " ".join(p for p in parts if p)
-    return f"dev {major}:{minor}"
-
-
-def machine_identity(device_dir: str, threads: int) -> dict:
-    """What the figures depend on: CPU model and cores, memory, the device, the engine's
-    threads, its SIMD path and version (kernels change between versions)."""
-    from . import kernels as K
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
-    return {"cpu": _cpu_model(), "logical_cpus": os.cpu_count() or 1, "usable_cpus": usable,
-            "memory_bytes": _mem_total(), "device": _device_of(device_dir),
-            "threads": threads, "simd": bool(K.simd_active()), "engine": __version__,
-            "calibration": CALIBRATION_VERSION}
-
-
-def identity_key(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def cache_file() -> str:
-    """<user cache dir>/k3studio/machine-figures.json (XDG on Linux, the platform's
-    cache folder on macOS and Windows)."""
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or os.path.expanduser("~\\AppData\\Local")
-    elif sys.platform == "darwin":
-        base = os.path.expanduser("~/Library/Caches")
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(base, "k3studio", CACHE_NAME)
 
 
 def _clock():
@@ -434,7 +240,7 @@ def glue_probe(model_dir: str | None = None, tokens: int = 6) -> dict:
     threads).  Run in a child process (`measure_glue`): it rebinds the kernel module's
     functions."""
     from . import kernels as K
-    from .run import Prompt, open_run, request_from
+    from .engine import GenSpec, load_spec_from, open_engine
     from .tools.demo import ready_dir
     clock = time.thread_time
     spent, calls = [0.0], [0]
@@ -449,27 +255,27 @@ def glue_probe(model_dir: str | None = None, tokens: int = 6) -> dict:
                 calls[0] += 1
         return call
 
-    def decode(req) -> tuple[float, int, int]:
+    def decode(spec) -> tuple[float, int, int]:
         """(CPU outside the kernels, kernel calls, layers) over the run's decode steps."""
-        run = open_run(req)
+        eng = open_engine(spec, gen=tokens + 1)
         try:
             mark = None
-            for ev in run.generate():
+            for ev in eng.batch([1, 2, 3, 4, 5], GenSpec(gen=tokens + 1)):
                 if type(ev).__name__ == "TokenOut" and mark is None:   # prefill done
                     mark = (clock(), spent[0], calls[0])
             return ((clock() - mark[0]) - (spent[0] - mark[1]), calls[0] - mark[2],
-                    run.cfg.n_layers)
+                    eng.cfg.n_layers)
         finally:
-            run.close()
+            eng.close()
 
     d = model_dir or ready_dir()
     for name in K.KERNEL_ENTRY_POINTS:
         setattr(K, name, timed(getattr(K, name)))
-    base = dict(prompt=Prompt(ids=(1, 2, 3, 4, 5)), gen=tokens + 1, threads=1,
-                incremental=True)
-    glue, n, layers = decode(request_from(d, [("--cache-gb", 1.0)], **base))
-    streamed = decode(request_from(d, [("--trunk-gb", 0.0), ("--cache-gb", 1.0)],
-                                   trunk_dir=os.path.join(d, "trunk"), **base))[0]
+    glue, n, layers = decode(load_spec_from(d, [("--cache-gb", 1.0)], threads=1,
+                                            incremental=True))
+    streamed = decode(load_spec_from(d, [("--trunk-gb", 0.0), ("--cache-gb", 1.0)],
+                                     trunk_dir=os.path.join(d, "trunk"), threads=1,
+                                     incremental=True))[0]
     return {"glue_call_s": max(glue, 0.0) / max(n, 1), "calls_per_token": n / tokens,
             "bind_s": max(streamed - glue, 0.0) / (tokens * layers)}
 
@@ -540,7 +346,7 @@ def measure_baseline() -> int:
     run carries before it allocates anything (SYSTEM §5.8).  Its current RSS, not
     getrusage's peak: Linux carries ru_maxrss across exec, so a child would report this
     process's own high-water mark (a calibration's gigabytes)."""
-    code = ("import k3engine.session, k3engine.kernels, k3engine.telemetry as t; "
+    code = ("import k3engine.engine, k3engine.kernels, k3engine.telemetry as t; "
             "print(t.rss_bytes())")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -552,7 +358,6 @@ def measure_baseline() -> int:
 
 def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigures:
     from . import kernels as K
-    from .session import default_threads
     nt = threads or default_threads()
     old = K.get_num_threads()
     K.set_num_threads(nt)
@@ -576,38 +381,12 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
                           **kern)
 
 
-def _read_cache(path: str) -> dict:
-    try:
-        with open(path) as f:
-            entries = json.load(f)
-        return entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def cached_machine_figures(device_dir: str, threads: int | None = None,
-                           path: str | None = None) -> MachineFigures | None:
-    """The cached figures for this machine's identity, or None (never measures: the app
-    calls this on every model change and measures only when asked)."""
-    from .session import default_threads
-    path = path or cache_file()
-    key = identity_key(machine_identity(device_dir, threads or default_threads()))
-    entry = _read_cache(path).get(key)
-    if entry is None:
-        return None
-    try:
-        return MachineFigures.from_json(entry, f"cache {path}")
-    except (KeyError, TypeError, ValueError):
-        return None                              # damaged entry: as if absent
-
-
 def machine_figures(device_dir: str, threads: int | None = None, refresh: bool = False,
                     path: str | None = None) -> MachineFigures:
     """The cached figures for this machine (keyed by `machine_identity`), measured and
     saved when absent, stale (another identity) or `refresh`.  A damaged cache file is
     remeasured and rewritten, never trusted."""
     from .atomic import write_atomic
-    from .session import default_threads
     nt = threads or default_threads()
     path = path or cache_file()
     if not refresh:
@@ -772,7 +551,7 @@ def local_model(model_dir: str, trunk_dir: str | None = None, config: str | None
                 ) -> ModelShape:
     """A checkpoint on disk, opened as the engine opens it (shard index, partial-download
     refusal, the trunk's manifest cross-checked): its real layer runs and expert size."""
-    from .session import open_model, read_config
+    from .loading import open_model, read_config
     cfg, _ = read_config(model_dir, config)
     setup = open_model(model_dir, cfg, None, trunk_dir)
     try:

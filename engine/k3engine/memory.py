@@ -916,7 +916,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What a run asks of the planner (made by run.RunRequest.plan_request)."""
+    """What a run asks of the planner (made by engine.LoadSpec.plan_request)."""
     budgets: Budgets = Budgets()
     trunk_ring: int = RING_DEFAULT
     streamed: bool = False

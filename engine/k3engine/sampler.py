@@ -78,7 +78,7 @@ class Pcg32:
         return ((a << 21) ^ (b & 0x1FFFFF)) / TWO_POW_53
 
 
-def _check_settings(temperature: float, top_p: float, top_k: int) -> None:
+def _check_settings(temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> None:
     # `not x > 0` rather than `x <= 0`, so NaN is refused as well.
     if not temperature > 0.0:
         raise SamplerError(f"temperature must be > 0, got {temperature!r}")
@@ -86,6 +86,8 @@ def _check_settings(temperature: float, top_p: float, top_k: int) -> None:
         raise SamplerError(f"top-p must be in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise SamplerError(f"top-k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not 0.0 <= min_p < 1.0:
+        raise SamplerError(f"min-p must be in [0, 1) (0 = off), got {min_p!r}")
 
 
 def _is_u64(v: object) -> bool:
@@ -112,8 +114,11 @@ def _first_true(mask: np.ndarray) -> int:
 
 
 def select(logits: np.ndarray, temperature: float, top_p: float, top_k: int,
-           rng: Pcg32 | None, greedy: bool) -> int:
-    """Pick one id from float32 `logits` (§9.5). Greedy and degenerate cases draw nothing."""
+           rng: Pcg32 | None, greedy: bool, min_p: float = 0.0) -> int:
+    """Pick one id from float32 `logits` (§9.5). Greedy and degenerate cases draw nothing.
+    `min_p` (ours, not the reference's; 0 = off, the reference's stream) also drops every
+    id whose probability is below min_p times the most likely one's; the survivors are a
+    prefix of the sorted order, so it only narrows the top-k window."""
     a = np.asarray(logits)
     if a.dtype != np.float32 or a.ndim != 1:
         raise SamplerError(f"logits must be a 1-D float32 array, got {a.dtype} {a.shape}")
@@ -122,7 +127,7 @@ def select(logits: np.ndarray, temperature: float, top_p: float, top_k: int,
         raise SamplerError("no logits (vocabulary of size 0)")
     temperature, top_p = float(temperature), float(top_p)
     # Checked even in greedy mode, as the reference does.
-    _check_settings(temperature, top_p, top_k)
+    _check_settings(temperature, top_p, top_k, min_p)
     best = _argmax_first(a)
     if greedy:
         return best
@@ -148,6 +153,8 @@ def select(logits: np.ndarray, temperature: float, top_p: float, top_k: int,
     # Stable sort of -p: descending probability, equal probabilities by ascending id.
     order = np.argsort(-p, kind="stable")
     w = min(int(top_k), n) if top_k > 0 else n
+    if min_p > 0.0:
+        w = min(w, int(np.count_nonzero(p >= min_p * p[order[0]])))
     cum = np.add.accumulate(p[order[:w]])  # keep / acc, summed in sorted order
     # `while k < w and keep < top_p: keep += p[order[k]]; k += 1`: stops after the first
     # prefix sum that is >= top_p (no NaN can occur past the finiteness check).
@@ -170,13 +177,14 @@ class Sampler:
     """One chat session's sampler. Greedy (argmax) unless sampling was asked for."""
 
     def __init__(self, temperature: float = DEFAULT_TEMPERATURE, top_p: float = DEFAULT_TOP_P,
-                 top_k: int = 0, seed: int = 0, greedy: bool = True):
-        _check_settings(float(temperature), float(top_p), top_k)
+                 top_k: int = 0, seed: int = 0, greedy: bool = True, min_p: float = 0.0):
+        _check_settings(float(temperature), float(top_p), top_k, float(min_p))
         if not _is_u64(seed):
             raise SamplerError(f"seed must be an unsigned 64-bit integer, got {seed!r}")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.top_k = int(top_k)
+        self.min_p = float(min_p)
         self.seed = int(seed)
         self.greedy = bool(greedy)
         self.turn: int | None = None
@@ -185,16 +193,16 @@ class Sampler:
     @classmethod
     def from_flags(cls, temperature: float | None = None, top_p: float | None = None,
                    top_k: int | None = None, seed: int | None = None, greedy: bool = False,
-                   *, clock=clock_seed) -> "Sampler":
+                   min_p: float | None = None, *, clock=clock_seed) -> "Sampler":
         """The CLI rule: any of temperature/top-p/top-k/seed switches sampling on, --greedy
         forces argmax anyway; unset values take the §9.5 defaults, the seed comes from the
         clock when not given."""
-        asked = any(v is not None for v in (temperature, top_p, top_k, seed))
+        asked = any(v is not None for v in (temperature, top_p, top_k, seed, min_p))
         return cls(DEFAULT_TEMPERATURE if temperature is None else temperature,
                    DEFAULT_TOP_P if top_p is None else top_p,
                    0 if top_k is None else top_k,
                    clock() if seed is None else seed,
-                   greedy=greedy or not asked)
+                   greedy=greedy or not asked, min_p=0.0 if min_p is None else min_p)
 
     @property
     def sampling(self) -> bool:
@@ -209,7 +217,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """Next id. Greedy never touches the stream, so it needs no turn."""
-        return select(logits, self.temperature, self.top_p, self.top_k, self._rng, self.greedy)
+        return select(logits, self.temperature, self.top_p, self.top_k, self._rng, self.greedy,
+                      self.min_p)
 
     def mode_text(self) -> str:
         """The chat banner's sampling word (§9.4)."""
@@ -222,8 +231,9 @@ class Sampler:
             return None
         line = (f"  sampler  : PCG32 seed {self.seed}, temperature {self.temperature:.3f}, "
                 f"top-p {self.top_p:.3f}")
-        return line + (f", top-k {self.top_k}" if self.top_k > 0 else "")
+        return line + (f", top-k {self.top_k}" if self.top_k > 0 else "") + \
+            (f", min-p {self.min_p:.3f}" if self.min_p > 0 else "")
 
     def __repr__(self) -> str:
         return (f"Sampler(temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}, "
-                f"seed={self.seed}, greedy={self.greedy}, turn={self.turn})")
+                f"seed={self.seed}, greedy={self.greedy}, min_p={self.min_p}, turn={self.turn})")

@@ -39,7 +39,7 @@ class PeakWindow:
     reporting that one.  On Linux, writing 5 to /proc/self/clear_refs resets the kernel's
     VmHWM to the current RSS (Documentation/filesystems/proc.rst), and VmHWM is then read
     back: still the OS's own figure.  (It lowers getrusage's ru_maxrss for this process as
-    well, so the per-step peaks of the run API are then per window too; the CLI never
+    well, so the per-step peaks of the engine are then per window too; the CLI never
     resets.)  Elsewhere the window's peak is the largest RSS sampled since the reset:
     `measured` says which ("VmHWM" or "samples")."""
 

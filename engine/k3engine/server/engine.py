@@ -1,5 +1,6 @@
 """One generation at a time: the engine thread, its bounded queue, and the adapter from a
-validated request to the run API's events.
+validated request to the engine's turns (a Conversation for chat, a batch turn for
+completions).
 
 The engine owns the machine's memory (the plan was made for one sequence), so requests run
 one after another on ONE thread; the event loop only submits jobs and reads what they post.
@@ -8,9 +9,10 @@ Each job has its own `Cancel`: a disconnecting client, a stop string or shutdown
 and the engine honours it at the next safe point (between the layers of the prompt pass,
 between decode steps).
 
-The state of the last request is kept (one sequence, as the plan counts): the next request
-reuses it when its prompt extends what was fed (chat.reuse_positions, all or nothing), which
-is how a conversation continued request after request skips re-reading its history.
+The sequence of the last request is kept (one sequence, as the plan counts): the next
+request reuses it when its prompt extends what was fed (Sequence.prepare, all or nothing, or
+a fork point), which is how a conversation continued request after request skips re-reading
+its history.
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..chat import ChatError, ChatOptions
-from ..errors import describe
-from ..session import Cancel, Carried
+from ..chat import ChatError
+from ..conversation import Conversation
+from ..errors import EngineError, LimitError, describe
+from ..events import TokenOut, TurnEnded
+from ..generate import Cancel, GenSpec, TextStream, TurnSummary
 from .protocol import ApiError, GenRequest, Limits, usage_body
 from .stops import StopMatcher
 
@@ -172,31 +176,36 @@ def engine_error(e: BaseException) -> ApiError:
                     code=kind)
 
 
-# ---------------------------------------------------------------- the run API adapter
+# ---------------------------------------------------------------- the engine adapter
+
+# LimitError.kind -> (the request field it concerns, the OpenAI error code)
+LIMIT_CODES = {"prompt": ("messages", "context_length_exceeded"),
+               "positions": ("max_tokens", "context_length_exceeded"),
+               "kv_cache": ("max_tokens", "kv_cache_refused"),
+               "vocab": ("prompt", None)}
+
 
 class Backend:
-    """A loaded `Run` and the one kept sequence state.  `execute(job)` posts Started, Deltas
+    """A loaded Engine and the one kept sequence.  `execute(job)` posts Started, Deltas
     and Done (or raises ApiError before Started) and returns the job's outcome."""
 
-    def __init__(self, run, model_id: str, limits: Limits, available=None):
-        from ..run import chat_controls
-        self.run, self.model_id, self.limits = run, model_id, limits
-        self.available = available         # memory.available_memory() before the load
-        self.tok = run.tok
-        self.ctl = chat_controls(run.tok) if run.tok is not None else None
-        # the last request's sequence (session.Carried): its state, the exact ids it was
-        # fed, and the chat's snapshots where its last user message started (a request
-        # that changes what followed, e.g. a reply sent back without its reasoning, still
-        # reuses everything before that message).  Taken out while a request runs, so a
-        # failed one leaves nothing half advanced behind.
-        self.kept = Carried()
+    def __init__(self, engine, model_id: str, limits: Limits, spec: int = 0):
+        self.engine, self.model_id, self.limits = engine, model_id, limits
+        self.spec = spec                   # speculative width of greedy requests (--spec)
+        self.tok = engine.tok
+        # the last request's sequence: its state, the exact ids it was fed, and the fork
+        # point where its last user message started (a request that changes what followed,
+        # e.g. a reply sent back without its reasoning, still reuses everything before
+        # that message).  Taken out while a request runs, so a failed one leaves nothing
+        # half advanced behind.
+        self.kept = engine.sequence()
 
     def close(self) -> None:
-        self.kept = Carried()
-        self.run.close()
+        self.kept = None
+        self.engine.close()
 
-    def _take(self) -> Carried:
-        kept, self.kept = self.kept, Carried()
+    def _take(self):
+        kept, self.kept = self.kept, self.engine.sequence()
         return kept
 
     def execute(self, job: Job) -> str:
@@ -206,95 +215,68 @@ class Backend:
             return self._chat(job)
         return self._completion(job)
 
-    # -- shared ----------------------------------------------------------------------
-    def _check_length(self, n_prompt: int, gen: int) -> None:
-        from ..session import MAX_POSITIONS
-        lim = self.limits.max_prompt_ids
-        if n_prompt > lim:
-            raise ApiError(400, f"the prompt is {n_prompt} tokens; this server's limit is "
-                                f"{lim} (refused, never truncated)", param="messages",
-                           code="context_length_exceeded")
-        if n_prompt + gen + 1 > MAX_POSITIONS:
-            raise ApiError(400, f"prompt {n_prompt} + max_tokens {gen} + 1 exceeds the "
-                                f"{MAX_POSITIONS}-position ceiling", param="max_tokens",
-                           code="context_length_exceeded")
-        # the KV cache of this request must fit, as every chat turn's (SYSTEM 5.5.1)
-        from ..memory import kv_check
-        kv = kv_check(self.run.setup.figures, n_prompt + gen + 1, self.available)
-        if kv.refusal is not None:
-            raise ApiError(400, kv.refusal.message, param="max_tokens",
-                           code="kv_cache_refused")
+    def _gen_spec(self, req: GenRequest) -> GenSpec:
+        return GenSpec(gen=req.gen, sampling=req.sampling.run_sampling(),
+                       thinking=req.thinking, effort=req.effort, spec=self.spec)
+
+    def _check(self, n_prompt: int, gen: int, ids=()) -> None:
+        """The engine's limits (check_limits) as this server's 400s."""
+        try:
+            self.engine.check_limits(n_prompt, gen, ids, self.limits.max_prompt_ids)
+        except LimitError as e:
+            raise limit_error(e) from None
 
     # -- chat ------------------------------------------------------------------------
     def _chat(self, job: Job) -> str:
-        from ..events import StepDone, TokenOut, TurnEnded
-        from ..session import ChatSession
         req = job.req
-        if self.ctl is None:
-            raise ApiError(400, "this model has no tokenizer with chat control tokens",
-                           code="chat_unsupported")
         try:
-            opts = ChatOptions(thinking=req.thinking, effort=req.effort)
-            chat = ChatSession(self.run.lm, self.tok, self.ctl, req.history, opts,
-                               req.sampling.run_sampling().sampler(), incremental=True)
-            prompt = chat.render()
+            self.engine.ctl
+        except EngineError:
+            raise ApiError(400, "this model has no tokenizer with chat control tokens",
+                           code="chat_unsupported") from None
+        spec = self._gen_spec(req)
+        conv = Conversation(self.engine, req.history, seq=self._take())
+        turn = conv.turn(spec, job.cancel)
+        try:
+            started = next(turn)               # refusals come before the turn starts
         except ChatError as e:
             code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
             raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
-        self._check_length(len(prompt), req.gen)
-        chat.adopt(self._take())
-        job.post(Started(len(prompt)))
-        acc = Figures()
+        except LimitError as e:
+            raise limit_error(e) from None
+        job.post(Started(started.prompt_ids))
         stops = StopMatcher(req.stops)
-        result = None
-        ids: list[int] = []
-        try:
-            for ev in self.run.turn(chat, req.gen, job.cancel):
-                if isinstance(ev, StepDone):
-                    acc.step(ev)
-                elif isinstance(ev, TokenOut):
-                    if ev.id >= 0:
-                        ids.append(ev.id)
-                    if ev.phase == "thinking":
-                        acc.reasoning += ev.id >= 0
-                        if ev.text:
-                            job.post(Delta("reasoning", ev.text))
-                    elif ev.phase == "response":
-                        text = stops.push(ev.text)
-                        if text:
-                            job.post(Delta("content", text))
-                        if stops.hit is not None:
-                            job.cancel.set()      # generation ends at the next safe point
-                elif isinstance(ev, TurnEnded):
-                    result = ev.result
-        except ChatError as e:
-            # The model closed its turn with an end id, but the reply does not parse
-            # strictly (chat.parse_reply: `k3 --chat` exits 1 here).  The text already
-            # streamed stands; the request ends as `stop` and says why.
-            from ..session import TurnResult
-            result = TurnResult(ids, len(prompt), None, acc.seconds, acc.first or 0.0,
-                                ids[-1] if ids else None)
-            acc.note = f"the reply closed but is not a well-formed turn: {e}"
-        finally:
-            if not (chat.state is not None and chat.state.poisoned):
-                self.kept = chat.carried()
+        reasoning = 0
+        res = None
+        for ev in turn:
+            if isinstance(ev, TurnEnded):
+                res = ev.result
+            elif not isinstance(ev, TokenOut):
+                continue
+            elif ev.phase == "thinking":
+                reasoning += ev.id >= 0
+                if ev.text:
+                    job.post(Delta("reasoning", ev.text))
+            elif ev.phase == "response":
+                text = stops.push(ev.text)
+                if text:
+                    job.post(Delta("content", text))
+                if stops.hit is not None:
+                    job.cancel.set()          # generation ends at the next safe point
+        if conv.seq.usable:
+            self.kept = conv.seq
         tail = stops.flush()
         if tail:
             job.post(Delta("content", tail))
-        finish = finish_reason(stops.hit, result.end_id, result.interrupted,
-                               len(result.ids), req.gen)
-        job.post(Done(finish, usage_body(result.prompt_ids, len(result.ids), acc.reasoning),
-                      acc.ext(result.first_token_seconds, len(result.ids), result.reused,
-                              result.prompt_ids, result.ids)))
-        return "cancelled" if finish == "cancelled" else "answered"
+        # A turn that closed with an end id but does not parse strictly (`k3 --chat` exits
+        # 1 there): the text already streamed stands; the request ends as `stop` and says why.
+        note = f"the reply closed but is not a well-formed turn: {res.malformed}" \
+            if res.malformed else None
+        return self._done(job, stops, res, reasoning, note)
 
-    # -- completions (the batch loop on the kept state) -------------------------------
+    # -- completions (a batch turn on the kept sequence) --------------------------------
     def _completion(self, job: Job) -> str:
-        from ..chat import reuse_positions
-        from ..events import Finished, StepDone, TokenOut
-        from ..state import grown
-        from ..tokenizer import StreamDecoder
-        req, run = job.req, self.run
+        req = job.req
         if isinstance(req.prompt, str):
             if self.tok is None:
                 raise ApiError(400, "a text prompt needs the model's tokenizer (--tok); "
@@ -302,86 +284,64 @@ class Backend:
             ids = list(self.tok.encode(req.prompt, True))
         else:
             ids = list(req.prompt)
-            bad = next((i for i in ids if i >= run.cfg.vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"token id {bad} is outside the vocabulary of "
-                                    f"{run.cfg.vocab}", param="prompt")
-        self._check_length(len(ids), req.gen)
-        kept = self._take()                       # the batch loop keeps no chat forks
-        reuse = reuse_positions(kept.record, ids, cached=kept.state.n_cached) \
-            if kept.usable else 0
-        carried = (grown(kept.state, len(ids) + req.gen + 1), ids[:reuse]) if reuse else None
+        self._check(len(ids), req.gen, ids)
+        spec = self._gen_spec(req)
+        seq = self._take()
+        reuse = seq.prepare(ids, req.gen + 1)
         job.post(Started(len(ids)))
-        ends = tuple(self.ctl.end_ids) if self.ctl is not None else ()
-        # the text a client sees leaves the end ids out (Run.generate's own text has them)
-        stream = StreamDecoder(self.tok) if self.tok is not None else None
+        ends = tuple(self.engine.ctl.end_ids) if _has_ctl(self.engine) else ()
+        # the text a client sees leaves every added (control) id out; the ids stay counted
+        hidden = set(getattr(self.tok, "added", None) or ()) | set(ends)
         stops = StopMatcher(req.stops)
-        acc = Figures()
-        out: list[int] = []
-        res = None
-        for ev in run.generate(job.cancel, stop_in_pass=True, ids=ids[reuse:], gen=req.gen,
-                               sampler=req.sampling.run_sampling().sampler(),
-                               stop_ids=ends, carried=carried):
-            if isinstance(ev, StepDone):
-                acc.step(ev)
-            elif isinstance(ev, TokenOut):
-                out.append(ev.id)
-                if stream is not None and ev.id not in ends:
-                    text = stops.push(stream.push(ev.id))
-                    if text:
-                        job.post(Delta("text", text))
+        sampler = spec.sampling.sampler()
+        sampler.new_turn(1)
+        steps = self.engine.generate(seq, spec, sampler, job.cancel, stop_in_pass=True,
+                                     end_ids=ends, reused=reuse,
+                                     parser=TextStream(self.tok, hidden))
+        while True:
+            try:
+                ev = next(steps)
+            except StopIteration as done:
+                res = done.value
+                break
+            if isinstance(ev, TokenOut) and stops.hit is None:
+                text = stops.push(ev.text)
+                if text:
+                    job.post(Delta("text", text))
                 if stops.hit is not None:
                     job.cancel.set()              # generation ends at the next safe point
-            elif isinstance(ev, Finished):
-                res = ev.result
-        if res.state is not None and not res.state.poisoned:
-            self.kept = Carried(res.state, res.full_ids[:res.state.n_cached])
-        tail = stops.flush() + (stream.flush() if stream is not None and stops.hit is None
-                                else "")
+        if seq.usable:
+            self.kept = seq
+        tail = stops.flush()
         if tail:
             job.post(Delta("text", tail))
-        end = res.stopped_at if res.stopped_at >= 0 else None
-        finish = finish_reason(stops.hit, end, res.interrupted, len(out), req.gen)
-        job.post(Done(finish, usage_body(len(ids), len(out), 0),
-                      acc.ext(acc.first or 0.0, len(out), reuse, len(ids), out)))
+        return self._done(job, stops, res, 0)
+
+    def _done(self, job: Job, stops, res: TurnSummary, reasoning: int,
+              note: str | None = None) -> str:
+        finish = finish_reason(stops.hit, res.end_id, res.interrupted, res.new_ids, job.req.gen)
+        job.post(Done(finish, usage_body(res.prompt_positions, len(res.ids), reasoning),
+                      usage_ext(res, note)))
         return "cancelled" if finish == "cancelled" else "answered"
 
 
-def finish_reason(stop_hit, end_id, interrupted: bool, n: int, gen: int) -> str:
-    """stop: an end id or a stop string; length: max_tokens reached; cancelled: the
-    client left (or shutdown) before either."""
-    if stop_hit is not None or end_id is not None:
-        return "stop"
-    if n >= gen:
-        return "length"
-    return "cancelled" if interrupted else "length"
+def _has_ctl(engine) -> bool:
+    try:
+        engine.ctl
+        return True
+    except EngineError:
+        return False
 
 
-class Figures:
-    """The `k3` extension figures of one request, summed over its steps."""
+def limit_error(e: LimitError) -> ApiError:
+    param, code = LIMIT_CODES.get(e.kind, (None, None))
+    return ApiError(400, str(e), param=param, code=code)
 
-    def __init__(self):
-        self.seconds = 0.0
-        self.bytes_read = 0
-        self.peak_rss = 0
-        self.reasoning = 0
-        self.first: float | None = None      # seconds to the first step's end
-        self.note: str | None = None
 
-    def step(self, ev) -> None:
-        if self.first is None:
-            self.first = self.seconds + ev.seconds
-        self.add(ev.seconds, ev.telemetry)
-
-    def add(self, seconds: float, t) -> None:
-        self.seconds += seconds
-        self.bytes_read += t.trunk_bytes + t.expert_bytes + t.model_table_bytes
-        self.peak_rss = max(self.peak_rss, t.peak_rss_bytes)
-
-    def ext(self, ttft: float, n: int, reused: int, prompt: int, ids) -> dict:
-        decode = max(self.seconds - ttft, 0.0)
-        return {"ttft_s": round(ttft, 6),
-                "s_per_token": round(decode / (n - 1), 6) if n > 1 else None,
-                "bytes_read": self.bytes_read, "peak_rss_bytes": self.peak_rss,
-                "reused_positions": reused, "prompt_positions": prompt,
-                "ids": list(int(i) for i in ids), **({"note": self.note} if self.note else {})}
+def usage_ext(res: TurnSummary, note: str | None = None) -> dict:
+    """The `k3` extension of a response's usage: the turn summary's figures (the same
+    the app's stats line and the REPL's report show, rounded for the wire) and the ids."""
+    n = res.new_ids
+    figs = {k: round(v, 6) if isinstance(v, float) else v for k, v in res.figures().items()}
+    return {**figs, "s_per_token": round(res.decode_seconds / (n - 1), 6) if n > 1 else None,
+            "ids": [int(i) for i in res.ids], **({"note": note} if note else {})}

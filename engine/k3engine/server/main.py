@@ -17,7 +17,7 @@ import sys
 
 from ..errors import EXIT_OK, EXIT_USAGE, describe
 from ..experts import POLICIES
-from ..session import MAX_GEN, MAX_PROMPT
+from ..engine import MAX_GEN, MAX_PROMPT
 
 USAGE_NOTE = """\
 endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for the engine (default 4)")
     p.add_argument("--gen", type=int, default=MAX_GEN, metavar="N",
                    help=f"max_tokens ceiling and default (1..{MAX_GEN})")
+    p.add_argument("--spec", type=int, default=0, metavar="N",
+                   help="n-gram speculative decoding of greedy requests, up to N (<= 8) "
+                        "drafts per sweep: same ids as plain greedy, fewer trunk passes")
     p.add_argument("--model-id", help="the id /v1/models lists (default: MODEL_DIR's name)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N")
     p.add_argument("--max-messages", type=int, default=1024, metavar="N")
@@ -86,6 +89,8 @@ def check_options(a) -> str | None:
                 f"K3_API_KEY), or --insecure-no-key to serve it without one")
     if a.queue < 0:
         return "--queue must be >= 0"
+    if not 0 <= a.spec <= 8:
+        return "--spec must be in 0..8"
     if not 1 <= a.gen <= MAX_GEN:
         return f"--gen must be in 1..{MAX_GEN}"
     if not 1 <= a.max_prompt <= MAX_PROMPT:
@@ -122,20 +127,18 @@ def main(argv: list[str]) -> int:
         print(f"k3 serve: cannot listen on {a.host}:{a.port}: {e.strerror or e}",
               file=sys.stderr)
         return EXIT_USAGE
-    from .. import run
+    from ..engine import load_spec_from, open_engine
     from ..console import Printer
     from ..telemetry import Events
     from .app import create_app
     from .engine import Backend, EngineThread
     from .protocol import Limits
-    from ..memory import available_memory
-    _, available = available_memory()      # before the load, as the chat's KV check uses it
     try:
-        req = run.request_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
-                               config_path=a.config, trunk_ring=a.trunk_ring,
-                               threads=a.threads, chat=True, gen=a.gen,
-                               cache_policy=a.cache_policy)
-        r = run.open_run(req, Printer(Events()))
+        spec = load_spec_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
+                              config_path=a.config, trunk_ring=a.trunk_ring,
+                              threads=a.threads, incremental=True, spec=a.spec,
+                              cache_policy=a.cache_policy)
+        eng = open_engine(spec, Printer(Events()), gen=a.gen)
     except Exception as e:
         d = describe(e)
         if d is None:
@@ -146,7 +149,7 @@ def main(argv: list[str]) -> int:
     model_id = a.model_id or os.path.basename(os.path.normpath(a.model_dir))
     limits = Limits(max_body_bytes=a.max_body_bytes, max_messages=a.max_messages,
                     max_prompt_ids=a.max_prompt, max_tokens=a.gen)
-    backend = Backend(r, model_id, limits, available)
+    backend = Backend(eng, model_id, limits, a.spec)
     engine = EngineThread(backend, a.queue)
     code = serve_until_stopped(create_app(engine, model_id, a.api_key, limits), sock, a)
     engine.close()                         # cancels a running generation at a safe point

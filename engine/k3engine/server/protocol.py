@@ -110,7 +110,7 @@ class SamplingIn:
     greedy: bool
 
     def run_sampling(self):
-        from ..run import Sampling
+        from ..generate import Sampling
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         seed=self.seed, greedy=self.greedy)
 

@@ -46,7 +46,7 @@ def machine_section(device_dir: str | None, threads: int | None = None,
     cached machine figures: measured once per machine; `figures`, a MachineFigures the
     caller already holds -- the app's forecast column -- is used as it is)."""
     from ..forecast import machine_figures
-    from ..session import physical_cores
+    from ..threads import physical_cores
     out = {"cpu": _cpu(), "logical_cpus": os.cpu_count() or 1,
            "physical_cores": physical_cores(), "memory_bytes": _mem_total(),
            "os": f"{platform.system()} {platform.machine()}",
@@ -60,12 +60,12 @@ def machine_section(device_dir: str | None, threads: int | None = None,
 
 
 def _cpu() -> str:
-    from ..forecast import _cpu_model
+    from ..machine import _cpu_model
     return _cpu_model()
 
 
 def _mem_total() -> int:
-    from ..forecast import _mem_total as total
+    from ..machine import _mem_total as total
     return total()
 
 
@@ -92,7 +92,7 @@ def model_name(cfg) -> str:
 def _shipped_demo_config():
     """The shipped trained demo model's config (k3 demo --path), or None without it."""
     from ..config import ConfigError
-    from ..session import read_config
+    from ..loading import read_config
     from .demo import shipped_dir
     try:
         return read_config(shipped_dir(), None)[0]
@@ -346,7 +346,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return EXIT_OUT
     from ..config import ConfigError
-    from ..session import read_config
+    from ..loading import read_config
     try:
         cfg, _ = read_config(a.model, None)
     except (ConfigError, OSError) as e:
@@ -365,7 +365,7 @@ def main(argv: list[str]) -> int:
                   run_events(a.model, flags, prompt_ids(a.prompt_len, cfg.vocab), a.gen,
                              a.threads))
         # the threads the child ran with (it inherits OMP_NUM_THREADS): never "None"
-        from ..session import default_threads
+        from ..threads import default_threads
         threads = a.threads or default_threads()
         rec = build(cfg, events, machine_section(a.trunk or a.model, threads), threads)
         paths = write(rec, a.out, [a.model, a.trunk, a.from_events])

@@ -203,7 +203,7 @@ def import_engine():
     can simulate it through sys.modules)."""
     K = importlib.import_module("k3engine.kernels")
     K.simd_active()
-    importlib.import_module("k3engine.session")
+    importlib.import_module("k3engine.engine")
     return K
 
 
@@ -258,7 +258,7 @@ def check_engine(r: Report, st: State) -> None:
     elif path:
         r.info(f"SiTU and sigmoid: libm calls (this libm, {' '.join(platform.libc_ver())}, "
                f"differs from the {path} copies of glibc 2.36's; same bits, slower)")
-    from ..session import default_threads, physical_cores
+    from ..threads import default_threads, physical_cores
     logical, phys = os.cpu_count() or 1, physical_cores()
     r.ok(f"threads: {default_threads()} (cores: {logical} logical, {phys} physical"
          + ("; OMP_NUM_THREADS set" if os.environ.get("OMP_NUM_THREADS") else "") + ")")
@@ -366,7 +366,7 @@ def check_model(r: Report, st: State, model_dir: str) -> None:
         return
 
     from ..checkpoint import CheckpointError
-    from ..session import open_model
+    from ..loading import open_model
     t0 = time.monotonic()
     try:
         st.setup = open_model(model_dir, cfg)
