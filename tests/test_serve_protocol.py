@@ -5,7 +5,8 @@ import pytest
 
 pytest.importorskip("pydantic", reason="k3 serve needs fastapi (and so pydantic)")
 
-from k3engine.server.protocol import ApiError, Limits, parse_chat, parse_completion  # noqa
+from k3engine.server.protocol import (ApiError, Limits, ModelNames, parse_chat,  # noqa
+                                      parse_completion)
 from k3engine.server.stops import StopMatcher  # noqa: E402
 
 
@@ -41,11 +42,12 @@ def test_no_stops_passes_everything():
 
 
 LIM = Limits(max_messages=4, max_tokens=100)
+M = ModelNames("m")
 
 
 def chat(**body):
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return parse_chat(body, "m", LIM)
+    return parse_chat(body, M, LIM)
 
 
 def test_chat_mapping():
@@ -92,8 +94,8 @@ def test_chat_refusals(body, status, param):
 
 
 def test_completion_prompts():
-    assert parse_completion({"prompt": [1, 2]}, "m", LIM).prompt == (1, 2)
-    assert parse_completion({"prompt": "text"}, "m", LIM).prompt == "text"
+    assert parse_completion({"prompt": [1, 2]}, M, LIM).prompt == (1, 2)
+    assert parse_completion({"prompt": "text"}, M, LIM).prompt == "text"
     for bad in ([1, True], [-1], [], "", [[1, 2]], 5):
         with pytest.raises(ApiError):
-            parse_completion({"prompt": bad}, "m", LIM)
+            parse_completion({"prompt": bad}, M, LIM)
