@@ -27,18 +27,18 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ..chat import ChatError, History, Message
-from .protocol import (EFFORTS, ApiError, GenRequest, Limits, ModelNames, _no, _Strict, _validated,
-                       check_count, check_ends_with_user, gen_of, new_id, refuse_unhonoured,
-                       sampling_of, sse, stops_of)
+from .protocol import (EFFORTS, ApiError, GenRequest, Limits, ModelNames, never, empty,
+                       StrictModel, validated, check_count, check_ends_with_user, gen_of, new_id,
+                       refuse_unhonoured, sampling_of, sse, stops_of)
 
 # effort from a thinking budget: the K3 encoder's three efforts over Anthropic's range
 # (budgets start at 1,024; 4k-16k is the "medium" thinking its docs describe)
 EFFORT_BUDGETS = ((4096, "low"), (16384, "high"))
 
 ANTHROPIC_REFUSED = {
-    "tools": _no, "tool_choice": lambda v: v == {"type": "none"},
-    "container": _no, "mcp_servers": _no, "context_management": _no,
-    "output_format": _no, "speed": lambda v: v == "standard",
+    "tools": empty, "tool_choice": lambda v: v == {"type": "none"},
+    "container": never, "mcp_servers": empty, "context_management": never,
+    "output_format": never, "speed": lambda v: v == "standard",
 }
 # accepted and ignored: informational, routing or billing hints with one answer here, and
 # cache_control (our prompt cache matches prefixes without being asked)
@@ -46,23 +46,23 @@ ANTHROPIC_IGNORED = ("metadata", "service_tier", "cache_control", "diagnostics",
                      "inference_geo", "user_profile_id", "workspace_id")
 
 
-class AnthropicMessageIn(_Strict):
+class AnthropicMessageIn(StrictModel):
     role: Literal["user", "assistant"]
     content: Any                      # a string or content blocks: checked in _blocks
 
 
-class ThinkingIn(_Strict):
+class ThinkingIn(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1)
     display: Literal["summarized", "omitted"] | None = None
 
 
-class OutputConfigIn(_Strict):
+class OutputConfigIn(StrictModel):
     effort: str | None = None
     format: Any = None
 
 
-class MessagesRequestIn(_Strict):
+class MessagesRequestIn(StrictModel):
     model: str
     messages: list[AnthropicMessageIn]
     max_tokens: int = Field(ge=1)
@@ -110,7 +110,7 @@ def parse_messages(data: Any, models: ModelNames, limits: Limits
     """A /v1/messages body -> (the chat GenRequest, whether thinking text is shown), or
     ApiError."""
     refuse_unhonoured(data, ANTHROPIC_REFUSED)
-    r = _validated(MessagesRequestIn, data)
+    r = validated(MessagesRequestIn, data)
     check_count(len(r.messages), limits)
     history = History()
     try:

@@ -105,27 +105,31 @@ class Limits:
 
 # ------------------------------------------------------------------ what is refused
 
-def _no(v) -> bool:                          # absent, null, false, empty
+def empty(v) -> bool:                       # absent, null, false, empty
     return not v
+
+
+def never(v) -> bool:                       # any value asks for something (even {})
+    return False
 
 
 # Fields a client may send that this server cannot honour: each maps to the test a value
 # must pass to be accepted (the value that asks for nothing).  Anything else is a 400 that
 # names the field, never a 200 that silently did less.  `null` always passes.
 OPENAI_REFUSED = {
-    "tools": _no, "functions": _no,
+    "tools": empty, "functions": empty,
     "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
     "response_format": lambda v: v == {"type": "text"},
-    "logit_bias": _no, "logprobs": _no, "top_logprobs": _no,
-    "n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": _no, "suffix": _no,
+    "logit_bias": empty, "logprobs": empty, "top_logprobs": empty,
+    "n": lambda v: v == 1, "best_of": lambda v: v == 1, "echo": empty, "suffix": empty,
     "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
-    "audio": _no, "modalities": lambda v: v == ["text"], "prediction": _no,
-    "web_search_options": _no, "store": _no, "verbosity": _no,
+    "audio": never, "modalities": lambda v: v == ["text"], "prediction": never,
+    "web_search_options": never, "store": empty, "verbosity": never,
 }
 # accepted and ignored: informational, or meaningless here (parallel_tool_calls without
 # tools; a cache key: our prompt cache matches prefixes by itself)
-OPENAI_IGNORED = ("user", "metadata", "parallel_tool_calls", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "service_tier")
+OPENAI_IGNORED = ("user", "metadata", "parallel_tool_calls", "safety_identifier",
+                  "prompt_cache_key", "prompt_cache_retention", "service_tier")
 WHY = {"tools": "tool calling is not supported by this server",
        "functions": "function calling is not supported by this server",
        "tool_choice": "tool calling is not supported by this server",
@@ -148,22 +152,22 @@ def refuse_unhonoured(data: Any, table: dict) -> None:
 
 # --------------------------------------------------------------------------- schema
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # strict: "5" is not 5 and 1 is not true; ignore: unknown fields are dropped
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class ChatMessageIn(_Strict):
+class ChatMessageIn(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any = None               # a string or text parts: checked in _content
     reasoning_content: str | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -257,7 +261,7 @@ def too_large(limits: Limits) -> ApiError:
                     code="request_too_large")
 
 
-def _validated(cls, data: Any):
+def validated(cls, data: Any):
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
@@ -335,7 +339,7 @@ def parse_chat(data: Any, models: ModelNames, limits: Limits) -> GenRequest:
     (optional system first, then user/assistant alternating, ending with user) are the
     chat history's own (chat.History), so the server and `k3 --chat` accept the same."""
     refuse_unhonoured(data, OPENAI_REFUSED)
-    r = _validated(ChatRequestIn, data)
+    r = validated(ChatRequestIn, data)
     check_count(len(r.messages), limits)
     effort = r.reasoning_effort
     if effort is not None and effort not in EFFORTS:
@@ -377,7 +381,7 @@ def check_ends_with_user(history: History) -> None:
 
 def parse_completion(data: Any, models: ModelNames, limits: Limits) -> GenRequest:
     refuse_unhonoured(data, OPENAI_REFUSED)
-    r = _validated(CompletionRequestIn, data)
+    r = validated(CompletionRequestIn, data)
     p = r.prompt
     if isinstance(p, list) and all(type(i) is int for i in p):   # bool is not an id
         prompt = tuple(p)
