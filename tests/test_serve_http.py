@@ -20,7 +20,8 @@ pytest.importorskip("fastapi", reason="k3 serve needs fastapi")
 from k3engine.server.app import create_app  # noqa: E402
 from k3engine.server.engine import Delta, Done, EngineThread, Started  # noqa: E402
 from k3engine.server.main import parser, uvicorn_config  # noqa: E402
-from k3engine.server.protocol import Limits, ModelNames, Progress, usage_body  # noqa: E402
+from k3engine.server.protocol import (ApiError, Limits, ModelNames, Progress,  # noqa: E402
+                                      usage_body)
 
 KEY = "k-http-77"
 KEEPALIVE_S = 0.2
@@ -41,6 +42,9 @@ class ScriptedBackend:
             while not self.release.wait(0.02):
                 if job.cancel:
                     return "cancelled"
+        if "refuse" in script:                # as the adapter refuses a too-long prompt
+            raise ApiError(400, "the prompt is 99999 tokens; this server's limit is 10",
+                           param="messages", code="context_length_exceeded")
         job.post(Started(10))
         if "prefill" in script:
             for done in (4, 8):
@@ -160,6 +164,42 @@ def test_a_queued_stream_gets_headers_a_first_event_and_keepalives(live, path, b
     assert any(x.startswith(b': k3 {"prefill":{"done":0,"total":10}}') for x in lines)
     assert lines[-1].startswith(end)
     holder.join(10)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_refusal_is_a_4xx_when_it_can_be_and_in_the_stream_when_headers_went(live,
+                                                                               queued):
+    """A refusal the adapter makes as the job starts: a plain 400 when the job starts
+    within the header grace; after it (queued behind another job) the 200 is sent, so
+    the error arrives as the stream's error event, in Anthropic's shape."""
+    if queued:
+        holder = threading.Thread(target=post, args=(live, "/v1/chat/completions",
+                                                     chat_body("hold")), daemon=True)
+        holder.start()
+        while not live["engine"].status()["busy"]:
+            time.sleep(0.01)
+        threading.Timer(1.0, live["backend"].release.set).start()
+    c, resp = post(live, "/v1/messages", messages_body("refuse", stream=True))
+    if not queued:
+        body = json.loads(resp.read())
+        assert resp.status == 400 and body["error"]["type"] == "invalid_request_error"
+        return
+    assert resp.status == 200
+    lines, _ = sse_until(resp, b"data: {\"type\":\"error\"")
+    assert lines[0] == b"event: ping" and lines[-2] == b"event: error"
+    err = json.loads(lines[-1][6:])
+    assert err["error"]["type"] == "invalid_request_error" and "99999" in err["error"]["message"]
+    holder.join(10)
+
+
+def test_unknown_paths_have_the_route_shape(live):
+    c, resp = post(live, "/v1/messages/count_tokens", messages_body("x"))
+    body = json.loads(resp.read())
+    assert resp.status == 404 and body["type"] == "error"
+    assert body["error"]["type"] == "not_found_error"
+    c, resp = post(live, "/v1/embeddings", {"input": "x"})
+    body = json.loads(resp.read())
+    assert resp.status == 404 and "/v1/embeddings" in body["error"]["message"]
 
 
 def test_prefill_progress_and_keepalives_during_the_prompt_pass(live):

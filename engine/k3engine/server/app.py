@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .engine import Delta, Done, EngineThread, Fail, Job, QueueFull, Started
@@ -62,6 +63,13 @@ def create_app(engine: EngineThread, models: ModelNames | str, api_key: str | No
     async def _api_error(request: Request, e: ApiError):
         body = e.anthropic_body() if anthropic(request) else e.body()
         return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        # unknown paths and methods (404, 405) in the route family's shape too
+        return await _api_error(request, ApiError(e.status_code, f"{request.method} "
+                                                  f"{request.url.path}: {e.detail}",
+                                                  headers=e.headers))
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, e: ClientGone):
