@@ -27,9 +27,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ..chat import ChatError, History, Message
-from .protocol import (EFFORTS, ApiError, GenRequest, Limits, ModelNames, never, empty,
-                       StrictModel, validated, check_count, check_ends_with_user, gen_of, new_id,
-                       refuse_unhonoured, sampling_of, sse, stops_of)
+from .protocol import (EFFORTS, ApiError, GenRequest, Limits, ModelNames, StrictModel,
+                       check_ends_with_user, check_message_count, empty, gen_of, never,
+                       new_id, refuse_unhonoured, sampling_of, sse, stops_of, validated)
 
 # effort from a thinking budget: the K3 encoder's three efforts over Anthropic's range
 # (budgets start at 1,024; 4k-16k is the "medium" thinking its docs describe)
@@ -111,7 +111,7 @@ def parse_messages(data: Any, models: ModelNames, limits: Limits
     ApiError."""
     refuse_unhonoured(data, ANTHROPIC_REFUSED)
     r = validated(MessagesRequestIn, data)
-    check_count(len(r.messages), limits)
+    check_message_count(len(r.messages), limits)
     history = History()
     try:
         if r.system is not None:

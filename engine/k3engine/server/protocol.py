@@ -340,7 +340,7 @@ def parse_chat(data: Any, models: ModelNames, limits: Limits) -> GenRequest:
     chat history's own (chat.History), so the server and `k3 --chat` accept the same."""
     refuse_unhonoured(data, OPENAI_REFUSED)
     r = validated(ChatRequestIn, data)
-    check_count(len(r.messages), limits)
+    check_message_count(len(r.messages), limits)
     effort = r.reasoning_effort
     if effort is not None and effort not in EFFORTS:
         raise ApiError(400, f"reasoning_effort must be one of {', '.join(EFFORTS)} (the "
@@ -364,7 +364,7 @@ def parse_chat(data: Any, models: ModelNames, limits: Limits) -> GenRequest:
                       **_common(r, models, limits, max_tokens))
 
 
-def check_count(n: int, limits: Limits) -> None:
+def check_message_count(n: int, limits: Limits) -> None:
     if n > limits.max_messages:
         raise ApiError(400, f"messages: {n} messages exceed this server's limit of "
                             f"{limits.max_messages}", param="messages")
