@@ -301,6 +301,42 @@ def test_headers_have_a_deadline(live, sent):
     assert 0.5 < took < 5, took
 
 
+def test_idle_and_slowloris_crowds_are_closed_and_the_server_answers_meanwhile(live):
+    """Issue 47 held 50 slowloris and 3,000 idle connections for ever.  Here 150 idle and
+    50 slowloris connections are all closed by the header deadline (1 s), and a real
+    request is answered while they are open."""
+    crowd = []
+    for n in range(200):
+        s = socket.create_connection(("127.0.0.1", live["port"]), timeout=10)
+        if n % 4 == 0:
+            s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n")
+        crowd.append(s)
+    t0 = time.monotonic()
+    c = http.client.HTTPConnection("127.0.0.1", live["port"], timeout=10)
+    c.request("GET", "/health")
+    assert c.getresponse().status == 200
+    for n, s in enumerate(crowd):
+        if n % 4 == 0:
+            try:
+                s.sendall(b"X-Slow: 1\r\n")          # a trickle does not extend it
+            except OSError:
+                pass
+    closed, deadline = 0, t0 + 5
+    for s in crowd:
+        s.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            closed += s.recv(10) == b""
+        except ConnectionResetError:                   # closed as well
+            closed += 1
+        except TimeoutError:                           # still held
+            pass
+        s.close()
+    took = time.monotonic() - t0
+    print(f"[gate] crowd of 200 (50 slowloris): {closed} closed by the server within "
+          f"{took:.2f} s")
+    assert closed == 200 and took < 6
+
+
 def test_keep_alive_connections_serve_several_requests_then_idle_out(live):
     c = http.client.HTTPConnection("127.0.0.1", live["port"], timeout=10)
     for _ in range(2):

@@ -80,8 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keepalive", type=float, default=5.0, metavar="S",
                    help="a waiting stream gets a `: keep-alive` comment every S seconds "
                         "(default 5)")
-    p.add_argument("--max-connections", type=int, default=64, metavar="N",
-                   help="open connections; more get 503 (default 64)")
+    p.add_argument("--max-connections", type=int, default=512, metavar="N",
+                   help="open connections; a request beyond them gets 503 (default 512, "
+                        "under the usual 1024 open-file limit)")
     p.add_argument("--access-log", action="store_true",
                    help="log each request: client, method, path, status, seconds (never "
                         "keys, query strings or content)")
