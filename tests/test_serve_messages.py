@@ -34,7 +34,7 @@ def demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(demo):
     with serve(demo, "--api-key", KEY, "--queue", "1", "--gen", str(GEN_CEILING),
-               "--alias", ALIAS, "--max-body-bytes", "200000") as s:
+               "--alias", ALIAS, "--max-body-bytes", "200000", "--access-log") as s:
         yield s
 
 
@@ -318,3 +318,17 @@ def test_the_field_list_names_every_field_the_code_knows():
                       | set(ANTHROPIC_IGNORED))
     assert want_openai - listed["openai"] == set()
     assert want_anthropic - listed["anthropic"] == set()
+
+
+def test_access_log_through_the_flag(server, claude):
+    """`k3 serve --access-log` (it logged nothing before: uvicorn's access logger at our
+    warning level) writes a line per request to stderr, without keys or content."""
+    import time
+    claude.messages.create(model="demo", max_tokens=1, messages=[user("secret words")])
+    end = time.monotonic() + 10
+    while not any(" POST /v1/messages 200 " in x for x in server.lines):
+        assert time.monotonic() < end, server.lines[-5:]
+        time.sleep(0.05)
+    line = next(x for x in server.lines if " POST /v1/messages 200 " in x)
+    assert re.fullmatch(r"k3 serve: 127\.0\.0\.1 POST /v1/messages 200 \d+\.\d{3}s\n", line)
+    assert not any(KEY in x or "secret" in x for x in server.lines)
