@@ -211,10 +211,10 @@ def test_prefill_progress_and_keepalives_during_the_prompt_pass(live):
     # between Started and Progress(4): 3 keep-alive periods without an item
     assert lines.count(b": keep-alive") >= 2
     events = [x[7:] for x in lines if x.startswith(b"event: ")]
-    assert events == [b"ping", b"message_start", b"content_block_start",
-                      b"content_block_delta", b"content_block_stop", b"content_block_start",
-                      b"content_block_delta", b"content_block_stop", b"message_delta",
-                      b"message_stop"]
+    # started at once: message_start first, no ping
+    assert events == [b"message_start", b"content_block_start", b"content_block_delta",
+                      b"content_block_stop", b"content_block_start", b"content_block_delta",
+                      b"content_block_stop", b"message_delta", b"message_stop"]
 
 
 # ---------------------------------------------------------------- control text

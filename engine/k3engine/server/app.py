@@ -200,7 +200,9 @@ def create_app(engine: EngineThread, models: ModelNames | str, api_key: str | No
 
     async def _stream(wire, inbox: Inbox, job: Job, item) -> AsyncIterator[bytes]:
         try:
-            yield wire.opening()
+            opening = wire.opening(waiting=item is WAITED)
+            if opening:
+                yield opening
             while True:
                 if item is GONE:                     # the client left mid-stream
                     return

@@ -166,10 +166,11 @@ class MessagesWire:
     def error_body(self, e: ApiError) -> dict:
         return e.anthropic_body()
 
-    def opening(self) -> bytes:
-        # message_start carries the input token count, known once the job starts: until
-        # then a ping (Anthropic's own keep-alive event, skipped by its clients)
-        return sse({"type": "ping"}, "ping")
+    def opening(self, waiting: bool) -> bytes:
+        # message_start carries the input token count, known once the job starts: a job
+        # still waiting gets a ping first (Anthropic's own keep-alive event, which its
+        # clients skip wherever it comes)
+        return sse({"type": "ping"}, "ping") if waiting else b""
 
     def started(self, item) -> bytes:
         msg = self._message([], None, None, usage_of(item.prompt_ids, 0, 0))

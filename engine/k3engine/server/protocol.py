@@ -483,8 +483,10 @@ class ChatWire:
     def error_body(self, e: ApiError) -> dict:
         return e.body()
 
-    def opening(self) -> bytes:
-        # needs nothing from the engine, so it is the first event, sent at once
+    def opening(self, waiting: bool) -> bytes:
+        """The stream's first bytes, sent with the headers; `waiting`: the job has not
+        started (the first event may then need nothing from the engine)."""
+        # this one needs nothing from the engine, so it is always the first event
         return sse(chat_chunk(self.rid, self.req.model, self.created,
                               {"role": "assistant", "content": ""}))
 
@@ -521,8 +523,8 @@ class CompletionWire(ChatWire):
         self.req, self.rid, self.created = req, new_id("cmpl"), now()
         self.filter = TextFilter(hidden)
 
-    def opening(self) -> bytes:
-        return KEEPALIVE                      # this protocol has no content-free chunk
+    def opening(self, waiting: bool) -> bytes:
+        return KEEPALIVE if waiting else b""  # this protocol has no content-free chunk
 
     def delta(self, item) -> bytes:
         text = self.filter.push(item.text)
