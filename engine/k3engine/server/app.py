@@ -48,7 +48,7 @@ def create_app(engine: EngineThread, models: ModelNames | str, api_key: str | No
                limits: Limits = Limits(), *, hidden_text: tuple[str, ...] = (),
                end_ids: frozenset[int] = frozenset(), keepalive_s: float = 5.0,
                body_timeout_s: float = 30.0,
-               access_log: Callable[[str], None] | None = None) -> FastAPI:
+               access_log: Callable[[str], None] | None = None) -> FastAPI | AccessLog:
     """`hidden_text`: the tokenizer's added-token strings, never sent as completion text;
     `end_ids`: the chat's end ids (an Anthropic end_turn is one of them)."""
     if isinstance(models, str):

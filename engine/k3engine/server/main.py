@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, metavar="N")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
-    p.add_argument("--api-key", help="require Authorization: Bearer KEY (or set K3_API_KEY)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY or x-api-key: KEY "
+                                     "(or set K3_API_KEY)")
     p.add_argument("--insecure-no-key", action="store_true",
                    help="allow a non-loopback --host without a key")
     p.add_argument("--queue", type=int, default=4, metavar="N",
