@@ -75,6 +75,7 @@ def test_chat_mapping():
     (dict(seed=-1), 400, "seed"),
     (dict(stream="yes"), 400, "stream"),
     (dict(n=2), 400, "n"),
+    (dict(n=True), 400, "n"),                  # true == 1 in Python; not a count
     (dict(tools=[{"type": "function"}]), 400, "tools"),
     (dict(model="other"), 404, "model"),
     (dict(stream_options={"include_usage": True}), 400, "stream_options"),
