@@ -23,15 +23,19 @@ def make_demo(path: str) -> str:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, lines: list[str]):
-        self.proc, self.url, self.lines = proc, url, lines
+    def __init__(self, proc: subprocess.Popen, url: str, lines: list[str],
+                 key: str | None = None):
+        self.proc, self.url, self.lines, self.key = proc, url, lines, key
 
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
 
     def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+        """The detailed /health (with the key, when the server has one)."""
+        req = urllib.request.Request(self.url + "/health", headers={
+            "Authorization": f"Bearer {self.key}"} if self.key else {})
+        with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
 
     def wait_idle(self, limit_s: float = 600.0) -> dict:
@@ -75,7 +79,8 @@ def serve(model_dir: str, *args: str, env: dict | None = None):
             proc.kill()
             proc.wait()
             raise AssertionError("k3 serve did not start:\n" + "".join(lines[-30:]))
-        yield Server(proc, url[0], lines)
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        yield Server(proc, url[0], lines, key)
     finally:
         if proc.poll() is None:
             proc.terminate()

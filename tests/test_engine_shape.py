@@ -277,3 +277,44 @@ def test_min_p_is_one_gen_spec_field_from_the_cli_to_the_sampler(demo):
     print(f"[gate] min-p 0.999 sampled {narrow} == greedy {greedy}; temperature 5 without "
           f"min-p {wide}")
     assert narrow == greedy and wide != greedy
+
+
+def test_server_adapter_posts_progress_reuse_and_the_stop_that_matched(demo):
+    """What the routes need from the adapter: prefill Progress between the prompt pass's
+    layers (positions, rising to the prompt), the reused positions on Started, and which
+    of several stop strings ended the answer."""
+    from k3engine.server.engine import Backend, Done, Job, Progress, Started
+    from k3engine.server.protocol import GenRequest, Limits, SamplingIn
+    eng = _engine(demo)
+    try:
+        backend = Backend(eng, "demo", Limits())
+
+        def ask(history, stops=()):
+            posted = []
+            req = GenRequest(kind="chat", model="demo", gen=12,
+                             sampling=SamplingIn(None, None, None, None, True), stops=stops,
+                             stream=True, include_usage=True, history=history,
+                             thinking=False)
+            backend.execute(Job(req, posted.append))
+            return posted
+        h = History([Message("system", "Be brief."), Message("user", "Tell me about the moon")])
+        first = ask(History(list(h)))
+        text = "".join(p.text for p in first if hasattr(p, "text") and p.kind == "content")
+        started = next(p for p in first if isinstance(p, Started))
+        progress = [(p.done, p.total) for p in first if isinstance(p, Progress)]
+        # the same transcript again: everything before its last message is reused
+        again = next(p for p in ask(History(list(h))) if isinstance(p, Started))
+        word = text.split()[1] if len(text.split()) > 1 else None
+        done = next(p for p in ask(History(list(h)), stops=("zzzz", word)) if
+                    isinstance(p, Done)) if word else None
+    finally:
+        eng.close()
+    print(f"[gate] adapter: progress {progress}; Started reused {started.reused} then "
+          f"{again.reused} of {again.prompt_ids}; stop strings ('zzzz', {word!r}) -> "
+          f"ext stop {done.ext.get('stop') if done else None!r}")
+    assert started.reused == 0 and progress and progress[-1] == (started.prompt_ids,) * 2
+    assert [d for d, _ in progress] == sorted(d for d, _ in progress)
+    assert len(progress) >= eng.nl                      # per layer (of each pass)
+    assert 0 < again.reused < again.prompt_ids
+    if done is not None:
+        assert done.finish == "stop" and done.ext["stop"] == word

@@ -392,6 +392,36 @@ def test_chat_conversation_reuses_state_and_equals_fresh_prefills():
             assert fresh.model_extra["k3"]["ids"] == k3["ids"]
 
 
+def test_completions_leave_control_text_out():
+    """The trained model, continuing a rendered chat prompt through /v1/completions, closes
+    its thinking and its reply with control tokens (<|close|>, <|sep|>, <|open|>,
+    <|end_of_msg|>).  Their text never reaches the client: the completion's text is the
+    decoding of the generated ids without the added tokens (vLLM's skip_special_tokens),
+    streamed or not; k3.ids keeps every id."""
+    from k3engine.chat import ChatOptions, History, Message, encode_prompt, render_segments
+    from k3engine.tokenizer import Tokenizer
+    model = trained_demo()
+    tok = Tokenizer.from_dir(model)
+    prompt = encode_prompt(tok, render_segments(History([Message("user", "Who are you?")]),
+                                                ChatOptions(), True))
+    with serve(model, "--gen", "300") as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=600)
+        mid = c.models.list().data[0].id
+        r = c.completions.create(model=mid, prompt=prompt, max_tokens=300)
+        chunks = list(c.completions.create(model=mid, prompt=prompt, max_tokens=300,
+                                           stream=True))
+    ids = r.model_extra["k3"]["ids"]
+    control = [tok.added[i] for i in ids if i in tok.added]
+    text = r.choices[0].text
+    print(f"[gate] control tokens generated: {control}; text: {text!r}")
+    if not control:
+        pytest.skip("the model generated no control token in 300 ids")
+    assert not any(name in text for name in tok.added.values())
+    assert text == tok.decode([i for i in ids if i not in tok.added]).decode("utf-8",
+                                                                             "replace")
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+
+
 def test_sigterm_stops_cleanly(demo):
     """SIGTERM (what the app's toggle and service managers send) closes the server and the
     engine and exits 0; uvicorn's default would re-raise the signal and skip the close."""

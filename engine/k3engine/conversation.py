@@ -175,9 +175,9 @@ class Conversation:
         sampler = self.sampler_for(spec.sampling)
         sampler.new_turn(self.turn0 + self.turns_done + 1)
         self.pending = None
-        yield E.TurnStarted(len(prompt), -1, spec.gen)
         boundary = self._user_boundary(prompt, spec)
         reuse = self.seq.prepare(prompt, spec.gen + 1)
+        yield E.TurnStarted(len(prompt), reuse, spec.gen)
         parser = ReplyStream(engine.tok, engine.ctl, spec.thinking)
         return (yield from self._run(spec, sampler, cancel, parser, fork_at=boundary,
                                      reused=reuse, prompt_positions=len(prompt)))

@@ -466,25 +466,21 @@ class Engine:
         """How a turn's peak RSS is measured ('VmHWM' or 'samples', telemetry.PeakWindow)."""
         return self._peak.measured if self._peak is not None else "VmHWM"
 
-    def prefill_progress(self):
-        """Per-layer progress of a prompt pass to the sink (elapsed and an ETA from the
-        layers done), as LoadProgress('prefill'); None without the model's figures
-        (Engine.around)."""
+    def prefill_progress(self, positions: int):
+        """Progress of a turn's prompt pass over `positions` positions, to the sink after
+        each layer as LoadProgress('prefill'): layer bytes x positions done (a pass split
+        at a fork point counts on), elapsed, and an ETA at the rate so far.  None without
+        the model's figures (Engine.around)."""
         if self.setup is None:
             return None
         sizes = list(self.setup.figures.layer_sizes[:self.nl])
-        total = sum(sizes)
-        state = {"t0": None, "done": 0}
+        total = sum(sizes) * positions
+        state = {"t0": time.monotonic(), "done": 0}
 
         def on_layer(L: int, T: int):
-            if state["t0"] is None:
-                state["t0"] = time.monotonic()
-                state["done"] = 0
-            state["done"] += sizes[L] if L < len(sizes) else 0
+            state["done"] += (sizes[L] if L < len(sizes) else 0) * T
             self.sink(E.LoadProgress("prefill", L, state["done"], total,
                                      *_eta(state["t0"], state["done"], total)))
-            if L == self.nl - 1:
-                state["t0"] = None
         return on_layer
 
     def trunk_notices(self) -> list[E.TrunkNotice]:

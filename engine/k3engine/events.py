@@ -228,7 +228,7 @@ class TokenOut(Event):
 @dataclass(frozen=True)
 class TurnStarted(Event):
     prompt_ids: int
-    reused: int                  # known after the prefill; -1 before
+    reused: int                  # positions served from the sequence's state
     gen: int
 
 

@@ -187,7 +187,7 @@ def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
     speculate = engine.incremental and spec.spec > 0 and engine.spec_max > 0 and \
         not sampler.sampling
     window = engine.turn_window()
-    progress = engine.prefill_progress()
+    progress = engine.prefill_progress(len(seq.pending))
     g = 0
     hit = None
     while len(out) - base < gen or (engine.incremental and g == 0):

@@ -3,46 +3,98 @@
 Every route is async and never touches the engine: it validates, submits a job to the
 engine thread, and awaits what the job posts on an asyncio queue (the engine thread hands
 items over with call_soon_threadsafe, so the event loop never blocks on a generation).
+The three generation routes differ only in how they parse a body and render the job's
+items (a "wire": protocol.ChatWire, protocol.CompletionWire, messages.MessagesWire);
+`_serve` drives them all.
+
+Early bytes: a streamed request gets its headers and a first event within HEADER_GRACE_S
+(at once when its job starts, which is also when a refusal such as a too-long prompt can
+still be a plain 4xx), then a `: keep-alive` comment every `keepalive_s` while it waits
+in the queue or in the prompt pass, and our prefill figures as `: k3 {...}` comments.
 
 Disconnects: a streaming client that goes away makes Starlette cancel the response's
 generator; its `finally` withdraws the job, so the engine stops at its next safe point.  A
-non-streaming client is watched with `request.is_disconnected()` while it waits.
+non-streaming client is watched with `request.is_disconnected()` while it waits.  A client
+that leaves before its body arrived is a quiet 499 in the access log, never a traceback.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .engine import Delta, Done, EngineThread, Fail, Job, QueueFull, Started
-from .protocol import (ApiError, Limits, chat_body, chat_chunk, completion_body, new_id, now,
-                       parse_chat, parse_completion, parse_json, sse, too_large, usage_chunk)
+from .messages import MessagesWire, parse_messages
+from .protocol import (KEEPALIVE, ApiError, ChatWire, CompletionWire, Limits, ModelNames,
+                       Progress, parse_chat, parse_completion, parse_json,
+                       progress_comment, too_large)
 
-POLL_S = 0.25                   # how often a waiting non-stream request checks its client
+POLL_S = 0.25                   # how often a waiting request checks its client
+HEADER_GRACE_S = 0.5            # a stream's headers wait this long for its job to start
+GONE, WAITED = object(), object()          # Inbox.next: the client left / nothing yet
 
 
-def create_app(engine: EngineThread, model_id: str, api_key: str | None,
-               limits: Limits = Limits()) -> FastAPI:
+class ClientGone(Exception):
+    """The client closed the connection before its request body arrived."""
+
+
+def create_app(engine: EngineThread, models: ModelNames | str, api_key: str | None,
+               limits: Limits = Limits(), *, hidden_text: tuple[str, ...] = (),
+               end_ids: frozenset[int] = frozenset(), keepalive_s: float = 5.0,
+               body_timeout_s: float = 30.0,
+               access_log: Callable[[str], None] | None = None) -> FastAPI | AccessLog:
+    """`hidden_text`: the tokenizer's added-token strings, never sent as completion text;
+    `end_ids`: the chat's end ids (an Anthropic end_turn is one of them)."""
+    if isinstance(models, str):
+        models = ModelNames(models)
     app = FastAPI(title="k3 serve", docs_url=None, redoc_url=None, openapi_url=None)
     key = api_key.encode("utf-8") if api_key else None
 
+    def anthropic(request: Request) -> bool:
+        return request.url.path.startswith("/v1/messages")
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = e.anthropic_body() if anthropic(request) else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        # unknown paths and methods (404, 405) in the route family's shape too
+        return await _api_error(request, ApiError(e.status_code, f"{request.method} "
+                                                  f"{request.url.path}: {e.detail}",
+                                                  headers=e.headers))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        return Response(status_code=499)      # nobody reads it: the access log does
+
+    def presented(request: Request) -> bytes | None:
+        """The key a request presents: `Authorization: Bearer KEY` (OpenAI's clients) or
+        `x-api-key: KEY` (Anthropic's), on every route."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            return token.strip().encode("utf-8")
+        got = request.headers.get("x-api-key")
+        return got.strip().encode("utf-8") if got is not None else None
+
+    def authorized(request: Request) -> bool:
+        if key is None:
+            return True
+        got = presented(request)
+        # constant time over the presented bytes; the key is never logged or echoed
+        return got is not None and hmac.compare_digest(got, key)
 
     def authorize(request: Request) -> None:
-        if key is None:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        # constant time over the presented bytes; the key is never logged or echoed
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8"),
-                                                                key)
-        if not ok:
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+        if not authorized(request):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY "
+                                "or x-api-key: KEY)", type_="authentication_error",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def read_body(request: Request) -> bytes:
@@ -50,37 +102,56 @@ def create_app(engine: EngineThread, model_id: str, api_key: str | None,
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise too_large(limits)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise too_large(limits)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limits.max_body_bytes:
+                        raise too_large(limits)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {body_timeout_s:g} "
+                                f"s", code="body_timeout", headers={"Connection": "close"}
+                           ) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
         return b"".join(chunks)
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_id, **engine.status()}
+    async def health(request: Request):
+        # without the key: only that it is up (no counters, no model name)
+        if not authorized(request):
+            return {"status": "ok"}
+        return {"status": "ok", "model": models.served, **engine.status()}
 
     @app.get("/v1/models")
-    async def models(request: Request):
+    async def list_models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": model_id, "object": "model",
-                                            "created": 0, "owned_by": "k3studio"}]}
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0,
+                                            "owned_by": "k3studio"}
+                                           for m in models.listed()]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         authorize(request)
-        req = parse_chat(parse_json(await read_body(request), limits), model_id, limits)
-        return await _serve(request, req, "chat")
+        req = parse_chat(parse_json(await read_body(request), limits), models, limits)
+        return await _serve(request, ChatWire(req))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
-        req = parse_completion(parse_json(await read_body(request), limits), model_id,
-                               limits)
-        return await _serve(request, req, "completion")
+        req = parse_completion(parse_json(await read_body(request), limits), models, limits)
+        return await _serve(request, CompletionWire(req, hidden_text))
 
-    async def _serve(request: Request, req, kind: str):
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        authorize(request)
+        req, show_thinking = parse_messages(parse_json(await read_body(request), limits),
+                                            models, limits)
+        return await _serve(request, MessagesWire(req, end_ids, show_thinking))
+
+    async def _serve(request: Request, wire):
+        req = wire.req
         inbox = Inbox(request)
         job = Job(req, inbox.post_from(asyncio.get_running_loop()))
         try:
@@ -91,85 +162,99 @@ def create_app(engine: EngineThread, model_id: str, api_key: str | None,
                            type_="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
         try:
-            first = await inbox.next()
+            first = await inbox.next(HEADER_GRACE_S if req.stream else None)
         except BaseException:
             engine.withdraw(job)
             inbox.close()
             raise
-        if first is None:                            # the client left while queued
+        if first is GONE:                            # the client left while queued
             engine.withdraw(job)
             inbox.close()
-            return JSONResponse({}, status_code=499)
+            return Response(status_code=499)
         if isinstance(first, Fail):
+            inbox.close()
             raise first.error
-        assert isinstance(first, Started)
-        rid, created = new_id("chatcmpl" if kind == "chat" else "cmpl"), now()
         if req.stream:
-            return StreamingResponse(_stream(rid, created, req, kind, inbox, job),
+            return StreamingResponse(_stream(wire, inbox, job, first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
+        parts: dict[str, list[str]] = {"reasoning": [], "content": [], "text": []}
+        item = first
         try:
-            parts: dict[str, list[str]] = {"reasoning": [], "content": [], "text": []}
-            while True:
-                item = await inbox.next()
-                if item is None:
+            while not isinstance(item, Done):
+                if item is GONE:
                     engine.withdraw(job)
-                    return JSONResponse({}, status_code=499)
+                    return Response(status_code=499)
+                if isinstance(item, Fail):
+                    raise item.error
                 if isinstance(item, Delta):
                     parts[item.kind].append(item.text)
-                elif isinstance(item, Fail):
-                    raise item.error
-                elif isinstance(item, Done):
-                    break
+                item = await inbox.next()
         except BaseException:
             engine.withdraw(job)
             raise
         finally:
             inbox.close()
-        if kind == "chat":
-            reasoning = "".join(parts["reasoning"]) if req.thinking else None
-            return chat_body(rid, req.model, created, "".join(parts["content"]), reasoning,
-                             item.finish, item.usage, item.ext)
-        return completion_body(rid, req.model, created, "".join(parts["text"]), item.finish,
-                               item.usage, item.ext)
+        return JSONResponse(wire.body(parts, item))
 
-    async def _stream(rid: str, created: int, req, kind: str, inbox: Inbox,
-                      job: Job) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    async def _stream(wire, inbox: Inbox, job: Job, item) -> AsyncIterator[bytes]:
         try:
-            if kind == "chat":
-                yield sse(chat_chunk(rid, req.model, created, {"role": "assistant",
-                                                                "content": ""}))
+            opening = wire.opening(waiting=item is WAITED)
+            if opening:
+                yield opening
             while True:
-                item = await inbox.next()
-                if item is None:                     # the client left mid-stream
+                if item is GONE:                     # the client left mid-stream
                     return
-                if isinstance(item, Delta):
-                    if kind == "chat":
-                        field = "reasoning_content" if item.kind == "reasoning" else "content"
-                        yield sse(chat_chunk(rid, req.model, created, {field: item.text}))
-                    else:
-                        yield sse(completion_body(rid, req.model, created, item.text, None))
+                if item is WAITED:
+                    yield KEEPALIVE
+                elif isinstance(item, Started):
+                    yield progress_comment(0, item.prompt_ids) + wire.started(item)
+                elif isinstance(item, Progress):
+                    yield progress_comment(item.done, item.total)
+                elif isinstance(item, Delta):
+                    out = wire.delta(item)
+                    if out:
+                        yield out
                 elif isinstance(item, Fail):
-                    # headers are sent: the error goes in the stream, in the same shape
-                    yield sse(item.error.body())
-                    break
+                    yield wire.failed(item.error)
+                    return
                 elif isinstance(item, Done):
-                    if kind == "chat":
-                        yield sse(chat_chunk(rid, req.model, created, {}, item.finish))
-                    else:
-                        yield sse(completion_body(rid, req.model, created, "", item.finish))
-                    if req.include_usage:
-                        yield sse(usage_chunk(rid, req.model, created, obj, item.usage,
-                                              item.ext))
-                    break
-            yield sse("[DONE]")
+                    yield wire.done(item)
+                    return
+                item = await inbox.next(keepalive_s)
         finally:
             engine.withdraw(job)       # no-op when it ended; a stop when the client left
             inbox.close()
 
-    return app
+    if access_log is None:
+        return app
+    return AccessLog(app, access_log)
+
+
+class AccessLog:
+    """One line per request: client, method, path, status, seconds (to the response's
+    end, so a stream counts whole).  Never the query string, a header or the body: those
+    may hold keys and content.  Status 499: the client left before a response began."""
+
+    def __init__(self, app, log: Callable[[str], None]):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.monotonic(), [499]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            host = (scope.get("client") or ("-",))[0]
+            self.log(f"{host} {scope['method']} {scope['path']} {status[0]} "
+                     f"{time.monotonic() - t0:.3f}s")
 
 
 class Inbox:
@@ -190,17 +275,22 @@ class Inbox:
                 pass
         return post
 
-    async def next(self):
-        """The job's next item, or None when the client disconnected while waiting."""
+    async def next(self, wait_s: float | None = None):
+        """The job's next item; GONE when the client disconnected while waiting; WAITED
+        when `wait_s` passed with nothing (the item stays due to the next call)."""
+        end = None if wait_s is None else time.monotonic() + wait_s
         while True:
             if self._getter is None:
                 self._getter = asyncio.ensure_future(self.items.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=POLL_S)
+            left = POLL_S if end is None else min(POLL_S, max(end - time.monotonic(), 0))
+            done, _ = await asyncio.wait({self._getter}, timeout=left)
             if done:
                 item, self._getter = self._getter.result(), None
                 return item
             if await self.request.is_disconnected():
-                return None
+                return GONE
+            if end is not None and time.monotonic() >= end:
+                return WAITED
 
     def close(self) -> None:
         if self._getter is not None:

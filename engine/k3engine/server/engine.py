@@ -27,7 +27,7 @@ from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
 from ..events import TokenOut, TurnEnded
 from ..generate import Cancel, GenSpec, TextStream, TurnSummary
-from .protocol import ApiError, GenRequest, Limits, usage_body
+from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
 from .stops import StopMatcher
 
 
@@ -36,6 +36,7 @@ from .stops import StopMatcher
 @dataclass(frozen=True)
 class Started:
     prompt_ids: int
+    reused: int = 0                # of them, served from the kept sequence
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class Job:
     post: Callable[[object], None]         # thread-safe hand-off to the waiting route
     cancel: Cancel = field(default_factory=Cancel)
     submitted: float = field(default_factory=time.monotonic)
+    started: Started | None = None
+
+    def start(self, item: Started) -> None:
+        self.started = item
+        self.post(item)
 
 
 # ---------------------------------------------------------------- the engine thread
@@ -211,12 +217,32 @@ class Backend:
     def execute(self, job: Job) -> str:
         if job.cancel:
             return "cancelled"
-        if job.req.kind == "chat":
-            return self._chat(job)
-        return self._completion(job)
+        sink = self.engine.sink
+        self.engine.sink = self._progress_to(job, sink)
+        try:
+            if job.req.kind == "chat":
+                return self._chat(job)
+            return self._completion(job)
+        finally:
+            self.engine.sink = sink
+
+    def _progress_to(self, job: Job, sink):
+        """The prompt pass's per-layer progress as the job's Progress (prompt positions
+        read so far, the reused ones included), posted as each layer ends."""
+        from ..events import LoadProgress
+
+        def on_event(ev) -> None:
+            if isinstance(ev, LoadProgress) and ev.phase == "prefill" and job.started:
+                s = job.started
+                frac = ev.done_bytes / ev.total_bytes if ev.total_bytes else 1.0
+                job.post(Progress(s.reused + round((s.prompt_ids - s.reused) * frac),
+                                  s.prompt_ids))
+            else:
+                sink(ev)
+        return on_event
 
     def _gen_spec(self, req: GenRequest) -> GenSpec:
-        return GenSpec(gen=req.gen, sampling=req.sampling.run_sampling(),
+        return GenSpec(gen=req.gen, sampling=req.sampling.to_sampling(),
                        thinking=req.thinking, effort=req.effort, spec=self.spec)
 
     def _check(self, n_prompt: int, gen: int, ids=()) -> None:
@@ -244,7 +270,7 @@ class Backend:
             raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
         except LimitError as e:
             raise limit_error(e) from None
-        job.post(Started(started.prompt_ids))
+        job.start(Started(started.prompt_ids, started.reused))
         stops = StopMatcher(req.stops)
         reasoning = 0
         res = None
@@ -288,7 +314,7 @@ class Backend:
         spec = self._gen_spec(req)
         seq = self._take()
         reuse = seq.prepare(ids, req.gen + 1)
-        job.post(Started(len(ids)))
+        job.start(Started(len(ids), reuse))
         ends = tuple(self.engine.ctl.end_ids) if _has_ctl(self.engine) else ()
         # the text a client sees leaves every added (control) id out; the ids stay counted
         hidden = set(getattr(self.tok, "added", None) or ()) | set(ends)
@@ -320,9 +346,21 @@ class Backend:
     def _done(self, job: Job, stops, res: TurnSummary, reasoning: int,
               note: str | None = None) -> str:
         finish = finish_reason(stops.hit, res.end_id, res.interrupted, res.new_ids, job.req.gen)
-        job.post(Done(finish, usage_body(res.prompt_positions, len(res.ids), reasoning),
-                      usage_ext(res, note)))
+        ext = usage_ext(res, note)
+        if stops.hit is not None:
+            ext["stop"] = stops.hit               # which stop string matched
+        job.post(Done(finish, usage_body(res.prompt_positions, len(res.ids), reasoning), ext))
         return "cancelled" if finish == "cancelled" else "answered"
+
+
+def finish_reason(stop_hit, end_id, interrupted: bool, n: int, gen: int) -> str:
+    """stop: an end id or a stop string; length: max_tokens reached; cancelled: the
+    client left (or shutdown) before either."""
+    if stop_hit is not None or end_id is not None:
+        return "stop"
+    if n >= gen:
+        return "length"
+    return "cancelled" if interrupted else "length"
 
 
 def _has_ctl(engine) -> bool:

@@ -21,8 +21,9 @@ from ..engine import MAX_GEN, MAX_PROMPT
 
 USAGE_NOTE = """\
 endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
-(OpenAI-compatible; streamed as server-sent events with "stream": true).  One generation at
-a time; up to --queue requests wait, more get 429 with Retry-After.
+(OpenAI-compatible), POST /v1/messages (Anthropic Messages); streamed as server-sent events
+with "stream": true.  One generation at a time; up to --queue requests wait, more get 429
+with Retry-After.  Timeouts and limits: docs/serving.md.
 exit codes: 0 stopped cleanly, 1 the model could not be loaded, 2 bad options or plan."""
 
 
@@ -53,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, metavar="N")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
-    p.add_argument("--api-key", help="require Authorization: Bearer KEY (or set K3_API_KEY)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY or x-api-key: KEY "
+                                     "(or set K3_API_KEY)")
     p.add_argument("--insecure-no-key", action="store_true",
                    help="allow a non-loopback --host without a key")
     p.add_argument("--queue", type=int, default=4, metavar="N",
@@ -68,7 +70,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-messages", type=int, default=1024, metavar="N")
     p.add_argument("--max-prompt", type=int, default=MAX_PROMPT, metavar="N",
                    help=f"prompt ids per request (1..{MAX_PROMPT})")
-    p.add_argument("--access-log", action="store_true", help="log each request line")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another model name requests may give (repeatable)")
+    p.add_argument("--accept-any-model", action="store_true",
+                   help="accept any model name (responses echo it)")
+    p.add_argument("--timeout-header", type=float, default=10.0, metavar="S",
+                   help="a connection's request line and headers must arrive within S "
+                        "seconds (default 10)")
+    p.add_argument("--timeout-body", type=float, default=30.0, metavar="S",
+                   help="a request's body must arrive within S seconds (default 30)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="close a kept-alive connection idle for S seconds (default 5)")
+    p.add_argument("--sse-keepalive", type=float, default=5.0, metavar="S",
+                   help="a waiting stream gets a `: keep-alive` comment every S seconds "
+                        "(default 5)")
+    p.add_argument("--max-connections", type=int, default=512, metavar="N",
+                   help="open connections; a request beyond them gets 503 (default 512, "
+                        "under the usual 1024 open-file limit)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log each request: client, method, path, status, seconds (never "
+                        "keys, query strings or content)")
     p.set_defaults(memory=[])
     return p
 
@@ -99,6 +120,13 @@ def check_options(a) -> str | None:
         return "--port must be in 0..65535"
     if a.api_key is not None and not a.api_key.strip():
         return "--api-key must not be empty"
+    for flag in ("timeout_header", "timeout_body", "timeout_keep_alive", "sse_keepalive"):
+        if not 0 < getattr(a, flag) <= 86400:
+            return f"--{flag.replace('_', '-')} must be in (0, 86400] seconds"
+    if a.max_connections < 1:
+        return "--max-connections must be >= 1"
+    if any(not n.strip() for n in a.alias):
+        return "--alias must not be empty"
     return None
 
 
@@ -132,7 +160,7 @@ def main(argv: list[str]) -> int:
     from ..telemetry import Events
     from .app import create_app
     from .engine import Backend, EngineThread
-    from .protocol import Limits
+    from .protocol import Limits, ModelNames
     try:
         spec = load_spec_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
                               config_path=a.config, trunk_ring=a.trunk_ring,
@@ -151,10 +179,48 @@ def main(argv: list[str]) -> int:
                     max_prompt_ids=a.max_prompt, max_tokens=a.gen)
     backend = Backend(eng, model_id, limits, a.spec)
     engine = EngineThread(backend, a.queue)
-    code = serve_until_stopped(create_app(engine, model_id, a.api_key, limits), sock, a)
+    app = create_app(engine, ModelNames(model_id, tuple(a.alias), a.accept_any_model),
+                     a.api_key, limits, **tokenizer_facts(eng.tok),
+                     keepalive_s=a.sse_keepalive, body_timeout_s=a.timeout_body,
+                     access_log=access_logger() if a.access_log else None)
+    code = serve_until_stopped(app, sock, a)
     engine.close()                         # cancels a running generation at a safe point
     backend.close()
     return code
+
+
+def tokenizer_facts(tok) -> dict:
+    """What the routes need from the tokenizer: the added tokens' text (never sent as
+    completion text) and the chat's end ids (an Anthropic end_turn)."""
+    if tok is None:
+        return {}
+    from ..chat import ChatSetupError
+    from ..engine import chat_controls
+    try:
+        ends = frozenset(chat_controls(tok).end_ids)
+    except ChatSetupError:                 # no chat controls: the chat routes refuse
+        ends = frozenset()
+    return {"hidden_text": tuple(tok.added.values()), "end_ids": ends}
+
+
+def access_logger():
+    def log(line: str) -> None:
+        print(f"k3 serve: {line}", file=sys.stderr, flush=True)
+    return log
+
+
+def uvicorn_config(app, a):
+    """uvicorn with our bounds: header deadline (transport.py), header size, idle
+    keep-alive, connection count.  Its own access log stays off: it logs query strings
+    and logs nothing at our log level; AccessLog (app.py) replaces it."""
+    import uvicorn
+    from .transport import MAX_HEADER_BYTES, bounded_protocol
+    return uvicorn.Config(app, log_level="warning", access_log=False,
+                          http=bounded_protocol(a.timeout_header),
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                          timeout_keep_alive=a.timeout_keep_alive,
+                          limit_concurrency=a.max_connections,
+                          timeout_graceful_shutdown=5)
 
 
 def serve_until_stopped(app, sock: socket.socket, a) -> int:
@@ -171,9 +237,7 @@ def serve_until_stopped(app, sock: socket.socket, a) -> int:
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    config = uvicorn.Config(app, log_level="warning", access_log=a.access_log,
-                            timeout_graceful_shutdown=5)
-    server = Server(config)
+    server = Server(uvicorn_config(app, a))
     # SIGINT/SIGTERM ask the server to stop; a second SIGINT forces it (uvicorn's handler)
     old = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
     key = "key required" if a.api_key else "no key"

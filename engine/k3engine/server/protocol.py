@@ -3,8 +3,10 @@ looks, and the bodies of responses and stream chunks.
 
 Validation is strict on types and lenient on names: a field of the wrong type is refused
 (400, `param` naming it); a field we do not know is ignored, as OpenAI's own server does.
-A field we know but cannot honour (`n` > 1, `tools`, `logprobs`) is refused rather than
-silently dropped, so a client never believes it got what it asked for.
+A field we know but cannot honour (OPENAI_REFUSED: `tools`, `n` > 1, `logit_bias`, ...) is
+refused rather than silently dropped, so a client never believes it got what it asked for.
+docs/serving.md lists every field and what the server does with it (a test checks that
+every field named here is listed there).
 
 Mapping to the engine (say it once, here):
   * sampling: no temperature/top_p/top_k/seed -> greedy (the engine's default; OpenAI's
@@ -17,6 +19,7 @@ Mapping to the engine (say it once, here):
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +50,49 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """The same refusal in the Anthropic shape ({"type": "error", "error": {type,
+        message}}): it has no `param`, so every message names its field itself."""
+        return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error"),
+            "message": self.message}}
+
+
+# Anthropic's error types by status (its API reference, "Errors")
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """Which `model` names a request may give: the served id, the --alias names, or (with
+    --accept-any-model) any name.  Responses echo the name the client gave."""
+    served: str
+    aliases: tuple[str, ...] = ()
+    any: bool = False
+
+    def listed(self) -> list[str]:
+        return [self.served, *(a for a in self.aliases if a != self.served)]
+
+    def check(self, name: str | None) -> str:
+        if name is None:
+            return self.served
+        if self.any or name == self.served or name in self.aliases:
+            return name
+        raise ApiError(404, f"model: '{name}' does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in self.listed())}", param="model",
+                       code="model_not_found")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Prefill progress, posted by the engine adapter between prompt chunks (optional:
+    the adapter of today posts only Started; the routes pass it on as a `k3` SSE comment)."""
+    done: int                               # prompt positions read so far
+    total: int
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -54,26 +100,75 @@ class Limits:
     max_messages: int = 1024
     max_prompt_ids: int = 32768            # session.MAX_PROMPT; checked after rendering
     max_tokens: int = 4096                 # session.MAX_GEN; also the default
+    max_depth: int = 64                    # JSON nesting, checked before the decoder
+
+
+# ------------------------------------------------------------------ what is refused
+
+def empty(v) -> bool:                       # absent, null, false, empty
+    return not v
+
+
+def never(v) -> bool:                       # any value asks for something (even {})
+    return False
+
+
+# Fields a client may send that this server cannot honour: each maps to the test a value
+# must pass to be accepted (the value that asks for nothing).  Anything else is a 400 that
+# names the field, never a 200 that silently did less.  `null` always passes.
+OPENAI_REFUSED = {
+    "tools": empty, "functions": empty,
+    "tool_choice": lambda v: v == "none", "function_call": lambda v: v == "none",
+    "response_format": lambda v: v == {"type": "text"},
+    "logit_bias": empty, "logprobs": empty, "top_logprobs": empty,
+    "n": lambda v: v == 1 and type(v) is int, "best_of": lambda v: v == 1 and type(v) is int,
+    "echo": empty, "suffix": empty,
+    "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
+    "audio": never, "modalities": lambda v: v == ["text"], "prediction": never,
+    "web_search_options": never, "store": empty, "verbosity": never,
+}
+# accepted and ignored: informational, or meaningless here (parallel_tool_calls without
+# tools; a cache key: our prompt cache matches prefixes by itself)
+OPENAI_IGNORED = ("user", "metadata", "parallel_tool_calls", "safety_identifier",
+                  "prompt_cache_key", "prompt_cache_retention", "service_tier")
+WHY = {"tools": "tool calling is not supported by this server",
+       "functions": "function calling is not supported by this server",
+       "tool_choice": "tool calling is not supported by this server",
+       "function_call": "function calling is not supported by this server",
+       "response_format": "structured output is not supported (only {\"type\": \"text\"})",
+       "n": "one choice per request (n must be 1)", "best_of": "best_of must be 1",
+       "store": "stored completions are not supported"}
+
+
+def refuse_unhonoured(data: Any, table: dict) -> None:
+    """400 naming the first field in `table` whose value asks for what we cannot do."""
+    if not isinstance(data, dict):
+        return
+    for name, ok in table.items():
+        v = data.get(name)
+        if v is not None and not ok(v):
+            raise ApiError(400, f"{name}: {WHY.get(name, 'not supported by this server')}",
+                           param=name, code="unsupported_field")
 
 
 # --------------------------------------------------------------------------- schema
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # strict: "5" is not 5 and 1 is not true; ignore: unknown fields are dropped
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class ChatMessageIn(_Strict):
+class ChatMessageIn(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any = None               # a string or text parts: checked in _content
     reasoning_content: str | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(StrictModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -83,20 +178,16 @@ class _Sampling(_Strict):
     stop: Any = None                  # a string or a list of strings: checked in _common
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1)
-    logprobs: bool | int | None = None
 
 
 class ChatRequestIn(_Sampling):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     reasoning_effort: str | None = None
-    tools: list[Any] | None = None
 
 
 class CompletionRequestIn(_Sampling):
     prompt: Any                       # text or token ids: checked in parse_completion
-    echo: bool = False
 
 
 # --------------------------------------------------------------------------- parsed
@@ -109,7 +200,7 @@ class SamplingIn:
     seed: int | None
     greedy: bool
 
-    def run_sampling(self):
+    def to_sampling(self):
         from ..generate import Sampling
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         seed=self.seed, greedy=self.greedy)
@@ -135,10 +226,35 @@ class GenRequest:
 def parse_json(body: bytes, limits: Limits) -> Any:
     if len(body) > limits.max_body_bytes:
         raise too_large(limits)
+    depth = json_depth(body)
+    if depth > limits.max_depth:
+        # json.loads recurses per level: 1,000 `[` end in a RecursionError (a 500) there
+        raise ApiError(400, f"request body nests {depth} levels deep; the limit is "
+                            f"{limits.max_depth}", code="too_deeply_nested")
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+# a string, or an unterminated one running to the end: this pattern never fails once it
+# starts, so it never backtracks (a failing one goes quadratic on `"\\"\\"...`)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.?[^"\\]*)*"?', re.S)
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in `body`, brackets inside strings not
+    counted; computed without recursion (and in C: regex + NumPy), so any body within the
+    size limit is measured quickly.  Malformed JSON gives some count; the decoder then
+    refuses it anyway."""
+    brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", body))
+    if not brackets:
+        return 0
+    import numpy as np
+    b = np.frombuffer(brackets, dtype=np.uint8)
+    step = np.where((b == ord("[")) | (b == ord("{")), 1, -1)
+    return int(np.cumsum(step).max())
 
 
 def too_large(limits: Limits) -> ApiError:
@@ -146,7 +262,7 @@ def too_large(limits: Limits) -> ApiError:
                     code="request_too_large")
 
 
-def _validated(cls, data: Any):
+def validated(cls, data: Any):
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
@@ -157,31 +273,39 @@ def _validated(cls, data: Any):
         raise ApiError(400, f"{loc}: {err['msg']}", param=loc or None) from None
 
 
-def _common(r: _Sampling, model_id: str, limits: Limits, max_tokens: int | None
+def _common(r: _Sampling, models: ModelNames, limits: Limits, max_tokens: int | None
             ) -> dict:
-    if r.model is not None and r.model != model_id:
-        raise ApiError(404, f"the model '{r.model}' does not exist; this server serves "
-                            f"'{model_id}'", param="model", code="model_not_found")
-    if r.n not in (None, 1):
-        raise ApiError(400, "n > 1 is not supported (one generation at a time)", param="n")
-    if r.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    gen = limits.max_tokens if max_tokens is None else max_tokens
-    if gen > limits.max_tokens:
-        raise ApiError(400, f"max_tokens {gen} exceeds this server's limit of "
-                            f"{limits.max_tokens}", param="max_tokens")
-    stops = _strings(r.stop, "stop", "a string or a list of strings")
-    if len(stops) > MAX_STOPS:
-        raise ApiError(400, f"at most {MAX_STOPS} stop strings", param="stop")
-    if any(s == "" for s in stops):
-        raise ApiError(400, "a stop string may not be empty", param="stop")
-    t = r.temperature
-    greedy = t == 0
-    sampling = SamplingIn(None if greedy else t, r.top_p, r.top_k or None, r.seed, greedy)
     if r.stream_options is not None and not r.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
-    return dict(model=model_id, gen=gen, sampling=sampling, stops=stops, stream=r.stream,
+    return dict(model=models.check(r.model), gen=gen_of(max_tokens, limits, "max_tokens"),
+                sampling=sampling_of(r.temperature, r.top_p, r.top_k, r.seed),
+                stops=stops_of(r.stop, "stop"), stream=r.stream,
                 include_usage=bool(r.stream_options and r.stream_options.include_usage))
+
+
+# the rules both protocols share (the Anthropic route calls these too)
+
+def gen_of(max_tokens: int | None, limits: Limits, param: str) -> int:
+    gen = limits.max_tokens if max_tokens is None else max_tokens
+    if gen > limits.max_tokens:
+        raise ApiError(400, f"{param} {gen} exceeds this server's limit of "
+                            f"{limits.max_tokens}", param=param)
+    return gen
+
+
+def sampling_of(t: float | None, top_p: float | None, top_k: int | None,
+                seed: int | None) -> SamplingIn:
+    greedy = t == 0
+    return SamplingIn(None if greedy else t, top_p, top_k or None, seed, greedy)
+
+
+def stops_of(value: Any, param: str) -> tuple[str, ...]:
+    stops = _strings(value, param, "a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"{param}: at most {MAX_STOPS} stop strings", param=param)
+    if any(s == "" for s in stops):
+        raise ApiError(400, f"{param}: a stop string may not be empty", param=param)
+    return stops
 
 
 def _strings(value: Any, param: str, what: str) -> tuple[str, ...]:
@@ -211,18 +335,13 @@ def _content(i: int, m: ChatMessageIn) -> str:
                         f"reads text only)", param=param)
 
 
-def parse_chat(data: Any, model_id: str, limits: Limits) -> GenRequest:
+def parse_chat(data: Any, models: ModelNames, limits: Limits) -> GenRequest:
     """A /v1/chat/completions body -> GenRequest, or ApiError.  The transcript rules
     (optional system first, then user/assistant alternating, ending with user) are the
     chat history's own (chat.History), so the server and `k3 --chat` accept the same."""
-    r = _validated(ChatRequestIn, data)
-    if len(r.messages) > limits.max_messages:
-        raise ApiError(400, f"{len(r.messages)} messages exceed this server's limit of "
-                            f"{limits.max_messages}", param="messages")
-    if not r.messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    if r.tools:
-        raise ApiError(400, "tools are not supported by this server", param="tools")
+    refuse_unhonoured(data, OPENAI_REFUSED)
+    r = validated(ChatRequestIn, data)
+    check_message_count(len(r.messages), limits)
     effort = r.reasoning_effort
     if effort is not None and effort not in EFFORTS:
         raise ApiError(400, f"reasoning_effort must be one of {', '.join(EFFORTS)} (the "
@@ -238,20 +357,32 @@ def parse_chat(data: Any, model_id: str, limits: Limits) -> GenRequest:
             history.add(Message(role, _content(i, m), reasoning))
     except ChatError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
-    if not history.ends_with_user:
-        raise ApiError(400, "messages: the last message must be from the user",
-                       param="messages")
+    check_ends_with_user(history)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None \
         else r.max_tokens
     return GenRequest("chat", history=history, thinking=effort != "none",
                       effort=effort if effort not in (None, "none") else "max",
-                      **_common(r, model_id, limits, max_tokens))
+                      **_common(r, models, limits, max_tokens))
 
 
-def parse_completion(data: Any, model_id: str, limits: Limits) -> GenRequest:
-    r = _validated(CompletionRequestIn, data)
-    if r.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+def check_message_count(n: int, limits: Limits) -> None:
+    if n > limits.max_messages:
+        raise ApiError(400, f"messages: {n} messages exceed this server's limit of "
+                            f"{limits.max_messages}", param="messages")
+    if not n:
+        raise ApiError(400, "messages must not be empty", param="messages")
+
+
+def check_ends_with_user(history: History) -> None:
+    if not history.ends_with_user:
+        raise ApiError(400, "messages: the last message must be from the user (an "
+                            "assistant message to continue is not supported)",
+                       param="messages")
+
+
+def parse_completion(data: Any, models: ModelNames, limits: Limits) -> GenRequest:
+    refuse_unhonoured(data, OPENAI_REFUSED)
+    r = validated(CompletionRequestIn, data)
     p = r.prompt
     if isinstance(p, list) and all(type(i) is int for i in p):   # bool is not an id
         prompt = tuple(p)
@@ -265,7 +396,7 @@ def parse_completion(data: Any, model_id: str, limits: Limits) -> GenRequest:
     if not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
     return GenRequest("completion", prompt=prompt,
-                      **_common(r, model_id, limits, r.max_tokens))
+                      **_common(r, models, limits, r.max_tokens))
 
 
 # --------------------------------------------------------------------------- responses
@@ -280,6 +411,12 @@ def usage_body(prompt: int, completion: int, reasoning: int) -> dict:
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
+def with_cached(usage: dict, ext: dict) -> dict:
+    """OpenAI's usage plus prompt_tokens_details.cached_tokens: the prompt positions the
+    kept state supplied (the adapter's reused_positions)."""
+    return {**usage, "prompt_tokens_details": {"cached_tokens": ext["reused_positions"]}}
+
+
 def chat_body(rid: str, model: str, created: int, content: str, reasoning: str | None,
               finish: str, usage: dict, ext: dict) -> dict:
     msg = {"role": "assistant", "content": content}
@@ -288,7 +425,7 @@ def chat_body(rid: str, model: str, created: int, content: str, reasoning: str |
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                          "logprobs": None}],
-            "usage": usage, "k3": ext}
+            "usage": with_cached(usage, ext), "k3": ext}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict,
@@ -304,8 +441,7 @@ def completion_body(rid: str, model: str, created: int, text: str, finish: str |
             "choices": [{"index": 0, "text": text, "finish_reason": finish,
                          "logprobs": None}]}
     if usage is not None:
-        body["usage"] = usage
-    if ext is not None:
+        body["usage"] = with_cached(usage, ext)
         body["k3"] = ext
     return body
 
@@ -315,13 +451,101 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, usage: dict,
     """The last chunk of a stream with include_usage: no choices, the usage (OpenAI's
     shape), and our extension figures."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage, "k3": ext}
+            "usage": with_cached(usage, ext), "k3": ext}
 
 
-def sse(obj: dict | str) -> bytes:
+def sse(obj: dict | str, event: str | None = None) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
                                                        separators=(",", ":"))
-    return f"data: {data}\n\n".encode("utf-8")
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data}\n\n".encode("utf-8")
+
+
+# SSE comment lines: every client's parser skips them, so they keep a connection (and the
+# proxies and client timeouts on it) alive, and carry our prefill figures without
+# inventing an event type a strict client would trip on.
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def progress_comment(done: int, total: int) -> bytes:
+    return f': k3 {{"prefill":{{"done":{done},"total":{total}}}}}\n\n'.encode()
+
+
+# --------------------------------------------------------------------------- wires
+# A wire renders one request's engine items in its protocol: the events of a stream
+# (bytes) and the body of a non-streamed answer.  app.py drives all of them the same way.
+
+class ChatWire:
+    """/v1/chat/completions."""
+
+    def __init__(self, req: GenRequest):
+        self.req, self.rid, self.created = req, new_id("chatcmpl"), now()
+
+    def error_body(self, e: ApiError) -> dict:
+        return e.body()
+
+    def opening(self, waiting: bool) -> bytes:
+        """The stream's first bytes, sent with the headers; `waiting`: the job has not
+        started (the first event may then need nothing from the engine)."""
+        # this one needs nothing from the engine, so it is always the first event
+        return sse(chat_chunk(self.rid, self.req.model, self.created,
+                              {"role": "assistant", "content": ""}))
+
+    def started(self, item) -> bytes:
+        return b""
+
+    def delta(self, item) -> bytes:
+        field = "reasoning_content" if item.kind == "reasoning" else "content"
+        return sse(chat_chunk(self.rid, self.req.model, self.created, {field: item.text}))
+
+    def done(self, item) -> bytes:
+        out = sse(chat_chunk(self.rid, self.req.model, self.created, {}, item.finish))
+        if self.req.include_usage:
+            out += sse(usage_chunk(self.rid, self.req.model, self.created,
+                                   "chat.completion.chunk", item.usage, item.ext))
+        return out + sse("[DONE]")
+
+    def failed(self, e: ApiError) -> bytes:
+        # headers are sent: the error goes in the stream, in the same shape
+        return sse(e.body()) + sse("[DONE]")
+
+    def body(self, parts: dict[str, list[str]], item) -> dict:
+        reasoning = "".join(parts["reasoning"]) if self.req.thinking else None
+        return chat_body(self.rid, self.req.model, self.created, "".join(parts["content"]),
+                         reasoning, item.finish, item.usage, item.ext)
+
+
+class CompletionWire(ChatWire):
+    """/v1/completions: its text passes a TextFilter that removes control-token text (the
+    adapter's text stream leaves out only the end ids)."""
+
+    def __init__(self, req: GenRequest, hidden: tuple[str, ...]):
+        from .stops import TextFilter
+        self.req, self.rid, self.created = req, new_id("cmpl"), now()
+        self.filter = TextFilter(hidden)
+
+    def opening(self, waiting: bool) -> bytes:
+        return KEEPALIVE if waiting else b""  # this protocol has no content-free chunk
+
+    def delta(self, item) -> bytes:
+        text = self.filter.push(item.text)
+        return sse(completion_body(self.rid, self.req.model, self.created, text, None)) \
+            if text else b""
+
+    def done(self, item) -> bytes:
+        tail = self.filter.flush()
+        out = sse(completion_body(self.rid, self.req.model, self.created, tail, None)) \
+            if tail else b""
+        out += sse(completion_body(self.rid, self.req.model, self.created, "", item.finish))
+        if self.req.include_usage:
+            out += sse(usage_chunk(self.rid, self.req.model, self.created, "text_completion",
+                                   item.usage, item.ext))
+        return out + sse("[DONE]")
+
+    def body(self, parts: dict[str, list[str]], item) -> dict:
+        text = self.filter.push("".join(parts["text"])) + self.filter.flush()
+        return completion_body(self.rid, self.req.model, self.created, text, item.finish,
+                               item.usage, item.ext)
 
 
 def now() -> int:

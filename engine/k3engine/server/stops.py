@@ -27,21 +27,52 @@ class StopMatcher:
             i, self.hit = min(found)
             out, self.buf = self.buf[:i], ""
             return out
-        keep = self._open_prefix()
+        keep = open_prefix(self.buf, self.stops)
         out = self.buf[:len(self.buf) - keep]
         self.buf = self.buf[len(self.buf) - keep:]
         return out
 
-    def _open_prefix(self) -> int:
-        """Length of the longest tail of buf that is a proper prefix of a stop string."""
-        longest = max(len(s) for s in self.stops) - 1
-        for k in range(min(longest, len(self.buf)), 0, -1):
-            tail = self.buf[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
-
     def flush(self) -> str:
         """End of generation: what was held back was not a stop string after all."""
         out, self.buf = ("" if self.hit is not None else self.buf), ""
+        return out
+
+
+def open_prefix(buf: str, strings: tuple[str, ...]) -> int:
+    """Length of the longest tail of buf that is a proper prefix of one of `strings`."""
+    longest = max(len(s) for s in strings) - 1
+    for k in range(min(longest, len(buf)), 0, -1):
+        tail = buf[-k:]
+        if any(s.startswith(tail) for s in strings):
+            return k
+    return 0
+
+
+class TextFilter:
+    """Removes every occurrence of some strings (the tokenizer's added tokens: control
+    text) from a stream of text deltas.  A tail that could begin one is held back until
+    the next delta decides it, as StopMatcher does, so a control token split over two
+    deltas is removed too.  Text-level on purpose: the routes see text, not ids, and a
+    literal "<|sep|>" spelled with ordinary tokens is control text to a client as well."""
+
+    def __init__(self, hidden):
+        self.hidden = tuple(h for h in hidden if h)
+        self.buf = ""
+
+    def push(self, text: str) -> str:
+        if not self.hidden:
+            return text
+        self.buf += text
+        while True:                   # removing one may join the pieces of another
+            before = self.buf
+            for h in self.hidden:
+                self.buf = self.buf.replace(h, "")
+            if self.buf == before:
+                break
+        keep = open_prefix(self.buf, self.hidden)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
         return out
