@@ -19,9 +19,13 @@ import time
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from k3engine.conversation import Conversation, PendingReply
+
 from .remote_client import Delta, Endpoint, RemoteError
 
 LOCAL_ONLY = "memory and I/O plots are local-only"
+REMOTE_CANNOT_CONTINUE = ("A remote reply cannot be continued (the server keeps no state for "
+                          "it): Regenerate answers again, or reply to it as it is.")
 
 
 def request_body(history, spec, model: str) -> dict:
@@ -59,16 +63,24 @@ class RemoteHost(QObject):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        from k3engine.chat import History
-        self.history = History()
+        # the transcript: the engine's Conversation without an engine (history, the
+        # incomplete reply and how it is answered, regenerate, edit-and-fork, take back)
+        self.conv = Conversation(None)
         self.messages: list[dict] = []
         self.base_url, self.api_key, self.model = "", "", ""
         self.busy = False
-        self.pending: dict | None = None    # a reply that ended without `stop`
-        self.incomplete: set[int] = set()   # replies answered as they were (indices)
         self._endpoint: Endpoint | None = None     # the request in flight
         self._turn: dict | None = None
         self._post.connect(self._on_post)
+
+    @property
+    def history(self):
+        return self.conv.history
+
+    @property
+    def pending(self) -> dict | None:
+        p = self.conv.pending
+        return None if p is None else dict(p.as_dict(), how=REMOTE_CANNOT_CONTINUE)
 
     # -- configuration ------------------------------------------------------------------
     def configure(self, base_url: str, api_key: str, model: str) -> None:
@@ -80,106 +92,65 @@ class RemoteHost(QObject):
 
     # -- conversation commands (as EngineHost) -------------------------------------------
     def _emit_conversation(self) -> None:
-        from .worker import messages_of
-        self.messages = messages_of(self.history, self.incomplete)
+        self.messages = self.conv.messages()
         self.conversation.emit(self.messages)
-
-    def _set_pending(self, pending: dict | None) -> None:
-        self.pending = pending
-        self.pendingChanged.emit(dict(pending) if pending else None)
-
-    def _set_history(self, history) -> None:
-        self.history, self.incomplete = history, set()
-        self._set_pending(None)
+        self.pendingChanged.emit(self.pending)
 
     def _fail(self, message: str, during: str, kind: str = "RemoteError") -> None:
         self.errored.emit(dict(code=1, kind=kind, message=message, during=during,
                                meaning="remote endpoint"))
 
-    def _guard(self, during: str, fn) -> None:
+    def _guard(self, during: str, fn) -> bool:
+        """Apply one change to the conversation; a refusal is reported.  The transcript is
+        re-sent either way; False when it was refused."""
         from k3engine.chat import ChatError
         try:
             fn()
+            ok = True
         except ChatError as e:
             self._fail(str(e), during, "ChatError")
+            ok = False
         self._emit_conversation()
+        return ok
 
     def new_conversation(self, system_prompt: str = "") -> None:
         from k3engine.chat import History, Message
-
-        def do():
-            self._set_history(History([Message("system", system_prompt)] if system_prompt
-                                      else []))
-        self._guard("new conversation", do)
+        self._guard("new conversation", lambda: setattr(self, "conv", Conversation(
+            None, History([Message("system", system_prompt)] if system_prompt else []))))
 
     def open_conversation(self, path: str, extra: dict | None = None) -> None:
         from k3engine.chat import History
-
-        def do():
-            self._set_history(History.load(path))
-        self._guard("open conversation", do)
+        self._guard("open conversation",
+                    lambda: setattr(self, "conv", Conversation(None, History.load(path))))
 
     def save_conversation(self, path: str) -> None:
         self._guard("save conversation", lambda: self.history.save(path))
 
     def set_system(self, text: str) -> None:
-        from k3engine.chat import History, Message
-
-        def do():
-            rest = [m for m in self.history if m.role != "system"]
-            self._set_history(History(([Message("system", text)] if text else []) + rest))
-        self._guard("system prompt", do)
+        self._guard("system prompt", lambda: self.conv.set_system(text))
 
     def take_back(self) -> None:
-        def do():
-            self._set_pending(None)
-            if len(self.history) and self.history[-1].role == "assistant":
-                self.history.remove_last()
-            if len(self.history) and self.history[-1].role == "user":
-                self.history.remove_last()
-        self._guard("edit", do)
+        self._guard("edit", self.conv.take_back)
 
     def refresh_conversation(self) -> None:
         self._emit_conversation()
 
     # -- turns ----------------------------------------------------------------------------
-    def send(self, text: str, spec) -> None:
-        from k3engine.chat import ChatError, Message
-        try:
-            if self.pending is not None and self.history.ends_with_user:
-                # the incomplete reply is answered as it is: it joins the transcript
-                p = self.pending
-                self.history.add(Message("assistant", p["content"], p.get("reasoning")))
-                self.incomplete.add(len(self.history) - 1)
-            elif self.history.ends_with_user:
-                self.history.remove_last()     # a failed turn's message is replaced
-            self._set_pending(None)
-            self.history.add(Message("user", text))
-        except ChatError as e:
-            self._fail(str(e), "send", "ChatError")
-            self._emit_conversation()
+    def _answer(self, during: str, change, spec) -> None:
+        """A change to the transcript, then a turn; a refused change ends the turn."""
+        if self._guard(during, change):
+            self._start(spec)
+        else:
             self.turnFinished.emit({"failed": True, "n": 0})
-            return
-        self._emit_conversation()
-        self._start(spec)
+
+    def send(self, text: str, spec) -> None:
+        """An incomplete reply is answered as it is (it joins the transcript); a failed
+        turn's message is replaced."""
+        self._answer("send", lambda: self.conv.add_user(text), spec)
 
     def edit(self, index: int, text: str, spec) -> None:
         """Replace the user message at `index` and answer it (what followed is dropped)."""
-        from k3engine.chat import ChatError, History, Message
-        msgs = list(self.history)
-        try:
-            if not (0 <= index < len(msgs)) or msgs[index].role != "user":
-                raise ChatError(f"message {index + 1} is not a user message")
-            kept = {i for i in self.incomplete if i < index}
-            self._set_history(History(msgs[:index] + [Message("user", text)]))
-            self.incomplete = kept
-        except ChatError as e:
-            self._fail(str(e), "edit", "ChatError")
-            self._emit_conversation()
-            self.turnFinished.emit({"failed": True, "n": 0})
-            return
-        self._emit_conversation()
-        self._start(spec)
+        self._answer("edit", lambda: self.conv.edit(index, text), spec)
 
     def continue_reply(self, spec) -> None:
         self._fail("a remote reply cannot be continued (the server kept no state for it): "
@@ -187,10 +158,8 @@ class RemoteHost(QObject):
         self.turnFinished.emit({"failed": True, "n": 0})
 
     def regenerate(self, spec) -> None:
-        self._set_pending(None)
-        if len(self.history) and self.history[-1].role == "assistant":
-            self.history.remove_last()
-            self._emit_conversation()
+        self.conv.drop_reply()
+        self._emit_conversation()
         self._start(spec)
 
     def stop(self) -> None:
@@ -280,14 +249,11 @@ class RemoteHost(QObject):
         info["stats"] = remote_stats(info, usage, self.base_url)
         if not closed and turn["n"]:
             ids = done.extra.get("ids") or [-1] * n        # k3 serve says which ids
-            self._set_pending(dict(content=content, reasoning=reasoning, ids=list(ids),
-                                   why="stopped" if info["interrupted"] else "limit",
-                                   continuable=False,
-                                   how="A remote reply cannot be continued (the server keeps "
-                                       "no state for it): Regenerate answers again, or "
-                                       "reply to it as it is."))
+            self.conv.pending = PendingReply(list(ids), 0, 0, content, reasoning,
+                                             "stopped" if info["interrupted"] else "limit",
+                                             continuable=False)
         else:
-            self._set_pending(None)
+            self.conv.pending = None
         self._set_busy(False)
         self.turnFinished.emit(info)
         if closed:
