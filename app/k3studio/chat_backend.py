@@ -86,8 +86,10 @@ def attach(window) -> None:
         if backend.is_remote:
             remote_ready(remote.base_url, remote.api_key, remote.model)
 
+    import os
     from .local_server import LocalServer
-    server = window.local_server = LocalServer(window)
+    server = window.local_server = LocalServer(
+        window, os.path.join(window.data_dir, "prompt-cache"))
 
     def serve(on: bool) -> None:
         if not on:

@@ -18,18 +18,22 @@ from PySide6.QtCore import QObject, QProcess, Signal
 LISTENING = re.compile(r"k3 serve: listening on (http://\S+)")
 
 
-def serve_argv(spec) -> list[str]:
+def serve_argv(spec, cache_dir: str | None = None) -> list[str]:
+    """`cache_dir`: the prompt cache on disk (a folder in the app's data folder), so the
+    server, restarted, skips the prefill of a conversation it has seen."""
     from .runspec import model_flags
     return ["-m", "k3engine", "serve", spec.model_dir, *model_flags(spec),
-            "--host", "127.0.0.1", "--port", "0"]
+            "--host", "127.0.0.1", "--port", "0",
+            *(["--prompt-cache-dir", cache_dir] if cache_dir else [])]
 
 
 class LocalServer(QObject):
     started = Signal(str)             # the base URL (…/v1)
     stopped = Signal(int, str)        # exit code, the last lines it printed
 
-    def __init__(self, parent=None):
+    def __init__(self, parent=None, cache_dir: str | None = None):
         super().__init__(parent)
+        self.cache_dir = cache_dir
         self.proc: QProcess | None = None
         self.url = ""
         self._out: list[str] = []
@@ -46,7 +50,7 @@ class LocalServer(QObject):
         p.setProcessChannelMode(QProcess.MergedChannels)
         p.readyReadStandardOutput.connect(self._read)
         p.finished.connect(self._finished)
-        p.start(sys.executable, serve_argv(spec))
+        p.start(sys.executable, serve_argv(spec, self.cache_dir))
 
     def stop(self) -> None:
         p = self.proc

@@ -67,31 +67,36 @@ class Sequence:
         self.ids += list(ids)
         self._room(len(self.ids) + room)
 
+    def reusable(self, prompt: list[int]) -> int:
+        """The positions of `prompt` this sequence could serve (what `prepare` would
+        reuse), without changing anything: all it fed when the prompt extends that (the
+        recurrent state cannot be truncated, §9.4), else the newest fork point the prompt
+        starts with, else 0."""
+        if not self.usable:
+            return 0
+        n = self.position
+        if 0 < n < len(prompt) and prompt[:n] == self.ids[:n]:
+            return n
+        return next((pos for pos, _ in reversed(self.forks)
+                     if 0 < pos < len(prompt) and pos <= n and self.ids[:pos] == prompt[:pos]),
+                    0)
+
     def prepare(self, prompt: list[int], room: int) -> int:
         """Make this sequence hold `prompt` (a rendered transcript, a completion prompt),
-        reusing what its state already took in: all or nothing (the recurrent state cannot
-        be truncated, §9.4), else the newest fork point the prompt starts with.  Returns
-        the positions reused; the rest of `prompt` is pending, with room for `room` more."""
-        fed = self.ids[:self.position]
-        n = len(fed)
-        reuse = n if 0 < n < len(prompt) and prompt[:n] == fed else 0
-        if reuse == 0 and self.usable:
-            reuse = self._restore_fork(prompt)
+        reusing what `reusable` finds (restoring a fork point's snapshot when that is it).
+        Returns the positions reused; the rest of `prompt` is pending, with room for `room`
+        more."""
+        reuse = self.reusable(prompt)
         if reuse == 0:
             self.drop()
+        elif reuse < self.position:
+            snap = next(s for pos, s in self.forks if pos == reuse)
+            restore(self.state, snap)
+            self.state.n_cached = reuse        # later MLA rows are overwritten as it goes
+            self.forks = [(p, s) for p, s in self.forks if p <= reuse]
         self.ids = list(prompt)
         self._room(len(prompt) + room)
         return reuse
-
-    def _restore_fork(self, prompt: list[int]) -> int:
-        for pos, snap in reversed(self.forks):
-            if 0 < pos < len(prompt) and pos <= self.position and \
-                    self.ids[:pos] == prompt[:pos]:
-                restore(self.state, snap)
-                self.state.n_cached = pos      # later MLA rows are overwritten as it goes
-                self.forks = [(p, s) for p, s in self.forks if p <= pos]
-                return pos
-        return 0
 
     def _room(self, capacity: int) -> None:
         if self.state is None:

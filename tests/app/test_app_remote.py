@@ -136,8 +136,8 @@ def test_switching_back_to_this_machine(qtbot, window, server):
 
 def test_the_app_starts_and_stops_its_local_server(qtbot, window, demo_model):
     """The Setup toggle runs `k3 serve` on the current model, with the Memory tab's
-    settings (S3-FIFO replacement here: serve takes every flag the app passes); the URL it
-    shows answers."""
+    settings (S3-FIFO replacement here: serve takes every flag the app passes) and a prompt
+    cache in the data folder; the URL it shows answers."""
     import json
     import urllib.request
     window.setup.set_paths(*demo_model)
@@ -152,6 +152,10 @@ def test_the_app_starts_and_stops_its_local_server(qtbot, window, demo_model):
     with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
         h = json.loads(r.read())
     assert h["status"] == "ok" and h["model"] == os.path.basename(demo_model[0])
+    # its prompt cache lives in the app's data folder (kept across a restart)
+    args = window.local_server.proc.arguments()
+    cache_dir = args[args.index("--prompt-cache-dir") + 1]
+    assert cache_dir == os.path.join(window.data_dir, "prompt-cache") and os.path.isdir(cache_dir)
     with qtbot.waitSignal(window.local_server.stopped, timeout=TIMEOUT) as blocker:
         p.serve.setChecked(False)
     assert blocker.args[0] == 0 and not window.local_server.running

@@ -9,10 +9,10 @@ Each job has its own `Cancel`: a disconnecting client, a stop string or shutdown
 and the engine honours it at the next safe point (between the layers of the prompt pass,
 between decode steps).
 
-The sequence of the last request is kept (one sequence, as the plan counts): the next
-request reuses it when its prompt extends what was fed (Sequence.prepare, all or nothing, or
-a fork point), which is how a conversation continued request after request skips re-reading
-its history.
+The sequences of earlier requests are kept (prompt_cache: one, as the plan counts, or as many
+as --prompt-cache-gb holds, and on disk with --prompt-cache-dir): a request continues the one
+holding the longest prefix of its prompt (Sequence.prepare: all it fed, or a fork point),
+which is how a conversation continued request after request skips re-reading its history.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
 from ..events import TokenOut, TurnEnded
 from ..generate import Cancel, GenSpec, TextStream, TurnSummary
+from ..prompt_cache import PromptCache
 from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
 from .stops import StopMatcher
 
@@ -120,7 +121,9 @@ class EngineThread:
     def status(self) -> dict:
         with self._cv:
             return {"busy": self._running is not None, "queued": len(self._waiting),
-                    "queue_capacity": self.capacity, **self.counts, "last": dict(self.last)}
+                    "queue_capacity": self.capacity, **self.counts, "last": dict(self.last),
+                    **({"prompt_cache": self.backend.cache.sizes()}
+                       if hasattr(self.backend, "cache") else {})}
 
     def close(self) -> None:
         with self._cv:
@@ -192,27 +195,24 @@ LIMIT_CODES = {"prompt": ("messages", "context_length_exceeded"),
 
 
 class Backend:
-    """A loaded Engine and the one kept sequence.  `execute(job)` posts Started, Deltas
-    and Done (or raises ApiError before Started) and returns the job's outcome."""
+    """A loaded Engine and the sequences kept for later requests (prompt_cache).
+    `execute(job)` posts Started, Deltas and Done (or raises ApiError before Started) and
+    returns the job's outcome."""
 
-    def __init__(self, engine, model_id: str, limits: Limits, spec: int = 0):
+    def __init__(self, engine, model_id: str, limits: Limits, spec: int = 0, cache=None):
         self.engine, self.model_id, self.limits = engine, model_id, limits
         self.spec = spec                   # speculative width of greedy requests (--spec)
         self.tok = engine.tok
-        # the last request's sequence: its state, the exact ids it was fed, and the fork
-        # point where its last user message started (a request that changes what followed,
+        # kept sequences: their state, the exact ids they were fed, and the fork point
+        # where their last user message started (a request that changes what followed,
         # e.g. a reply sent back without its reasoning, still reuses everything before
-        # that message).  Taken out while a request runs, so a failed one leaves nothing
-        # half advanced behind.
-        self.kept = engine.sequence()
+        # that message).  A request takes the one holding most of its prompt and gives it
+        # back when done, so a failed one leaves nothing half advanced behind.
+        self.cache = cache or PromptCache(engine)
 
     def close(self) -> None:
-        self.kept = None
+        self.cache.kept.clear()
         self.engine.close()
-
-    def _take(self):
-        kept, self.kept = self.kept, self.engine.sequence()
-        return kept
 
     def execute(self, job: Job) -> str:
         if job.cancel:
@@ -261,17 +261,35 @@ class Backend:
             raise ApiError(400, "this model has no tokenizer with chat control tokens",
                            code="chat_unsupported") from None
         spec = self._gen_spec(req)
-        conv = Conversation(self.engine, req.history, seq=self._take())
-        turn = conv.turn(spec, job.cancel)
+        conv = Conversation(self.engine, req.history)
         try:
-            started = next(turn)               # refusals come before the turn starts
+            prompt = conv.render(spec)
         except ChatError as e:
             code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
             raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
+        conv.seq = self.cache.take(prompt)
+        try:
+            res, reasoning, stops = self._chat_turn(job, conv, spec)
+            tail = stops.flush()
+            if tail:
+                job.post(Delta("content", tail))
+            # A turn that closed with an end id but does not parse strictly (`k3 --chat`
+            # exits 1 there): the text already streamed stands; the request ends as `stop`
+            # and says why.
+            note = f"the reply closed but is not a well-formed turn: {res.malformed}" \
+                if res.malformed else None
+            return self._done(job, stops, res, reasoning, note)
+        finally:
+            self.cache.give_back(conv.seq)        # after Done: a disk save delays no one
+
+    def _chat_turn(self, job: Job, conv, spec: GenSpec):
+        turn = conv.turn(spec, job.cancel)
+        try:
+            started = next(turn)               # refusals come before the turn starts
         except LimitError as e:
             raise limit_error(e) from None
         job.start(Started(started.prompt_ids, started.reused))
-        stops = StopMatcher(req.stops)
+        stops = StopMatcher(job.req.stops)
         reasoning = 0
         res = None
         for ev in turn:
@@ -289,18 +307,9 @@ class Backend:
                     job.post(Delta("content", text))
                 if stops.hit is not None:
                     job.cancel.set()          # generation ends at the next safe point
-        if conv.seq.usable:
-            self.kept = conv.seq
-        tail = stops.flush()
-        if tail:
-            job.post(Delta("content", tail))
-        # A turn that closed with an end id but does not parse strictly (`k3 --chat` exits
-        # 1 there): the text already streamed stands; the request ends as `stop` and says why.
-        note = f"the reply closed but is not a well-formed turn: {res.malformed}" \
-            if res.malformed else None
-        return self._done(job, stops, res, reasoning, note)
+        return res, reasoning, stops
 
-    # -- completions (a batch turn on the kept sequence) --------------------------------
+    # -- completions (a batch turn on a kept sequence) ----------------------------------
     def _completion(self, job: Job) -> str:
         req = job.req
         if isinstance(req.prompt, str):
@@ -312,7 +321,14 @@ class Backend:
             ids = list(req.prompt)
         self._check(len(ids), req.gen, ids)
         spec = self._gen_spec(req)
-        seq = self._take()
+        seq = self.cache.take(ids)
+        try:
+            return self._completion_turn(job, spec, seq, ids)
+        finally:
+            self.cache.give_back(seq)
+
+    def _completion_turn(self, job: Job, spec: GenSpec, seq, ids: list[int]) -> str:
+        req = job.req
         reuse = seq.prepare(ids, req.gen + 1)
         job.start(Started(len(ids), reuse))
         ends = tuple(self.engine.ctl.end_ids) if _has_ctl(self.engine) else ()
@@ -336,8 +352,6 @@ class Backend:
                     job.post(Delta("text", text))
                 if stops.hit is not None:
                     job.cancel.set()              # generation ends at the next safe point
-        if seq.usable:
-            self.kept = seq
         tail = stops.flush()
         if tail:
             job.post(Delta("text", tail))

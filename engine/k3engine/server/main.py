@@ -65,6 +65,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", type=int, default=0, metavar="N",
                    help="n-gram speculative decoding of greedy requests, up to N (<= 8) "
                         "drafts per sweep: same ids as plain greedy, fewer trunk passes")
+    p.add_argument("--prompt-cache-gb", type=float, default=0.0, metavar="X",
+                   help="memory for the sequences kept for later requests (default 0: one, "
+                        "as the plan counts); a request continues the one holding most of "
+                        "its prompt")
+    p.add_argument("--prompt-cache-dir", metavar="DIR",
+                   help="also keep them on disk (state files, 0600), so a restarted server "
+                        "skips the prefill of a conversation it has seen")
+    p.add_argument("--prompt-cache-disk-gb", type=float, default=8.0, metavar="X",
+                   help="the folder's cap; the oldest files go first (default 8)")
     p.add_argument("--model-id", help="the id /v1/models lists (default: MODEL_DIR's name)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N")
     p.add_argument("--max-messages", type=int, default=1024, metavar="N")
@@ -112,6 +121,10 @@ def check_options(a) -> str | None:
         return "--queue must be >= 0"
     if not 0 <= a.spec <= 8:
         return "--spec must be in 0..8"
+    for flag, v in (("--prompt-cache-gb", a.prompt_cache_gb),
+                    ("--prompt-cache-disk-gb", a.prompt_cache_disk_gb)):
+        if not (v >= 0 and v < 1e6):         # NaN and inf fail both
+            return f"{flag} must be a number of GB >= 0"
     if not 1 <= a.gen <= MAX_GEN:
         return f"--gen must be in 1..{MAX_GEN}"
     if not 1 <= a.max_prompt <= MAX_PROMPT:
@@ -177,7 +190,17 @@ def main(argv: list[str]) -> int:
     model_id = a.model_id or os.path.basename(os.path.normpath(a.model_dir))
     limits = Limits(max_body_bytes=a.max_body_bytes, max_messages=a.max_messages,
                     max_prompt_ids=a.max_prompt, max_tokens=a.gen)
-    backend = Backend(eng, model_id, limits, a.spec)
+    from ..prompt_cache import PromptCache
+    try:
+        cache = PromptCache(eng, int(a.prompt_cache_gb * 1e9), a.prompt_cache_dir,
+                            int(a.prompt_cache_disk_gb * 1e9))
+    except OSError as e:
+        print(f"k3 serve: cannot use --prompt-cache-dir {a.prompt_cache_dir}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        eng.close()
+        sock.close()
+        return EXIT_USAGE
+    backend = Backend(eng, model_id, limits, a.spec, cache)
     engine = EngineThread(backend, a.queue)
     app = create_app(engine, ModelNames(model_id, tuple(a.alias), a.accept_any_model),
                      a.api_key, limits, **tokenizer_facts(eng.tok),
