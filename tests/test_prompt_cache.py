@@ -188,3 +188,78 @@ def test_serve_reports_cached_tokens_across_a_restart(tmp_path):
     assert first.choices[0].finish_reason == "stop"
     assert n_cached(cached) > 0 and n_cached(plain) == 0
     assert cached.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_a_request_resent_after_its_client_left_mid_prefill_continues(demo):
+    """The client leaves during the prompt pass (Cancel.leave, what a disconnect sets): the
+    pass completes and is kept; the same request sent again starts decoding at once (every
+    prompt position reused) with the ids a run never interrupted gives."""
+    eng = _engine(demo)
+    h = [Message("system", "Be brief."),
+         Message("user", " ".join(f"word{i}" for i in range(300)))]
+    try:
+        backend = Backend(eng, "demo", Limits(), cache=PromptCache(eng, 0))
+        posted = []
+        req = GenRequest(kind="chat", model="demo", gen=8,
+                         sampling=SamplingIn(None, None, None, None, True), stops=(),
+                         stream=True, include_usage=True, history=History(list(h)))
+        job = Job(req, posted.append)
+
+        def post(item):
+            posted.append(item)
+            if type(item).__name__ == "Progress":
+                job.cancel.leave()                  # the client disconnects mid-pass
+        job.post = post
+        backend.execute(job)
+        left = next(p for p in posted if isinstance(p, Done))
+        resent = ask(backend, h)
+        fresh = ask(Backend(eng, "demo", Limits(), cache=PromptCache(eng, 0)), h)
+    finally:
+        eng.close()
+    print(f"[gate] left mid-prefill: finish {left.finish}, {len(left.ext['ids'])} ids; "
+          f"resent: {resent[0].reused} of {resent[0].prompt_ids} positions reused, time to "
+          f"first token {resent[1].ext['ttft_s']:.4f} s vs {fresh[1].ext['ttft_s']:.4f} s "
+          f"fresh; ids equal: {resent[1].ext['ids'] == fresh[1].ext['ids']}")
+    assert left.finish == "cancelled" and left.ext["ids"] == []
+    assert resent[0].reused == resent[0].prompt_ids > 256
+    assert resent[1].ext["ids"] == fresh[1].ext["ids"]
+
+
+def test_k3_serve_continues_a_request_resent_after_a_disconnect(demo):
+    """Over HTTP: a streamed request is dropped by its client during the prompt pass (after
+    its first progress comment) and sent again; the resent one reports every prompt token
+    cached and answers with the ids of an uninterrupted request."""
+    import http.client
+    import json
+    import time as clock
+    from urllib.parse import urlparse
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": " ".join(f"word{i}" for i in range(300))}]
+    body = {"model": "demo", "messages": msgs, "max_tokens": 8, "stream": True}
+    with serve(demo, "--tok", demo, "--gen", "8", "--accept-any-model",
+               "--sse-keepalive", "0.2") as s:
+        u = urlparse(s.url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        seen = b""
+        t0 = clock.monotonic()
+        while b": k3" not in seen and clock.monotonic() - t0 < 60:
+            seen += r.read1(256)
+        conn.close()                                 # the client leaves mid-pass
+        s.wait_idle()
+        t0 = clock.monotonic()
+        from openai import OpenAI
+        client = OpenAI(base_url=s.base_url, api_key="none")
+        resent = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8)
+        resent_s = clock.monotonic() - t0
+        t0 = clock.monotonic()
+        msgs2 = [msgs[0], {"role": "user", "content": msgs[1]["content"] + " again"}]
+        fresh = client.chat.completions.create(model="demo", messages=msgs2, max_tokens=8)
+        fresh_s = clock.monotonic() - t0
+    cached = resent.usage.prompt_tokens_details.cached_tokens
+    print(f"[gate] resent after a disconnect mid-prefill: {cached} of "
+          f"{resent.usage.prompt_tokens} prompt tokens cached, answered in {resent_s:.2f} s; "
+          f"a new prompt of the same length took {fresh_s:.2f} s")
+    assert b": k3" in seen and cached == resent.usage.prompt_tokens

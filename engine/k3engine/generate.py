@@ -20,22 +20,39 @@ from dataclasses import dataclass, field, replace
 
 from . import events as E
 from .experts import ExpertLoadError
-from .model import Stopped, greedy
+from .model import Stopped
 from .speculative import MAX_DRAFT, SpecCounters, SpecWidth, spec_step
 
 __all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream"]
 
 
 class Cancel:
-    """A stop request honoured at the next safe point (between decode steps, and between
-    the layers of a prompt pass where the caller allows it): SIGINT in the CLI, the Stop
-    button in the app, a client that left the server (SYSTEM §6.6)."""
+    """A stop request honoured at the next safe point: between decode steps, and between
+    the layers of a prompt pass where the caller allows it -- SIGINT in the CLI, the Stop
+    button in the app (SYSTEM §6.6).  `leave()` is the softer request of a requester that
+    went away (a server client that disconnected): the prompt pass in flight completes and
+    its work is kept (the sequence and the last logits, Sequence.logits), so the same
+    request sent again continues from there instead of starting over; decoding then stops
+    as for set()."""
 
     def __init__(self):
         self._flag = threading.Event()
+        self._left = threading.Event()
+        self.hard = _Hard(self._flag)         # what the layers of a prompt pass check
 
     def set(self) -> None:
         self._flag.set()
+
+    def leave(self) -> None:
+        self._left.set()
+
+    def __bool__(self) -> bool:
+        return self._flag.is_set() or self._left.is_set()
+
+
+class _Hard:
+    def __init__(self, flag):
+        self._flag = flag
 
     def __bool__(self) -> bool:
         return self._flag.is_set()
@@ -163,6 +180,11 @@ class TextStream:
         return self._d.flush() if self._d is not None else ""
 
 
+def _hard(cancel):
+    """What a prompt pass's layers check: only a hard stop ends a pass part-way."""
+    return getattr(cancel, "hard", cancel)
+
+
 def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
            parser=None, stop_in_pass: bool = False, fork_at: int = 0, reused: int = 0,
            prompt_positions: int | None = None, prior: list[int] | None = None,
@@ -205,15 +227,22 @@ def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
                                             res.spec, engine.proposer(seq))
                 width.update(res.spec.drafted - before_d, res.spec.accepted - before_a)
                 res.spec.width = width.n
+            elif engine.incremental and g == 0 and not seq.pending and seq.logits is not None:
+                logits = seq.logits           # a pass completed for a requester that left
             elif engine.incremental:
-                stop = cancel if stop_in_pass and g == 0 else None
+                stop = _hard(cancel) if stop_in_pass and g == 0 else None
                 on_layer = progress if g == 0 else None
                 if g == 0 and 0 < fork_at - seq.position < len(seq.pending):
                     seq.feed(fork_at - seq.position, stop, on_layer)
                     seq.keep_fork()
                 logits = seq.feed(len(seq.pending), stop, on_layer)
+                if g == 0 and stop_in_pass and cancel:   # asked during the pass: keep it
+                    seq.logits = logits
+                    res.interrupted = True
+                    res.layers_completed = lm.model.layers_completed
+                    break
             else:
-                logits = seq.recompute(cancel if stop_in_pass else None)
+                logits = seq.recompute(_hard(cancel) if stop_in_pass else None)
         except ExpertLoadError as e:          # never emit a token computed without an expert
             res.expert_drop, res.expert_error = str(e), e
             res.layers_completed = lm.model.layers_completed

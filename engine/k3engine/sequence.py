@@ -33,6 +33,10 @@ class Sequence:
         self.ids: list[int] = []
         # (position, recurrent snapshot): the state after ids[:position]
         self.forks: list[tuple[int, list[np.ndarray]]] = []
+        # the logits after the last fed position, kept when a prompt pass completed for a
+        # requester that left before its first token (generate.Cancel.leave): the same
+        # prompt sent again needs no pass at all
+        self.logits: np.ndarray | None = None
 
     # -- what it holds -------------------------------------------------------------------
     @property
@@ -77,6 +81,8 @@ class Sequence:
         n = self.position
         if 0 < n < len(prompt) and prompt[:n] == self.ids[:n]:
             return n
+        if self.logits is not None and n == len(prompt) and prompt == self.ids[:n]:
+            return n
         return next((pos for pos, _ in reversed(self.forks)
                      if 0 < pos < len(prompt) and pos <= n and self.ids[:pos] == prompt[:pos]),
                     0)
@@ -87,6 +93,8 @@ class Sequence:
         Returns the positions reused; the rest of `prompt` is pending, with room for `room`
         more."""
         reuse = self.reusable(prompt)
+        if reuse < len(prompt):
+            self.logits = None                 # they belong to the whole prompt only
         if reuse == 0:
             self.drop()
         elif reuse < self.position:
@@ -110,6 +118,7 @@ class Sequence:
         every) position.  A pass that fails or is stopped part-way poisons the state
         (Model.forward), and nothing reuses it afterwards."""
         p = self.position
+        self.logits = None
         return self._model.forward(self.ids[p:p + n], self.state, all_logits=all_logits,
                                    cancel=cancel, on_layer=on_layer)
 
@@ -129,13 +138,13 @@ class Sequence:
 
     def drop(self) -> None:
         """Forget the state (the next request prefills from scratch)."""
-        self.state, self.ids, self.forks = None, [], []
+        self.state, self.ids, self.forks, self.logits = None, [], [], None
 
     # -- copies and files ----------------------------------------------------------------
     def fork(self) -> "Sequence":
         """An independent copy (state, ids and fork points) that can go its own way."""
         c = Sequence(self._model, self._shared)
-        c.ids, c.forks = list(self.ids), list(self.forks)
+        c.ids, c.forks, c.logits = list(self.ids), list(self.forks), self.logits
         if self.state is not None:
             c.state = grown(self.state, self.state.capacity + 1)    # a copy, rows included
             c.state.poisoned = self.state.poisoned

@@ -107,8 +107,9 @@ class EngineThread:
             self._cv.notify()
 
     def withdraw(self, job: Job) -> None:
-        """The client went away: stop the job if it runs, drop it if it waits."""
-        job.cancel.set()
+        """The client went away: stop the job if it runs (a prompt pass in flight completes
+        and is kept for a resend, Cancel.leave), drop it if it waits."""
+        job.cancel.leave()
         with self._cv:
             if job in self._waiting:
                 self._waiting.remove(job)
