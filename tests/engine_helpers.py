@@ -69,14 +69,12 @@ def decode(lm, prompt: list[int], gen: int, spec: int = 0, proposer=None,
     """The engine's one decode loop over a model loaded here (Engine.around): a greedy
     batch run of `gen` ids after `prompt`, its TurnSummary."""
     from k3engine.engine import Engine
-    from k3engine.generate import GenSpec
-    steps = Engine.around(lm, spec=spec, draft=proposer).batch(
-        list(prompt), GenSpec(gen=gen, spec=spec, spec_auto=spec_auto))
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    from k3engine.generate import GenSpec, Turn
+    turn = Turn(Engine.around(lm, spec=spec, draft=proposer).batch(
+        list(prompt), GenSpec(gen=gen, spec=spec, spec_auto=spec_auto)))
+    for _ in turn:
+        pass
+    return turn.summary
 
 
 def chat_on(lm, tok, history, sampler=None):
@@ -91,13 +89,12 @@ def run_turn(turn, on_token=None):
     """Drive a Conversation turn (or continue_turn) generator; `on_token(n, id)` per id.
     Returns its TurnSummary."""
     from k3engine.events import TokenOut
+    from k3engine.generate import Turn
+    events = Turn(turn)
     n = 0
-    while True:
-        try:
-            ev = next(turn)
-        except StopIteration as done:
-            return done.value
+    for ev in events:
         if isinstance(ev, TokenOut) and ev.id >= 0:
             n += 1
             if on_token is not None:
                 on_token(n, ev.id)
+    return events.summary

@@ -18,6 +18,7 @@ from k3engine.errors import StateUnusable
 from k3engine.memory import PRESETS
 from k3engine.conversation import Conversation
 from k3engine.engine import Cancel, GenSpec, Prompt, load_spec_from, open_engine
+from k3engine.generate import Turn
 from test_cli import GOLDEN, k3
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine" / "k3engine"
@@ -47,12 +48,8 @@ def demo(tmp_path_factory):
 
 def collect(gen):
     """(events, the generator's return value: its TurnSummary)."""
-    evs = []
-    while True:
-        try:
-            evs.append(next(gen))
-        except StopIteration as done:
-            return evs, done.value
+    turn = Turn(gen)
+    return list(turn), turn.summary
 
 
 # ---- one request builder -------------------------------------------------------------

@@ -23,7 +23,7 @@ from .memory import DEFAULT_DRAFT_TRUNK_GB, BudgetError, human, list_presets_tex
 from .report import RULE, out_line
 from .engine import (MAX_GEN, Cancel, Draft, Engine, GenSpec, LoadSpec, Prompt, Sampling,
                      load_spec_from, open_engine)
-from .generate import TurnSummary
+from .generate import Turn, TurnSummary
 from .sequence import Sequence
 from .telemetry import Events, JsonLinesSink
 
@@ -441,14 +441,10 @@ def run(o: Options, events: Events) -> int:
             else:
                 seq = eng.sequence()
             printer(eng.decode_started(spec, len(seq.ids) + len(ids) + spec.gen + 1, resumed))
-            steps = eng.batch(ids, spec, cancel, seq)
-            while True:
-                try:
-                    printer(next(steps))
-                except StopIteration as done:
-                    res = done.value
-                    break
-            return finish(o, eng, spec, seq, res, events, unwritten)
+            turn = Turn(eng.batch(ids, spec, cancel, seq))
+            for ev in turn:
+                printer(ev)
+            return finish(o, eng, spec, seq, turn.summary, events, unwritten)
         finally:
             eng.close()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from . import events as E
 from .chat import (ASSISTANT, ChatError, ChatOptions, History, Message, ReplyStream,
                    encode_prompt, parse_reply, render_segments)
-from .generate import Cancel, GenSpec, Sampling, TurnSummary
+from .generate import Cancel, GenSpec, Sampling, Turn, TurnSummary
 
 __all__ = ["Conversation", "PendingReply"]
 
@@ -206,20 +206,18 @@ class Conversation:
 
     def _run(self, spec, sampler, cancel, parser, texts=None, **how):
         texts = dict(texts or {"thinking": "", "response": ""})
-        steps = self.engine.generate(self.seq, spec, sampler, cancel, parser=parser,
-                                     stop_in_pass=True, end_ids=self.engine.ctl.end_ids, **how)
-        while True:
-            try:
-                ev = next(steps)
-            except StopIteration as done:
-                res = done.value
-                break
-            except BaseException:
-                self.seq.drop()               # a failed pass: the next turn starts afresh
-                raise
-            if isinstance(ev, E.TokenOut) and ev.phase in texts:
-                texts[ev.phase] += ev.text
-            yield ev
+        turn = Turn(self.engine.generate(self.seq, spec, sampler, cancel, parser=parser,
+                                         stop_in_pass=True, end_ids=self.engine.ctl.end_ids,
+                                         **how))
+        try:
+            for ev in turn:
+                if isinstance(ev, E.TokenOut) and ev.phase in texts:
+                    texts[ev.phase] += ev.text
+                yield ev
+        except BaseException:
+            self.seq.drop()                   # a failed pass: the next turn starts afresh
+            raise
+        res = turn.summary
         self._settle(res, spec, texts)
         yield E.TurnEnded(res)
         return res

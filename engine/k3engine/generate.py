@@ -23,7 +23,7 @@ from .experts import ExpertLoadError
 from .model import Stopped
 from .speculative import MAX_DRAFT, SpecCounters, SpecWidth, spec_step
 
-__all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream"]
+__all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream", "Turn"]
 
 
 class Cancel:
@@ -159,6 +159,18 @@ class TurnSummary:
                     peak_rss_bytes=self.peak_rss_bytes, hit_rate=self.hit_rate,
                     spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted,
                     spec_rounds=self.spec.rounds)
+
+
+class Turn:
+    """A turn's events to iterate (`for ev in Turn(engine.generate(...))`); `summary` holds
+    the generator's TurnSummary once the iteration has ended."""
+
+    def __init__(self, events):
+        self._events = events
+        self.summary: TurnSummary | None = None
+
+    def __iter__(self):
+        self.summary = yield from self._events
 
 
 class TextStream:

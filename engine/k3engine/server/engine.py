@@ -26,7 +26,7 @@ from ..chat import ChatError
 from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
 from ..events import TokenOut, TurnEnded
-from ..generate import Cancel, GenSpec, TextStream, TurnSummary
+from ..generate import Cancel, GenSpec, TextStream, Turn, TurnSummary
 from ..prompt_cache import PromptCache
 from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
 from .stops import StopMatcher
@@ -338,15 +338,10 @@ class Backend:
         stops = StopMatcher(req.stops)
         sampler = spec.sampling.sampler()
         sampler.new_turn(1)
-        steps = self.engine.generate(seq, spec, sampler, job.cancel, stop_in_pass=True,
-                                     end_ids=ends, reused=reuse,
-                                     parser=TextStream(self.tok, hidden))
-        while True:
-            try:
-                ev = next(steps)
-            except StopIteration as done:
-                res = done.value
-                break
+        turn = Turn(self.engine.generate(seq, spec, sampler, job.cancel, stop_in_pass=True,
+                                         end_ids=ends, reused=reuse,
+                                         parser=TextStream(self.tok, hidden)))
+        for ev in turn:
             if isinstance(ev, TokenOut) and stops.hit is None:
                 text = stops.push(ev.text)
                 if text:
@@ -356,7 +351,7 @@ class Backend:
         tail = stops.flush()
         if tail:
             job.post(Delta("text", tail))
-        return self._done(job, stops, res, 0)
+        return self._done(job, stops, turn.summary, 0)
 
     def _done(self, job: Job, stops, res: TurnSummary, reasoning: int,
               note: str | None = None) -> str:
