@@ -145,7 +145,7 @@ def test_completions_with_ids_and_text(client):
 
 
 def test_greedy_completion_equals_k3_batch_on_the_same_ids(client, demo, tmp_path):
-    """The completions route runs Run.generate, the loop `k3` runs: the same ids as
+    """The completions route runs the engine's decode loop, as `k3` does: the same ids as
     `k3 MODEL --ids ... --incremental` with the chat's end ids as stop ids."""
     from k3engine.engine import chat_controls
     from k3engine.tokenizer import Tokenizer

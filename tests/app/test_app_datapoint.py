@@ -72,7 +72,7 @@ def test_the_datapoint_of_the_last_reply(qtbot, window, private_model, measured,
     assert m["s_per_token"] == round(info["seconds"] / info["n"], 4)
     first_step = window.datapoint.turn["steps"][0]               # the plots' record
     assert first_step["step"] == 0 and m["ttft_s"] == round(first_step["seconds"], 4)
-    # the run API's step clock and the session's first-token clock time the same prefill
+    # the step clock and the turn summary's first-token clock time the same prefill
     assert m["ttft_s"] == pytest.approx(info["first_token_seconds"], rel=0.1)
     assert m["peak_rss_bytes"] == info["peak_rss_bytes"]
     assert 0 <= m["expert_hit_rate"] <= 1 and m["expert_requests"] > 0

@@ -140,7 +140,7 @@ def test_the_session_trace_is_a_bounded_window(qtbot, window, demo_model, monkey
     res = send(qtbot, window, "hello, what day comes after monday?")
     assert not res.get("failed")
     qtbot.waitUntil(lambda: w.curve is not None and w.keys is not None, timeout=TIMEOUT)
-    trace = window.host.worker.run.lm.experts.trace
+    trace = window.host.worker.engine.lm.experts.trace
     assert trace.requests > 400 and trace.kept == 400 == len(w.keys)
     assert w.windowed and w.total_requests == trace.requests
     assert f"only the latest 400 of {trace.requests:,} requests" in w.source.text()
