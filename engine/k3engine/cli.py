@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import REFERENCE_VERSION, __version__
 from .atomic import write_atomic
@@ -57,6 +57,9 @@ the reference engine's at every memory budget.
 
 prompt (exactly one outside chat)
   --ids LIST            token ids, comma or space separated
+  --batch FILE          many prompts decoded together, one trunk pass per step for all
+                        (JSON lines: {"ids": [...]} or {"prompt": "..."}, optionally gen,
+                        seed, temperature, top_p, top_k, min_p); ids as each run alone
   --ids-file PATH       token ids read from a file
   --prompt TEXT         text, tokenized with --tok (added tokens recognised)
   --prompt-file PATH    the file's bytes verbatim (preferred for non-ASCII)
@@ -139,7 +142,7 @@ FLAGS = {
     "--tf-check": ("tf_check", False), "--ultra-low-memory": ("ultra", False),
     "--draft-trunk": ("draft_trunk", True), "--draft-trunk-gb": ("draft_trunk_gb", True),
     "--draft-topk": ("draft_topk", True), "--draft-cache-only": ("draft_cache_only", False),
-    "--spec-auto": ("spec_auto", False),
+    "--spec-auto": ("spec_auto", False), "--batch": ("batch", True),
 }
 DRAFT_OPTIONS = ("--draft-trunk-gb", "--draft-topk", "--draft-cache-only")
 MEMORY_FLAGS = ("--preset", "--trunk-gb", "--cache-gb")
@@ -148,6 +151,8 @@ CHAT_ONLY = ("--system", "--history", "--no-think", "--thinking-effort")
 NOT_IN_CHAT = ("--load-state", "--save-state", "--dump-logits", "--dump-cache-trace", "--out",
                "--tf-check")
 MAX_STOP_IDS = 8
+NOT_IN_BATCH = ("--load-state", "--save-state", "--dump-logits", "--spec", "--spec-auto",
+                "--draft-trunk", "--tf-check", "--stream-tokens", "--ultra-low-memory")
 
 
 @dataclass
@@ -200,6 +205,7 @@ class Options:
     draft_topk: str | None = None
     draft_cache_only: bool = False
     spec_auto: bool = False
+    batch: str | None = None
 
     @property
     def gen_n(self) -> int:
@@ -265,6 +271,11 @@ def parse_args(argv: list[str]) -> Options:
 def validate(o: Options) -> None:
     """Flag conflicts and limits of SYSTEM §6.2-§6.3 (all exit 2)."""
     sources = [f for f in ("--ids", "--ids-file", "--prompt", "--prompt-file") if f in o.given]
+    if o.batch is not None:
+        bad = sources + [f for f in NOT_IN_BATCH + ("--chat",) + CHAT_ONLY if f in o.given]
+        if bad:
+            raise UsageError(f"--batch cannot be combined with {bad[0]}")
+        sources = ["--batch"]
     if o.chat:
         bad = sources + [f for f in NOT_IN_CHAT if f in o.given]
         if bad:
@@ -610,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"cannot write --events {o.events}: {e.strerror or e}") \
                     from None
             events.sinks.append(sink)
-        if o.chat:
+        if o.batch is not None:
+            from .batch_file import run_batch
+            code = run_batch(o, replace(build_load(o), incremental=True), build_gen(o),
+                             Printer(events), events, write_output, Interrupts)
+        elif o.chat:
             from .chat_repl import chat_main
             code = chat_main(build_load(o), build_gen(o), o.history, o.system, events,
                              verbose=o.verbose)

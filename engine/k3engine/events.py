@@ -220,6 +220,7 @@ class TokenOut(Event):
     id: int
     text: str
     phase: str
+    row: int | None = None           # a batch's sequence (generate.decode_many)
 
     def json(self):
         return [("token", dict(id=self.id, text_delta=self.text, phase=self.phase))]

@@ -23,7 +23,8 @@ from .experts import ExpertLoadError
 from .model import Stopped
 from .speculative import MAX_DRAFT, SpecCounters, SpecWidth, spec_step
 
-__all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream", "Turn"]
+__all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream", "Turn",
+           "BatchRun", "BatchSummary", "decode_many"]
 
 
 class Cancel:
@@ -116,6 +117,7 @@ class TurnSummary:
     reasoning: str | None = None      # a closed chat turn, parsed
     content: str | None = None
     malformed: str | None = None      # a chat turn that closed but does not parse (why)
+    first_logits: object = field(default=None, repr=False, compare=False)  # step 0's
     end_name: str | None = None       # the end id's token name
 
     @property
@@ -277,6 +279,8 @@ def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
         res.layers_completed = lm.model.layers_completed
         seq.ids += emitted
         out += emitted
+        if g == 0:
+            res.first_logits = logits
         yield E.StepDone(g, tuple(emitted), seconds, engine.measure_step(seconds),
                          logits if g == 0 else None)
         yield from engine.trunk_notices()
@@ -292,3 +296,117 @@ def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
     res.ids = out
     engine.close_window(window, res)
     return res
+
+
+# ---- several sequences per pass ---------------------------------------------------------
+
+@dataclass(eq=False)
+class BatchRun:
+    """One sequence of a batch (decode_many): its Sequence (the prompt pending), GenSpec and
+    sampler; `summary` is filled in as it runs.  `leave()` drops it at the next step."""
+    seq: object
+    spec: GenSpec
+    sampler: object
+    parser: object = None
+    end_ids: tuple = ()
+    summary: TurnSummary | None = None
+    finished: bool = False
+    _left: bool = False
+
+    def leave(self) -> None:
+        self._left = True
+
+
+@dataclass
+class BatchSummary:
+    """A batch's shared figures: every step read the trunk and the experts once for all."""
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    sizes: list[int] = field(default_factory=list)     # sequences in each step
+    trunk_bytes: int = 0
+    expert_bytes: int = 0
+    table_bytes: int = 0
+    peak_rss_bytes: int = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.trunk_bytes + self.expert_bytes + self.table_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def decode_many(engine, runs: list, cancel: Cancel | None = None):
+    """Decode several sequences together: each step feeds every active run's pending ids
+    (a joining run's whole prompt, the others' last token) in ONE pass
+    (Model.forward_batch: a streamed layer bound once, the union of the rows' experts read
+    once), then each run samples its own next id with its own sampler.  `runs` may grow
+    between steps (a run joins at the next step) and a run may `leave()`.  Each run's ids
+    equal the same prompt decoded alone (tests/test_batch.py).  Yields StepDone per step
+    and TokenOut per id (`row`: the run's index in `runs`); returns the BatchSummary.
+    Greedy and sampled runs alike; speculation is not batched."""
+    from .experts import ExpertLoadError
+    lm = engine.lm
+    agg = BatchSummary()
+    window = engine.turn_window()
+    g = 0
+    while True:
+        for r in runs:
+            if r.summary is None:                              # joins now
+                r.summary = TurnSummary([], len(r.seq.pending))
+                r.parser = r.parser or TextStream(engine.tok)
+            if r._left or (r.summary.ids and len(r.summary.ids) >= r.spec.gen):
+                r.finished = True
+        active = [r for r in runs if not r.finished and r.spec.gen > 0]
+        if not active:
+            break
+        if cancel:
+            for r in active:
+                r.summary.interrupted = r.finished = True
+            break
+        lm.experts.reset_step()
+        t0 = time.monotonic()
+        try:
+            logits = lm.model.forward_batch([(r.seq.pending, r.seq.state) for r in active])
+        except ExpertLoadError as e:          # never emit a token computed without an expert
+            for r in active:
+                r.summary.expert_drop, r.summary.expert_error = str(e), e
+                r.finished = True
+            break
+        seconds = time.monotonic() - t0
+        emitted = []
+        for r, lg in zip(active, logits):
+            res = r.summary
+            tok = r.sampler.sample(lg)
+            if res.steps == 0:
+                res.first_token_seconds, res.first_logits = seconds, lg
+            res.steps += 1
+            res.seconds += seconds
+            res.ids.append(tok)
+            r.seq.ids.append(tok)
+            emitted.append(tok)
+            if tok in set(r.spec.stop_ids) | set(r.end_ids):
+                res.end_id, r.finished = tok, True
+        agg.steps += 1
+        agg.seconds += seconds
+        agg.tokens += len(emitted)
+        agg.sizes.append(len(active))
+        yield E.StepDone(g, tuple(emitted), seconds, engine.measure_step(seconds))
+        yield from engine.trunk_notices()
+        for r, tok in zip(active, emitted):
+            phase, text = r.parser.push(tok)
+            yield E.TokenOut(tok, text, phase, row=runs.index(r))
+        g += 1
+    for r in runs:
+        if r.summary is not None:
+            r.summary.continued = 0
+            r.summary.layers_completed = lm.model.layers_completed
+    scratch = TurnSummary([], 0)
+    engine.close_window(window, scratch)
+    agg.trunk_bytes, agg.expert_bytes, agg.table_bytes = (scratch.trunk_bytes,
+                                                          scratch.expert_bytes,
+                                                          scratch.table_bytes)
+    agg.peak_rss_bytes = scratch.peak_rss_bytes
+    return agg

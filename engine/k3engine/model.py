@@ -235,16 +235,27 @@ class AttnResStack:
 
 
 def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeights,
-                  st: KDAState | MLAState, n_past: int, experts: ExpertSource,
+                  seqs: list[tuple[slice, KDAState | MLAState, int]], experts: ExpertSource,
                   cfg: ModelConfig, router=route, moe_chunk: int = PREFILL_CHUNK) -> np.ndarray:
-    """One layer; h_TE is consumed (updated in place as the running sum)."""
+    """One layer over the rows of one or more sequences; h_TE is consumed (updated in place
+    as the running sum).  `seqs`: each sequence's rows, its state of this layer and its past
+    positions.  Attention runs per sequence on its own rows and state; everything else is
+    row by row (each row bit-identical to a one-row call, the token-blocked kernels'
+    guarantee), so the weights -- a streamed layer, the union of the rows' experts -- are
+    read once for all the sequences of a step."""
     run = h_TE                                                    # the block's running sum
     a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
     if cfg.is_boundary(L):
         stack.push(run)                                           # push the block sum, then
         run = None                                                # clear it
     x = rmsnorm(a, lw.input_norm, cfg.rms_eps)
-    y = kda(lw.attn, x, st, cfg) if cfg.is_kda(L) else mla(lw.attn, x, st, n_past, cfg)
+    attend = (lambda x_, st, n: kda(lw.attn, x_, st, cfg)) if cfg.is_kda(L) else \
+        (lambda x_, st, n: mla(lw.attn, x_, st, n, cfg))
+    if len(seqs) == 1:
+        y = attend(x, seqs[0][1], seqs[0][2])
+    else:
+        y = np.concatenate([attend(np.ascontiguousarray(x[rows]), st, n)
+                            for rows, st, n in seqs])
     if run is None:
         run = y
     else:
@@ -287,15 +298,27 @@ class Model:
         raises Stopped.  A pass that raises for any reason leaves `state` poisoned (some
         layers advanced, others not), and a poisoned state is refused here.
         `on_layer(L, T)` is called after each layer (prefill progress)."""
-        if state.poisoned:
-            raise StateUnusable(f"sequence state is unusable: {state.poisoned}")
+        return self.forward_batch([(ids, state)], all_logits, cancel, on_layer)[0]
+
+    def forward_batch(self, items, all_logits: bool = False, cancel=None,
+                      on_layer=None) -> list[np.ndarray]:
+        """`forward` for several sequences in one pass: `items` is (new ids, state) per
+        sequence, each at its own position and length.  Every layer is bound once and the
+        routed experts of all the rows are read once per layer; each sequence's logits are
+        bit-identical to its own forward (tests/test_batch.py).  A pass that fails poisons
+        every state it carried."""
+        for _, state in items:
+            if state.poisoned:
+                raise StateUnusable(f"sequence state is unusable: {state.poisoned}")
         cfg = self.cfg
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        T = ids.shape[0]
-        n_past = state.reserve(T)
+        ids = [np.ascontiguousarray(i, dtype=np.int64) for i, _ in items]
+        lengths = [a.shape[0] for a in ids]
+        T = sum(lengths)
+        starts = np.cumsum([0] + lengths)
+        pasts = [state.reserve(n) for n, (_, state) in zip(lengths, items)]
         tables = self.weights.tables
         h = _f32(T, cfg.hidden)
-        tables.embed_into(ids, h)                                 # gather and widen
+        tables.embed_into(np.concatenate(ids) if len(ids) > 1 else ids[0], h)   # gather, widen
         n_boundaries = -(-self.n_layers // cfg.attn_res_block)
         stack = AttnResStack(n_boundaries, T, cfg.hidden)
         self.layers_completed = 0
@@ -303,12 +326,15 @@ class Model:
             for L in range(self.n_layers):
                 if cancel:
                     raise Stopped(f"stopped after layer {L} of {self.n_layers}")
-                if state.shared_recurrent and cfg.is_kda(L):
-                    state.layers[L].reset()                       # the one shared slot
+                seqs = []
+                for b, (_, state) in enumerate(items):
+                    if state.shared_recurrent and cfg.is_kda(L):
+                        state.layers[L].reset()                   # the one shared slot
+                    seqs.append((slice(starts[b], starts[b + 1]), state.layers[L], pasts[b]))
                 lw = self.weights.layer(L)
                 try:
-                    h = decoder_layer(L, h, stack, lw, state.layers[L], n_past, self.experts,
-                                      cfg, self.router, self.moe_chunk)
+                    h = decoder_layer(L, h, stack, lw, seqs, self.experts, cfg, self.router,
+                                      self.moe_chunk)
                 finally:
                     self.weights.release(L)
                 self.layers_completed = L + 1
@@ -317,15 +343,20 @@ class Model:
         except BaseException as e:
             if isinstance(e, Stopped) and self.layers_completed == 0:
                 raise                                             # nothing was advanced
-            state.poisoned = (f"a forward pass over {T} positions ended at layer "
-                              f"{self.layers_completed} of {self.n_layers} ({type(e).__name__})")
+            for _, state in items:
+                state.poisoned = (f"a forward pass over {T} positions ended at layer "
+                                  f"{self.layers_completed} of {self.n_layers} "
+                                  f"({type(e).__name__})")
             raise
-        state.n_cached = n_past + T
+        for n, past, (_, state) in zip(lengths, pasts, items):
+            state.n_cached = past + n
         o = stack.aggregate(h, tables.phi_out, cfg.rms_eps)       # one more before the norm
-        rows = o if all_logits else o[T - 1:]
+        rows = o if all_logits else o[starts[1:] - 1]             # each sequence's last row
         logits = tables.project(rmsnorm(np.ascontiguousarray(rows), tables.final_norm,
                                         cfg.rms_eps))
-        return logits if all_logits else logits[0]
+        if all_logits:
+            return [logits[starts[b]:starts[b + 1]] for b in range(len(items))]
+        return [logits[b] for b in range(len(items))]
 
 
 class Stopped(Exception):
