@@ -163,12 +163,11 @@ class Conversation:
         return self._sampler
 
     # -- turns -----------------------------------------------------------------------
-    def turn(self, spec: GenSpec, cancel: Cancel | None = None):
-        """Answer the history (which ends with a user message).  Yields TurnStarted, the
-        decode's StepDone/TokenOut and TurnEnded; returns the TurnSummary.  Refusals come
-        first (ChatError for a render refusal, LimitError), with nothing changed.  A stop
-        is honoured between the prompt pass's layers (no token, the state dropped) and
-        between tokens."""
+    def begin(self, spec: GenSpec):
+        """Prepare the next turn: render, refuse what the engine cannot hold (ChatError,
+        LimitError, nothing changed), seed the sampler, and make the sequence hold the
+        prompt, reusing what it can.  Returns (prompt length, positions reused, fork
+        point, sampler, parser)."""
         engine = self.engine
         prompt = self.render(spec)
         engine.check_limits(len(prompt), spec.gen)
@@ -177,10 +176,19 @@ class Conversation:
         self.pending = None
         boundary = self._user_boundary(prompt, spec)
         reuse = self.seq.prepare(prompt, spec.gen + 1)
-        yield E.TurnStarted(len(prompt), reuse, spec.gen)
-        parser = ReplyStream(engine.tok, engine.ctl, spec.thinking)
+        return len(prompt), reuse, boundary, sampler, \
+            ReplyStream(engine.tok, engine.ctl, spec.thinking)
+
+    def turn(self, spec: GenSpec, cancel: Cancel | None = None):
+        """Answer the history (which ends with a user message).  Yields TurnStarted, the
+        decode's StepDone/TokenOut and TurnEnded; returns the TurnSummary.  Refusals come
+        first (ChatError for a render refusal, LimitError), with nothing changed.  A stop
+        is honoured between the prompt pass's layers (no token, the state dropped) and
+        between tokens."""
+        n_prompt, reuse, boundary, sampler, parser = self.begin(spec)
+        yield E.TurnStarted(n_prompt, reuse, spec.gen)
         return (yield from self._run(spec, sampler, cancel, parser, fork_at=boundary,
-                                     reused=reuse, prompt_positions=len(prompt)))
+                                     reused=reuse, prompt_positions=n_prompt))
 
     def continue_turn(self, spec: GenSpec, cancel: Cancel | None = None):
         """Resume the incomplete reply for up to `spec.gen` more ids, exactly as the
@@ -218,11 +226,14 @@ class Conversation:
             self.seq.drop()                   # a failed pass: the next turn starts afresh
             raise
         res = turn.summary
-        self._settle(res, spec, texts)
+        self.settle(res, spec, texts)
         yield E.TurnEnded(res)
         return res
 
-    def _settle(self, res: TurnSummary, spec: GenSpec, texts: dict) -> None:
+    def settle(self, res: TurnSummary, spec: GenSpec, texts: dict) -> None:
+        """A turn's end: a closed reply parsed into the history (or `res.malformed`), an
+        incomplete one kept as `pending`, a failed one's state dropped (raises the
+        expert failure)."""
         if res.expert_drop is not None:       # never keep a reply computed without an expert
             self.seq.drop()
             raise res.expert_error

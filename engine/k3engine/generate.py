@@ -314,7 +314,10 @@ class BatchRun:
     _left: bool = False
 
     def leave(self) -> None:
-        self._left = True
+        """Out of the batch from the next step on (a stop string, a client gone)."""
+        self._left = self.finished = True
+        if self.summary is not None and self.summary.end_id is None:
+            self.summary.interrupted = True
 
 
 @dataclass
@@ -344,8 +347,9 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
     (Model.forward_batch: a streamed layer bound once, the union of the rows' experts read
     once), then each run samples its own next id with its own sampler.  `runs` may grow
     between steps (a run joins at the next step) and a run may `leave()`.  Each run's ids
-    equal the same prompt decoded alone (tests/test_batch.py).  Yields StepDone per step
-    and TokenOut per id (`row`: the run's index in `runs`); returns the BatchSummary.
+    equal the same prompt decoded alone (tests/test_batch.py).  Yields per step a TokenOut
+    per run (`row`: its index in `runs`), then StepDone; returns the BatchSummary.  A run's
+    summary counts its share of each step's reads.
     Greedy and sampled runs alike; speculation is not batched."""
     from .experts import ExpertLoadError
     lm = engine.lm
@@ -368,13 +372,17 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
             break
         lm.experts.reset_step()
         t0 = time.monotonic()
+        fed = [r for r in active if r.seq.pending]   # the rest: a pass kept for a resend
         try:
-            logits = lm.model.forward_batch([(r.seq.pending, r.seq.state) for r in active])
+            got = lm.model.forward_batch([(r.seq.pending, r.seq.state) for r in fed]) \
+                if fed else []
         except ExpertLoadError as e:          # never emit a token computed without an expert
             for r in active:
                 r.summary.expert_drop, r.summary.expert_error = str(e), e
                 r.finished = True
             break
+        by_run = dict(zip(map(id, fed), got))
+        logits = [by_run.get(id(r), r.seq.logits) for r in active]
         seconds = time.monotonic() - t0
         emitted = []
         for r, lg in zip(active, logits):
@@ -389,22 +397,29 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
             emitted.append(tok)
             if tok in set(r.spec.stop_ids) | set(r.end_ids):
                 res.end_id, r.finished = tok, True
+            elif len(res.ids) >= r.spec.gen:
+                r.finished = True
         agg.steps += 1
         agg.seconds += seconds
         agg.tokens += len(emitted)
         agg.sizes.append(len(active))
-        yield E.StepDone(g, tuple(emitted), seconds, engine.measure_step(seconds))
-        yield from engine.trunk_notices()
-        for r, tok in zip(active, emitted):
+        tel = engine.measure_step(seconds)
+        for r in active:                      # each run's share of the step's reads
+            r.summary.trunk_bytes += tel.trunk_bytes // len(active)
+            r.summary.expert_bytes += tel.expert_bytes // len(active)
+            r.summary.table_bytes += tel.model_table_bytes // len(active)
+        for r, tok in zip(active, emitted):   # the step's tokens, then the step is done
             phase, text = r.parser.push(tok)
             yield E.TokenOut(tok, text, phase, row=runs.index(r))
+        yield E.StepDone(g, tuple(emitted), seconds, tel)
+        yield from engine.trunk_notices()
         g += 1
-    for r in runs:
-        if r.summary is not None:
-            r.summary.continued = 0
-            r.summary.layers_completed = lm.model.layers_completed
     scratch = TurnSummary([], 0)
     engine.close_window(window, scratch)
+    for r in runs:
+        if r.summary is not None:
+            r.summary.layers_completed = lm.model.layers_completed
+            r.summary.peak_rss_bytes = scratch.peak_rss_bytes
     agg.trunk_bytes, agg.expert_bytes, agg.table_bytes = (scratch.trunk_bytes,
                                                           scratch.expert_bytes,
                                                           scratch.table_bytes)

@@ -77,6 +77,19 @@ class Job:
         self.post(item)
 
 
+@dataclass(eq=False)
+class Slot:
+    """One request's part in the engine's work: what it relays and how it ends."""
+    job: Job
+    spec: object                           # GenSpec
+    stops: StopMatcher
+    seq: object                            # the Sequence it runs on
+    conv: object = None                    # chat: its Conversation; None: a completion
+    run: object = None                     # batched: its generate.BatchRun
+    reasoning: int = 0                     # reasoning ids streamed
+    texts: dict = field(default_factory=lambda: {"thinking": "", "response": ""})
+
+
 # ---------------------------------------------------------------- the engine thread
 
 class EngineThread:
@@ -290,29 +303,45 @@ class Backend:
         except LimitError as e:
             raise limit_error(e) from None
         job.start(Started(started.prompt_ids, started.reused))
-        stops = StopMatcher(job.req.stops)
-        reasoning = 0
+        slot = Slot(job, spec, StopMatcher(job.req.stops), conv.seq, conv)
         res = None
         for ev in turn:
             if isinstance(ev, TurnEnded):
                 res = ev.result
-            elif not isinstance(ev, TokenOut):
-                continue
-            elif ev.phase == "thinking":
-                reasoning += ev.id >= 0
-                if ev.text:
-                    job.post(Delta("reasoning", ev.text))
-            elif ev.phase == "response":
+            elif isinstance(ev, TokenOut):
+                self.relay(slot, ev, job.cancel.set)
+        return res, slot.reasoning, slot.stops
+
+    def relay(self, slot: Slot, ev, stop) -> None:
+        """One TokenOut of a request as its Deltas: reasoning and content apart (chat), the
+        text (completions), stop strings held back and trimmed; `stop()` ends generation
+        at the next safe point once one matched."""
+        job, stops = slot.job, slot.stops
+        if slot.conv is None:
+            if stops.hit is None:
                 text = stops.push(ev.text)
                 if text:
-                    job.post(Delta("content", text))
+                    job.post(Delta("text", text))
                 if stops.hit is not None:
-                    job.cancel.set()          # generation ends at the next safe point
-        return res, reasoning, stops
+                    stop()
+            return
+        if ev.phase in slot.texts:
+            slot.texts[ev.phase] += ev.text
+        if ev.phase == "thinking":
+            slot.reasoning += ev.id >= 0
+            if ev.text:
+                job.post(Delta("reasoning", ev.text))
+        elif ev.phase == "response":
+            text = stops.push(ev.text)
+            if text:
+                job.post(Delta("content", text))
+            if stops.hit is not None:
+                stop()
 
     # -- completions (a batch turn on a kept sequence) ----------------------------------
-    def _completion(self, job: Job) -> str:
-        req = job.req
+    def _completion_ids(self, req: GenRequest) -> list[int]:
+        """A completion's prompt as ids (text tokenized with added tokens recognised),
+        refused (ApiError) beyond the engine's limits."""
         if isinstance(req.prompt, str):
             if self.tok is None:
                 raise ApiError(400, "a text prompt needs the model's tokenizer (--tok); "
@@ -321,6 +350,11 @@ class Backend:
         else:
             ids = list(req.prompt)
         self._check(len(ids), req.gen, ids)
+        return ids
+
+    def _completion(self, job: Job) -> str:
+        req = job.req
+        ids = self._completion_ids(req)
         spec = self._gen_spec(req)
         seq = self.cache.take(ids)
         try:
@@ -341,17 +375,73 @@ class Backend:
         turn = Turn(self.engine.generate(seq, spec, sampler, job.cancel, stop_in_pass=True,
                                          end_ids=ends, reused=reuse,
                                          parser=TextStream(self.tok, hidden)))
+        slot = Slot(job, spec, stops, seq)
         for ev in turn:
-            if isinstance(ev, TokenOut) and stops.hit is None:
-                text = stops.push(ev.text)
-                if text:
-                    job.post(Delta("text", text))
-                if stops.hit is not None:
-                    job.cancel.set()              # generation ends at the next safe point
+            if isinstance(ev, TokenOut):
+                self.relay(slot, ev, job.cancel.set)
         tail = stops.flush()
         if tail:
             job.post(Delta("text", tail))
         return self._done(job, stops, turn.summary, 0)
+
+    # -- batched (server/batching.py: several requests share each step) ---------------
+    def open_slot(self, job: Job) -> Slot:
+        """Start a request for the batch: its refusals (ApiError, before Started), its
+        sequence from the prompt cache, prepared; Started posted.  Greedy or sampled, no
+        speculation (a batch step is already one pass for several sequences)."""
+        from ..generate import BatchRun
+        req = job.req
+        spec = self._gen_spec(req).with_(spec=0)
+        if req.kind == "chat":
+            try:
+                ends = tuple(self.engine.ctl.end_ids)
+            except EngineError:
+                raise ApiError(400, "this model has no tokenizer with chat control tokens",
+                               code="chat_unsupported") from None
+            conv = Conversation(self.engine, req.history)
+            try:
+                prompt = conv.render(spec)
+            except ChatError as e:
+                code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
+                raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
+            conv.seq = seq = self.cache.take(prompt)
+            try:
+                n, reuse, _, sampler, parser = conv.begin(spec)
+            except LimitError as e:
+                self.cache.give_back(seq)
+                raise limit_error(e) from None
+        else:
+            ids = self._completion_ids(req)
+            conv, seq = None, self.cache.take(ids)
+            n, reuse = len(ids), seq.prepare(ids, req.gen + 1)
+            ends = tuple(self.engine.ctl.end_ids) if _has_ctl(self.engine) else ()
+            sampler = spec.sampling.sampler()
+            sampler.new_turn(1)
+            parser = TextStream(self.tok, set(getattr(self.tok, "added", None) or ()) |
+                                set(ends))
+        job.start(Started(n, reuse))
+        run = BatchRun(seq, spec, sampler, parser, end_ids=ends,
+                       summary=TurnSummary([], n, reused=reuse))
+        return Slot(job, spec, StopMatcher(req.stops), seq, conv, run)
+
+    def close_slot(self, slot: Slot) -> str:
+        """A batched request's end: its reply settled (chat), Done posted, its sequence
+        back in the prompt cache.  Returns the outcome."""
+        res, job = slot.run.summary, slot.job
+        try:
+            if res.expert_drop is not None and slot.conv is None:
+                raise res.expert_error             # never answer without an expert
+            note = None
+            if slot.conv is not None:
+                slot.conv.settle(res, slot.spec, slot.texts)
+                note = f"the reply closed but is not a well-formed turn: {res.malformed}" \
+                    if res.malformed else None
+            tail = slot.stops.flush()
+            if tail:
+                job.post(Delta("content" if slot.conv is not None else "text", tail))
+            return self._done(job, slot.stops, res, slot.reasoning, note)
+        finally:
+            self.cache.give_back(slot.seq)
 
     def _done(self, job: Job, stops, res: TurnSummary, reasoning: int,
               note: str | None = None) -> str:

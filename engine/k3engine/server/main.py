@@ -62,6 +62,10 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for the engine (default 4)")
     p.add_argument("--gen", type=int, default=MAX_GEN, metavar="N",
                    help=f"max_tokens ceiling and default (1..{MAX_GEN})")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="requests decoded together (continuous batching): each step reads "
+                        "the trunk once for all of them; the plan counts N sequences of "
+                        "--gen positions (default 1)")
     p.add_argument("--spec", type=int, default=0, metavar="N",
                    help="n-gram speculative decoding of greedy requests, up to N (<= 8) "
                         "drafts per sweep: same ids as plain greedy, fewer trunk passes")
@@ -121,6 +125,8 @@ def check_options(a) -> str | None:
         return "--queue must be >= 0"
     if not 0 <= a.spec <= 8:
         return "--spec must be in 0..8"
+    if not 1 <= a.parallel <= 64:
+        return "--parallel must be in 1..64"
     for flag, v in (("--prompt-cache-gb", a.prompt_cache_gb),
                     ("--prompt-cache-disk-gb", a.prompt_cache_disk_gb)):
         if not (v >= 0 and v < 1e6):         # NaN and inf fail both
@@ -179,7 +185,8 @@ def main(argv: list[str]) -> int:
                               config_path=a.config, trunk_ring=a.trunk_ring,
                               threads=a.threads, incremental=True, spec=a.spec,
                               cache_policy=a.cache_policy)
-        eng = open_engine(spec, Printer(Events()), gen=a.gen)
+        # the plan's KV cache: --parallel sequences of up to --gen + 1 positions each
+        eng = open_engine(spec, Printer(Events()), gen=a.parallel * (a.gen + 1) - 1)
     except Exception as e:
         d = describe(e)
         if d is None:
@@ -201,7 +208,11 @@ def main(argv: list[str]) -> int:
         sock.close()
         return EXIT_USAGE
     backend = Backend(eng, model_id, limits, a.spec, cache)
-    engine = EngineThread(backend, a.queue)
+    if a.parallel > 1:
+        from .batching import BatchingEngineThread
+        engine = BatchingEngineThread(backend, a.queue, a.parallel)
+    else:
+        engine = EngineThread(backend, a.queue)
     app = create_app(engine, ModelNames(model_id, tuple(a.alias), a.accept_any_model),
                      a.api_key, limits, **tokenizer_facts(eng.tok),
                      keepalive_s=a.sse_keepalive, body_timeout_s=a.timeout_body,
