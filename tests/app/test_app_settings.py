@@ -69,7 +69,7 @@ def test_window_restores_what_it_saved(qtbot, tmp_path, demo_model):
     assert (s.model_dir, s.trunk_dir) == demo_model
     assert s.trunk_ring == 3 and s.gen == 77 and s.thinking is False
     assert s.cache_policy == "s3fifo" and again.memory.policy.currentData() == "s3fifo"
-    assert again.spec().request().cache_policy == "s3fifo"
+    assert again.spec().load_spec().cache_policy == "s3fifo"
     assert "--cache-policy s3fifo" in again.chat.command.text()   # the k3 line to reproduce
     assert again.memory.ring.value() == 3 and again.chat.limit.value() == 77
     assert again.setup.model.text() == demo_model[0]
