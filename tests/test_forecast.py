@@ -462,3 +462,20 @@ def test_the_apps_session_trace_is_in_the_forecast_rss():
     print(f"[forecast] peak RSS {plain.peak_rss_bytes:,} B, with the app's trace window "
           f"{kept.peak_rss_bytes:,} B")
     assert kept.peak_rss_bytes - plain.peak_rss_bytes == TRACE_PAIR_BYTES * trace_window()
+
+
+def test_a_batch_shares_the_trunk_pass():
+    """forecast(batch=B): one step for B sequences reads the trunk once and the union of
+    their experts once, so the bytes per generated token fall and the aggregate rate rises
+    with B, but by less than B (the union grows, compute is per row)."""
+    one = F.forecast(F.released_k3(), GIVEN, preset="laptop", prompt_len=16, gen=8)
+    figs = {B: F.forecast(F.released_k3(), GIVEN, preset="laptop", prompt_len=16, gen=8,
+                          batch=B) for B in (2, 4, 8)}
+    rates = [1 / one.s_per_token] + [figs[B].batch_tokens_per_s for B in (2, 4, 8)]
+    per_tok = [one.bytes_read_per_token] + [figs[B].batch_bytes_per_token for B in (2, 4, 8)]
+    print(f"[forecast] K3 laptop, B=1/2/4/8: tokens/s {['%.4f' % r for r in rates]}, "
+          f"GB read per token {['%.1f' % (b / 1e9) for b in per_tok]}")
+    assert rates == sorted(rates) and per_tok == sorted(per_tok, reverse=True)
+    assert rates[-1] < 8 * rates[0]
+    assert figs[4].as_json()["batch"] == 4 and "batch" not in one.as_json()
+    assert any("batch of 4" in a for a in figs[4].assumptions)

@@ -677,6 +677,10 @@ class Forecast:
     decode_s_run: float = 0.0       # median decode step of that run (cold cache included)
     decode_compute_s: float = 0.0   # the compute part of one decode step
     decode_io_s: float = 0.0        # the median decode step's reads (before overlap)
+    batch: int = 1                  # sequences decoded together (forecast(batch=...))
+    batch_step_s: float = 0.0       # one step of them all
+    batch_tokens_per_s: float = 0.0  # generated tokens per second, all sequences
+    batch_bytes_per_token: float = 0.0
 
     def as_json(self) -> dict:
         p = self.plan
@@ -695,6 +699,10 @@ class Forecast:
             "compute_s_per_token": round(self.compute_s, 4),
             "io_s_per_token": round(self.io_s, 4),
             "prompt_len": self.prompt_len, "gen": self.gen,
+            **({"batch": self.batch, "batch_step_s": round(self.batch_step_s, 4),
+                "batch_tokens_per_s": round(self.batch_tokens_per_s, 4),
+                "batch_bytes_per_token": int(self.batch_bytes_per_token)}
+               if self.batch > 1 else {}),
             "plan": {"preset": p.preset, "trunk_gb": p.trunk_gb, "cache_gb": p.cache_gb,
                      "streamed": p.streamed, "pinned_layers": tp.n_pinned if tp else p.layers,
                      "layers": p.layers, "ring_slots": tp.ring_slots if tp else 0,
@@ -850,8 +858,11 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
              trunk_ring: int = 2, streamed: bool | None = None, prompt_len: int = 16,
              gen: int = 8, hits: HitModel | None = None, available_bytes=0,
              ultra: bool = False, expert_overlap: bool = True,
-             baseline_bytes: int | None = None, trace_window: int = 0) -> Forecast:
+             baseline_bytes: int | None = None, trace_window: int = 0,
+             batch: int = 1) -> Forecast:
     """The forecast of an incremental run of `gen` tokens after a `prompt_len` prompt.
+    `batch` > 1 also prices a step of `batch` sequences decoded together
+    (generate.decode_many): the trunk read once, the union of their experts read once.
     `expert_overlap` models the async per-expert pipeline of SYSTEM §4.5 (expert reads
     behind compute), which this engine runs; False models K3_NO_EXPERT_PIPELINE=1.
     `baseline_bytes` replaces the measured interpreter baseline (the app's holds Qt);
@@ -863,7 +874,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         machine = machine.at_width(model.shape["hidden"])
     streamed = model.streamed if streamed is None else streamed
     f = model.figures
-    positions = prompt_len + gen + 1
+    positions = batch * (prompt_len + gen + 1)              # every sequence's KV cache
     p = plan(f, preset=preset, trunk_gb=trunk_gb, cache_gb=cache_gb, trunk_ring=trunk_ring,
              ultra=ultra, streamed=streamed, incremental=True, positions=positions,
              available_bytes=available_bytes, keep_trace=trace_window > 0,
@@ -984,6 +995,25 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         "the machine is assumed otherwise idle; other load slows compute and I/O",
     ] + (["ultra: lm_head streamed (read once per token, counted with the trunk's reads)"]
          if p.ultra else [])
+    if batch > 1:
+        # a step of `batch` sequences: the trunk bound once, each layer's expert union of
+        # batch x topk routes read once at the steady hit rate, lm_head over batch rows
+        union = f.n_experts * _seen_fraction(model, batch)
+        cb = _layer_costs(model, machine, batch, union * (1.0 - hit), unpinned, k * batch,
+                          attended=batch * (prompt_len + gen // 2), expert_runs=union)
+        head_b = batch * model.lm_head_bytes / machine.bf16_rate(batch) + \
+            machine.bf16_call_s + (head - model.lm_head_bytes / machine.bf16_bps
+                                   - machine.bf16_call_s)
+        step_b = _step_seconds(hide(cb), ring)[0] + head_b
+        batched = dict(batch=batch, batch_step_s=step_b, batch_tokens_per_s=batch / step_b,
+                       batch_bytes_per_token=(trunk_read + n_moe * union * (1.0 - hit)
+                                              * f.expert_bytes) / batch)
+        assumptions.append(
+            f"batch of {batch}: one step reads the trunk once for all, and per MoE layer the "
+            f"union of their experts ({union:.1f} distinct of {f.n_experts} for "
+            f"{batch} x top-{k} routes, as the prefill's union) at the steady hit rate")
+    else:
+        batched = {}
     return Forecast(model.name, p, s_tok, ttft, run_s, int(rss), p.total_bytes,
                     int(trunk_read + expert_read), trunk_read, expert_read, first, hit,
                     comp + head, io, prompt_len, gen, assumptions,
@@ -992,7 +1022,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
                      "mxfp4_gbs": round(m.mxfp4_bps / 1e9, 3), "threads": m.threads},
                     decode_s_run=float(np.median(decode)) if decode else s_tok,
                     decode_compute_s=comp + head,
-                    decode_io_s=float(np.median(decode_io)) if decode_io else io)
+                    decode_io_s=float(np.median(decode_io)) if decode_io else io, **batched)
 
 
 def _small_assumption(model: ModelShape, m: MachineFigures) -> str:

@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ultra-low-memory", action="store_true")
     ap.add_argument("--prompt-len", type=int, default=16, metavar="N")
     ap.add_argument("--gen", type=int, default=8, metavar="N")
+    ap.add_argument("--batch", type=int, default=1, metavar="B",
+                    help="also price B sequences decoded together (k3 --batch, serve "
+                         "--parallel): one trunk pass per step for all")
     ap.add_argument("--trace", metavar="FILE",
                     help="expert_trace.bin of a run (--dump-cache-trace): its hit rate "
                          "replayed through the cache's policy replaces the uniform-routing "
@@ -94,8 +97,13 @@ def text_lines(fc) -> list[str]:
            f"I/O {fc.io_s:.3f} s before overlap)",
            f"  time to 1st token {fc.ttft_s:10.3f} s",
            f"  s/token over {fc.gen:<4} {fc.s_per_token_run:10.3f}   (what the run's "
-           f"'s/token average' line reports)",
-           "", "  computed from:"]
+           f"'s/token average' line reports)"]
+    if fc.batch > 1:
+        out += [f"  batch of {fc.batch:<4}     {fc.batch_step_s:10.3f} s a step, "
+                f"{fc.batch_tokens_per_s:.3f} tokens/s in all "
+                f"({fc.batch_tokens_per_s * fc.s_per_token:.2f}x one sequence), "
+                f"{human(fc.batch_bytes_per_token)} read per token"]
+    out += ["", "  computed from:"]
     out += [f"    - {a}" for a in fc.assumptions]
     for r in p.refusals:
         first = r.message.strip().splitlines()[0] if r.message.strip() else r.kind
@@ -106,8 +114,8 @@ def text_lines(fc) -> list[str]:
 def main(argv: list[str]) -> int:
     ap = parser()
     a = ap.parse_args(argv)
-    if a.prompt_len < 1 or a.gen < 1 or not 1 <= a.trunk_ring <= 8:
-        ap.error("--prompt-len and --gen must be >= 1, --trunk-ring 1..8")
+    if a.prompt_len < 1 or a.gen < 1 or not 1 <= a.trunk_ring <= 8 or not 1 <= a.batch <= 64:
+        ap.error("--prompt-len and --gen must be >= 1, --trunk-ring 1..8, --batch 1..64")
     try:
         budgets = resolve_budgets(memory_flags(argv))
     except BudgetError as e:
@@ -142,7 +150,7 @@ def main(argv: list[str]) -> int:
     fc = F.forecast(model, machine, preset=kw["preset"], trunk_gb=kw["trunk_gb"],
                     cache_gb=kw["cache_gb"], trunk_ring=a.trunk_ring, ultra=kw["ultra"],
                     prompt_len=a.prompt_len, gen=a.gen, hits=hits, available_bytes=probe,
-                    expert_overlap=not a.no_expert_pipeline)
+                    expert_overlap=not a.no_expert_pipeline, batch=a.batch)
     if a.json:
         print(json.dumps(fc.as_json()))
     else:
