@@ -743,3 +743,25 @@ def test_resolved_budgets_feed_the_plan(fig):
     assert pl.auto is None and (pl.trunk_gb, pl.cache_gb) == (5.0, 64.0)
     print("[gate] resolve_budgets -> plan: auto overwrites the cache; --trunk-gb after auto "
           "keeps the default cache")
+
+
+def test_several_sequences_are_counted_and_a_refusal_says_how_many_fit(fig):
+    """A batch or `k3 serve --parallel N` holds N recurrent states (K3: 626 MB each) and
+    all their KV caches; a plan that does not fit says how many of them would."""
+    one = M.plan(fig, preset="laptop", incremental=True, positions=513)
+    four = M.plan(fig, preset="laptop", incremental=True, positions=4 * 513, sequences=4)
+    assert four.recurrent_state_bytes == 4 * one.recurrent_state_bytes
+    assert four.kv_cache_bytes == fig.kv_bytes(4 * 513)
+    assert any("(4 sequences)" in line for line in four.lines())
+    assert not any("sequences" in line for line in one.lines())     # the reference's report
+    each = one.recurrent_state_bytes + fig.kv_bytes(513)
+    avail = int((one.total_bytes - fig.buffer_bytes(513) + fig.buffer_bytes(4 * 513)
+                 + 1.5 * each) / M.ADMIT)
+    tight = M.plan(fig, preset="laptop", incremental=True, positions=4 * 513, sequences=4,
+                   available_bytes=avail)
+    msg = " ".join(r.message for r in tight.refusals)
+    print(f"[plan] K3 laptop, 4 sequences of 513 positions: recurrent state "
+          f"{M.human(four.recurrent_state_bytes)}, KV {M.human(four.kv_cache_bytes)}; with "
+          f"{M.human(avail)} available: ...{msg[-40:]!r}")
+    assert [r.kind for r in tight.refusals] == ["plan"]
+    assert "2 of the 4 sequences would fit" in msg

@@ -99,7 +99,8 @@ def run_batch(o, load, base: GenSpec, printer, events, write_output, interrupts)
         tok = Tokenizer.from_dir(o.tok)              # failures exit 1 (SYSTEM §6.5)
     items = read_batch(o.batch, tok, base)
     positions = sum(len(ids) + spec.gen + 1 for ids, spec in items)
-    eng = open_engine(load, printer, tok=tok, gen=positions - 1)   # KV for all of them
+    eng = open_engine(replace(load, sequences=len(items)), printer, tok=tok,
+                      gen=positions - 1)                  # their states and KV caches
     cancel = Cancel()
     unwritten: list[str] = []
     try:

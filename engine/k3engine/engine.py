@@ -80,6 +80,7 @@ class LoadSpec:
     trace_window: int = 0             # ...only the latest N of them (the app's session trace)
     cache_policy: str | None = None   # "lru" / "s3fifo"; None: K3_CACHE_POLICY, else LRU
     turn_peaks: bool = False          # each turn's peak RSS on its own (the app; VmHWM reset)
+    sequences: int = 1                # sequences held at once (a batch, serve --parallel)
     # the app's process baseline (SYSTEM §5.8) and a fixed availability for tests
     baseline_bytes: int = 0
     baseline_label: str = "python baseline"
@@ -98,7 +99,7 @@ class LoadSpec:
                            baseline_label=self.baseline_label, draft_sizes=draft_sizes,
                            draft_gb=self.draft.trunk_gb if self.draft else DEFAULT_DRAFT_TRUNK_GB,
                            spec=min(self.spec, MAX_DRAFT), keep_trace=self.keep_trace,
-                           trace_window=self.trace_window)
+                           trace_window=self.trace_window, sequences=self.sequences)
 
 
 def load_spec_from(model_dir: str, memory: Iterable[tuple[str, object]] = (), **fields

@@ -701,6 +701,7 @@ class Plan:
     spec_bytes: int = 0           # --spec / --draft-trunk: snapshot, sweep log, sweep logits
     trace_bytes: int = 0          # the expert request trace (part of buffer_bytes)
     trace_window: int = 0         # its window in requests (0: every request, or none kept)
+    sequences: int = 1            # recurrent states counted (a batch, serve --parallel)
 
     @property
     def total_bytes(self) -> int:
@@ -749,7 +750,8 @@ class Plan:
             "  embed + lm_head  %s %s" % (human(self.model_table_bytes),
                                           "(STREAMED)" if self.ultra else "(resident)"),
             "  expert cache     " + human(self.expert_cache_bytes),
-            "  recurrent state  " + human(self.recurrent_state_bytes),
+            "  recurrent state  " + human(self.recurrent_state_bytes)
+            + (f" ({self.sequences} sequences)" if self.sequences > 1 else ""),
             "  buffers          " + human(self.buffer_bytes),
             "  KV cache         " + human(self.kv_cache_bytes),
         ]
@@ -818,7 +820,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
          baseline_label: str = "python baseline",
          draft_sizes: Sequence[int] | None = None,
          draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0,
-         keep_trace: bool = False, trace_window: int = 0) -> Plan:
+         keep_trace: bool = False, trace_window: int = 0, sequences: int = 1) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -834,8 +836,11 @@ def plan(figures: ModelFigures, preset: str | None = None,
     decode's draft model: its trunk within `draft_gb`, its own recurrent state with what
     its proposals hold, and its KV cache.  `keep_trace` (--dump-cache-trace) adds the
     request trace kept for the whole run to the buffers (trace_bytes); with `trace_window`
-    requests (the app's session trace) it adds that window's ring instead."""
+    requests (the app's session trace) it adds that window's ring instead.  `sequences`
+    (incremental: a batch, `k3 serve --parallel`) counts that many recurrent states;
+    `positions` is then all of their positions."""
     refusals: list[Refusal] = []
+    sequences = max(1, int(sequences)) if incremental else 1
     avail, known, malformed, detail = _availability(available_bytes)
     NL = figures.n_layers if layers is None else int(layers)
 
@@ -890,7 +895,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
         trunk_bytes=w_trunk,
         model_table_bytes=figures.model_table_bytes(ultra),
         expert_cache_bytes=min(int(c_gb * 1e9), figures.expert_pool * figures.expert_slot_bytes),
-        recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental),
+        recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental) * sequences,
         buffer_bytes=figures.buffer_bytes(positions) + trace
         + (figures.stream_scratch_bytes if streamed else 0),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
@@ -902,7 +907,13 @@ def plan(figures: ModelFigures, preset: str | None = None,
         if not (kv and kv.refusal):           # the KV check already said it (exit 2)
             refusals.append(_unknowable(1, detail))
     elif avail > 0 and need > ADMIT * avail:
-        refusals.append(Refusal("plan", 1, _plan_refusal_text(need, avail)))
+        text = _plan_refusal_text(need, avail)
+        if sequences > 1:                     # how many of them would fit
+            each = figures.state_bytes(NL, ultra, incremental) + \
+                figures.kv_bytes(positions) / sequences
+            fit = max(0, int((ADMIT * avail - (need - sequences * each)) // each))
+            text += f"\n  {fit} of the {sequences} sequences would fit"
+        refusals.append(Refusal("plan", 1, text))
 
     return Plan(preset=preset, trunk_gb=t_gb, cache_gb=c_gb, ultra=ultra, streamed=streamed,
                 incremental=incremental, positions=positions, layers=NL, **terms,
@@ -911,7 +922,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
                 expert_slots=figures.expert_slots(c_gb),
                 expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
                 refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan,
-                trace_bytes=trace, trace_window=int(trace_window) if keep_trace else 0)
+                trace_bytes=trace, trace_window=int(trace_window) if keep_trace else 0,
+                sequences=sequences)
 
 
 @dataclass(frozen=True)
@@ -931,6 +943,7 @@ class PlanRequest:
     keep_trace: bool = False
     trace_window: int = 0
     prefix: bool = False
+    sequences: int = 1
 
 
 def plan_for(figures: ModelFigures, req: PlanRequest,
@@ -945,7 +958,7 @@ def plan_for(figures: ModelFigures, req: PlanRequest,
                 layers=req.layers, baseline_bytes=req.baseline_bytes, prefix=req.prefix,
                 baseline_label=req.baseline_label, draft_sizes=req.draft_sizes,
                 draft_gb=req.draft_gb, spec=req.spec, keep_trace=req.keep_trace,
-                trace_window=req.trace_window)
+                trace_window=req.trace_window, sequences=req.sequences)
 
 
 def _streamed_trunk(sizes: Sequence[int], gb: float, ring: int | None, widen: int,

@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
         spec = load_spec_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
                               config_path=a.config, trunk_ring=a.trunk_ring,
                               threads=a.threads, incremental=True, spec=a.spec,
-                              cache_policy=a.cache_policy)
+                              cache_policy=a.cache_policy, sequences=a.parallel)
         # the plan's KV cache: --parallel sequences of up to --gen + 1 positions each
         eng = open_engine(spec, Printer(Events()), gen=a.parallel * (a.gen + 1) - 1)
     except Exception as e:
