@@ -157,8 +157,8 @@ def create_app(engine: EngineThread, models: ModelNames | str, api_key: str | No
         try:
             engine.submit(job)
         except QueueFull as e:
-            raise ApiError(429, f"the engine is busy (one generation at a time, "
-                                f"{engine.capacity} waiting); retry later",
+            raise ApiError(429, f"the engine is busy ({getattr(engine, 'parallel', 1)} "
+                                f"at a time, {engine.capacity} waiting); retry later",
                            type_="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
         try:
