@@ -1,6 +1,7 @@
 """A bounded load test of `k3 serve` on loopback (measured, not asserted).
 
     python benchmarks/bench_serve_load.py [--clients 8] [--requests 20] [--model DIR]
+                                          [--parallel N]
 
 Starts `k3 serve` on a generated demo model (or --model) with a small queue, then runs N
 clients x M requests through the official `openai` client: most non-streamed, some streamed
@@ -35,13 +36,16 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--queue", type=int, default=4)
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="k3 serve --parallel: requests decoded together")
     ap.add_argument("--model", help="model dir (default: a generated demo model)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if model is None:
             model = make_demo(os.path.join(tmp, "demo"))
-        with serve(model, "--queue", str(a.queue), "--gen", "64") as srv:
+        with serve(model, "--queue", str(a.queue), "--gen", "64",
+                   "--parallel", str(a.parallel)) as srv:
             return run_load(srv, a, openai)
 
 
@@ -113,7 +117,7 @@ def run_load(srv, a, openai) -> int:
     total = a.clients * a.requests
     accounted = sum(outcomes.values())
     print(f"k3 serve load test: {a.clients} clients x {a.requests} requests = {total}, "
-          f"queue {a.queue}, max_tokens {MAX_TOKENS}, {wall:.1f} s wall "
+          f"queue {a.queue}, --parallel {a.parallel}, max_tokens {MAX_TOKENS}, {wall:.1f} s wall "
           f"(on a shared 2-core machine: times are under load)")
     for k in ("answered", "abandoned", "refused_429", "crossed", "429_no_retry", "error"):
         print(f"  {k:<13} {outcomes.get(k, 0)}")
