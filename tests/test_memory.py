@@ -743,3 +743,8 @@ def test_resolved_budgets_feed_the_plan(fig):
     assert pl.auto is None and (pl.trunk_gb, pl.cache_gb) == (5.0, 64.0)
     print("[gate] resolve_budgets -> plan: auto overwrites the cache; --trunk-gb after auto "
           "keeps the default cache")
+
+
+def test_human_seconds_picks_the_unit_for_the_magnitude():
+    assert [M.human_seconds(s) for s in (0, 8.5e-4, 0.0123, 0.5, 4.561, 125, 4321)] == [
+        "0 s", "850 µs", "12.3 ms", "500 ms", "4.56 s", "2 min 5 s", "1 h 12 min"]

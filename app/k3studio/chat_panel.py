@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame,
                                QProgressBar, QPushButton, QScrollArea, QSizePolicy, QSpinBox,
                                QToolButton, QVBoxLayout, QWidget)
 
-from k3engine.memory import human
+from k3engine.memory import human, human_seconds
 
 from .markdown_view import MarkdownView
 from .notice_bar import NoticeBar
@@ -197,30 +197,46 @@ class MessageInput(QPlainTextEdit):
         super().keyPressEvent(e)
 
 
-def stats_text(info: dict) -> str:
+# what a reply's stats line needs from the turn summary: kept with the conversation (its
+# meta file) so the line shows again when the conversation is reopened
+STATS_KEYS = ("n", "continued", "prompt_ids", "reused", "first_token_seconds",
+              "prefill_positions_per_s", "tokens_per_s", "decode_s_per_token", "read_bytes",
+              "end_name", "peak_rss_bytes", "stats")
+
+
+def _rate(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def stats_text(info: dict, details: bool = False) -> str:
     """Per-reply figures.  The first token carries the whole prefill, so the decode rate
-    (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none."""
+    (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none.
+    The prefill breakdown and the end id are the engine's vocabulary: `details` only."""
     if info.get("stats"):                 # a remote reply: only what the server can tell
         return info["stats"]
     n = info["n"]
     parts = [f"{n} token{'s' if n != 1 else ''}"
              + (f" (continued after {info['continued']})" if info.get("continued") else "")]
+    first = human_seconds(info["first_token_seconds"])
     if info.get("continued"):
-        parts.append(f"first new token {info['first_token_seconds']:.2f} s")
-    else:
+        parts.append(f"first new token {first}")
+    elif details:
         new = info["prompt_ids"] - info["reused"]
-        parts.append(f"first token {info['first_token_seconds']:.2f} s (prefill {new} "
+        parts.append(f"first token {first} (prefill {new} "
                      f"position{'s' if new != 1 else ''} at "
-                     f"{info.get('prefill_positions_per_s', 0.0):.1f}/s; "
+                     f"{_rate(info.get('prefill_positions_per_s', 0.0))}/s; "
                      f"{info['reused']} of {info['prompt_ids']} reused)")
+    else:
+        parts.append(f"first token {first}")
     if n > 1:
-        parts.append(f"decode {info['tokens_per_s']:.2f} tokens/s = "
-                     f"{info['decode_s_per_token']:.3f} s/token after the first")
+        parts.append(f"decode {_rate(info['tokens_per_s'])} tokens/s = "
+                     f"{human_seconds(info['decode_s_per_token'])}/token after the first")
     if info.get("read_bytes") is not None:
-        parts.append(f"read {human(info['read_bytes'])}")
-    if info.get("end_name"):
-        parts.append(f"ended by {info['end_name']}")
+        parts.append(f"read {human(info['read_bytes'])}" if info["read_bytes"] else
+                     "nothing read from disk")
     parts.append(f"peak RSS {human(info['peak_rss_bytes'])}")
+    if details and info.get("end_name"):
+        parts.append(f"ended by {info['end_name']}")
     return " · ".join(parts)
 
 
@@ -229,25 +245,27 @@ def progress_text(p: dict) -> str:
     layers done so far (the run API's LoadProgress)."""
     frac = p["done_bytes"] / p["total_bytes"] if p.get("total_bytes") else 0.0
     eta = p.get("eta_s")
-    left = f" · about {_secs(eta)} left" if eta is not None else ""
+    left = f" · about {human_seconds(eta)} left" if eta is not None else ""
     return (f"Reading the prompt: {p['prompt_ids']} positions · layer {p['layers']}/"
-            f"{p.get('n_layers') or '?'} ({100 * frac:.0f}%) · {_secs(p.get('elapsed_s', 0))} "
-            f"elapsed{left}")
-
-
-def _secs(s: float) -> str:
-    return f"{s:.1f} s" if s < 90 else f"{int(s // 60)} min {int(s % 60)} s"
+            f"{p.get('n_layers') or '?'} ({100 * frac:.0f}%) · "
+            f"{human_seconds(p.get('elapsed_s', 0))} elapsed{left}")
 
 
 class ChatPanel(QWidget):
     changed = Signal()                 # a chat setting changed (the window persists it)
+    replyStatsChanged = Signal(object)  # {transcript index (str): stats} to keep in the meta
 
     def __init__(self, host, spec_fn: Callable[[], RunSpec], parent=None):
         super().__init__(parent)
         self.host = host
         self._spec_fn = spec_fn
         self.messages: list[dict] = []
-        self.stats: dict[int, str] = {}          # assistant ordinal -> stats line
+        # transcript index of a reply -> its turn's figures (STATS_KEYS).  By index, set
+        # from the turn that made it: the local engine sends the transcript before the turn
+        # summary and a remote one after, so counting replies at the summary is off by one.
+        self.reply_stats: dict[int, dict] = {}
+        self._reply_index = 0                    # where the reply in flight will go
+        self.details = False                     # the engine's vocabulary in the stats
         self.draft: dict | None = None           # a failed reply (not in the conversation)
         self.pending: dict | None = None         # the incomplete last reply (the worker's)
         self.pending_stats = ""
@@ -566,9 +584,28 @@ class ChatPanel(QWidget):
     def reset_view(self) -> None:
         """Another conversation (new or opened): its replies' stats and draft are not ours."""
         self.draft = None
-        self.stats.clear()
+        self.reply_stats.clear()
+        self.pending_stats = ""
         if self.editing is not None:
             self.cancel_edit()
+
+    def set_reply_stats(self, stored: dict | None) -> None:
+        """The stats kept with an opened conversation ({index: figures}, as in its meta)."""
+        self.reply_stats = {int(k): dict(v) for k, v in (stored or {}).items()}
+        if not self.generating:
+            self._render()
+
+    def set_details(self, on: bool) -> None:
+        self.details = on
+        if not self.generating:
+            self._render()
+
+    def _stats_line(self, index: int) -> str:
+        st = self.reply_stats.get(index)
+        return stats_text(st, self.details) if st else ""
+
+    def _stats_changed(self) -> None:
+        self.replyStatsChanged.emit({str(k): v for k, v in self.reply_stats.items()})
 
     def open_conversation(self, path: str) -> None:
         self.reset_view()
@@ -583,6 +620,13 @@ class ChatPanel(QWidget):
     # -- observations --------------------------------------------------------------
     def show_conversation(self, msgs: list) -> None:
         self.messages = list(msgs)
+        # a shorter transcript (Edit, Regenerate, take back): the dropped replies' stats go;
+        # index len(msgs) may be the incomplete reply's, shown after the transcript
+        gone = [k for k in self.reply_stats if k > len(msgs)]
+        for k in gone:
+            del self.reply_stats[k]
+        if gone:
+            self._stats_changed()
         sysmsg = next((m["content"] for m in msgs if m["role"] == "system"), None)
         if sysmsg is not None and not self.system.hasFocus():
             self.system.blockSignals(True)
@@ -604,14 +648,12 @@ class ChatPanel(QWidget):
     def _render(self, keep_live: bool = False) -> None:
         live = self.live if keep_live else None
         self._clear(keep=live)
-        k = 0
         for i, m in enumerate(self.messages):
             if m["role"] == "system":
                 continue                 # shown in the system field above
             stats = note = ""
             if m["role"] == "assistant":
-                k += 1
-                stats = self.stats.get(k, "")
+                stats = self._stats_line(i)
                 if m.get("incomplete"):
                     note = "This reply was cut short (stopped or at the limit) and answered " \
                            "as it was."
@@ -626,7 +668,8 @@ class ChatPanel(QWidget):
         elif self.pending is not None:
             p = self.pending
             w = MessageWidget("assistant", p["content"], p.get("reasoning"),
-                              self.pending_stats, self._pending_note(p))
+                              self._stats_line(len(self.messages)) or self.pending_stats,
+                              self._pending_note(p))
             w.setObjectName("incomplete")
             w.set_reasoning(p.get("reasoning"), expanded=not p["content"])
             self.column.insertWidget(self.column.count() - 1, w)
@@ -661,6 +704,14 @@ class ChatPanel(QWidget):
     def _turn_started(self, info: dict) -> None:
         self.generating = True
         self._turn_info = info
+        # the reply goes after the transcript as sent for this turn; whatever stats sat at
+        # or after that index belonged to a reply this turn replaces
+        self._reply_index = len(self.messages)
+        stale = [k for k in self.reply_stats if k >= self._reply_index]
+        for k in stale:
+            del self.reply_stats[k]
+        if stale:
+            self._stats_changed()
         self.command.setText(info["command"][3:])
         self.command.setCursorPosition(0)
         prior = info.get("prior")
@@ -731,12 +782,15 @@ class ChatPanel(QWidget):
             self._update_buttons()
             return
         self.draft = None
-        stats = stats_text(info)
-        if info["end_id"] is not None:
-            k = sum(1 for m in self.messages if m["role"] == "assistant") + 1
-            self.stats[k] = stats
-        else:
-            self.pending_stats = stats
+        figures = {k: info[k] for k in STATS_KEYS if info.get(k) is not None}
+        # only a Continue continues (its turn started from the stopped reply): a
+        # regenerated reply is new, whatever the summary's count says
+        prior = (self._turn_info or {}).get("prior")
+        figures["continued"] = info.get("continued", 0) if prior else 0
+        self.reply_stats[self._reply_index] = figures
+        self.pending_stats = "" if info["end_id"] is not None else \
+            stats_text(figures, self.details)
+        self._stats_changed()
         self._render()
         self._update_buttons()
 

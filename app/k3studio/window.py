@@ -179,6 +179,7 @@ class MainWindow(QMainWindow):
         self.sidebar.openRequested.connect(lib.open)
         self.sidebar.newRequested.connect(self.new_conversation)
         self.sidebar.deleted.connect(lib.forget)
+        self.chat.replyStatsChanged.connect(lib.set_reply_stats)
         lib.changed.connect(self.sidebar.set_current)
         lib.switched.connect(self._switched)
         lib.wantsModel.connect(self._conversation_model)
@@ -362,6 +363,8 @@ class MainWindow(QMainWindow):
         """New or another conversation: its own stats, and the plots start again at token 1
         (the previous series stays exportable)."""
         self.chat.reset_view()
+        if cid and self.library.meta is not None:
+            self.chat.set_reply_stats(self.library.meta.extra.get("reply_stats"))
         self.memory.clear_measured()
         self.plots.reset(f"conversation {self._shown_conversation or 'new'}")
         self._shown_conversation = cid
