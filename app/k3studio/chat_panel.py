@@ -174,6 +174,37 @@ class MessageWidget(QFrame):
         return self._has_thinking
 
 
+class WelcomeCard(QFrame):
+    """An empty conversation on the demo model: what the demo is and is not, a few prompts
+    from what it was trained on (one click sends), and where to get Kimi K3."""
+
+    def __init__(self, blurb: str, prompts: list[str], on_prompt, on_download, parent=None):
+        super().__init__(parent)
+        self.role = "welcome"                # in the column with the messages (by role)
+        self.setObjectName("welcome")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 12, 14, 12)
+        lay.setSpacing(6)
+        title = QLabel("<b>Try the demo model</b>")
+        self.blurb = QLabel(blurb)
+        self.blurb.setWordWrap(True)
+        lay.addWidget(title)
+        lay.addWidget(self.blurb)
+        self.buttons = []
+        for text in prompts:
+            b = QPushButton(text)
+            b.setObjectName("example_prompt")
+            b.setToolTip("Send this message")
+            b.clicked.connect(lambda _c=False, t=text: on_prompt(t))
+            lay.addWidget(b, 0, Qt.AlignLeft)
+            self.buttons.append(b)
+        self.download = QLabel('<a href="download">Get Kimi K3 itself in the Download '
+                               'tab</a>')
+        self.download.setObjectName("hint")
+        self.download.linkActivated.connect(lambda _l: on_download())
+        lay.addWidget(self.download)
+
+
 class MessageInput(QPlainTextEdit):
     """The message box: Enter (or Ctrl+Enter) sends, Shift+Enter starts a new line, Tab
     and Shift+Tab move the focus (a tab character is never what a chat message wants)."""
@@ -254,6 +285,7 @@ def progress_text(p: dict) -> str:
 class ChatPanel(QWidget):
     changed = Signal()                 # a chat setting changed (the window persists it)
     replyStatsChanged = Signal(object)  # {transcript index (str): stats} to keep in the meta
+    downloadRequested = Signal()        # the welcome card's pointer to the Download tab
 
     def __init__(self, host, spec_fn: Callable[[], RunSpec], parent=None):
         super().__init__(parent)
@@ -266,6 +298,9 @@ class ChatPanel(QWidget):
         self.reply_stats: dict[int, dict] = {}
         self._reply_index = 0                    # where the reply in flight will go
         self.details = False                     # the engine's vocabulary in the stats
+        self.examples: list[str] = []            # the welcome card's prompts (demo only)
+        self.examples_blurb = ""
+        self.welcome: WelcomeCard | None = None
         self.draft: dict | None = None           # a failed reply (not in the conversation)
         self.pending: dict | None = None         # the incomplete last reply (the worker's)
         self.pending_stats = ""
@@ -278,20 +313,38 @@ class ChatPanel(QWidget):
         self._prefilling = False
 
         # -- conversation bar ---------------------------------------------------------
+        # the two side panels' toggles frame the model line (the window wires them)
         bar = QHBoxLayout()
+        self.list_toggle = QToolButton()
+        self.list_toggle.setObjectName("panel_toggle")
+        self.list_toggle.setText("☰")
+        self.list_toggle.setCheckable(True)
+        self.list_toggle.setToolTip("Show or hide the conversation list (Ctrl+Shift+L)")
         self.model_label = QLabel("No model loaded: load one in Setup.")
         self.model_label.setObjectName("hint")
         self.model_label.setWordWrap(True)
+        self.details_toggle = QToolButton()
+        self.details_toggle.setText("Details")
+        self.details_toggle.setCheckable(True)
+        self.details_toggle.setToolTip("Show the engine's own terms and figures: prefill "
+                                       "breakdown, end ids, resident hits, binds")
+        self.details_toggle.toggled.connect(self.set_details)
+        self.side_toggle = QToolButton()
+        self.side_toggle.setObjectName("panel_toggle")
+        self.side_toggle.setText("Panel")
+        self.side_toggle.setCheckable(True)
+        self.side_toggle.setToolTip("Show or hide the telemetry and settings panel "
+                                    "(Ctrl+Shift+P)")
+        bar.addWidget(self.list_toggle, 0, Qt.AlignTop)
         bar.addWidget(self.model_label, 1)     # New / Open / Export: the sidebar and menus
+        bar.addWidget(self.details_toggle, 0, Qt.AlignTop)
+        bar.addWidget(self.side_toggle, 0, Qt.AlignTop)
 
-        sysrow = QHBoxLayout()
         self.system = QLineEdit()
         self.system.setPlaceholderText("System prompt (optional): applies to this conversation")
         self.system.setToolTip("The conversation's system message (k3 --system). Changing it "
                                "re-renders the whole transcript, so the next turn prefills "
                                "from scratch.")
-        sysrow.addWidget(QLabel("System"))
-        sysrow.addWidget(self.system, 1)
 
         # -- the transcript -----------------------------------------------------------
         self.scroll = QScrollArea()
@@ -356,18 +409,15 @@ class ChatPanel(QWidget):
         # a spin box's size hint is its widest text ("seed 2147483647"): let them shrink
         for w in (self.limit, self.temperature, self.top_p, self.top_k, self.seed):
             w.setMinimumWidth(80)
-        row1, row2 = QHBoxLayout(), QHBoxLayout()
-        # the sampling row shows only when sampling is on (greedy ignores it), which keeps
-        # the panel usable at 1024x700
-        for w in (self.thinking, self.effort, self.limit, self.greedy):
-            row1.addWidget(w)
-        row1.addStretch(1)
-        for w in (self.temperature, self.top_p, self.top_k, self.seed):
-            row2.addWidget(w)
-        row2.addStretch(1)
+        # two to a row, for a side panel ~300 px wide; the sampling rows show only when
+        # sampling is on (greedy ignores them)
         rows = QVBoxLayout()
-        rows.addLayout(row1)
-        rows.addLayout(row2)
+        for pair in ((self.thinking, self.effort), (self.limit, self.greedy),
+                     (self.temperature, self.top_p), (self.top_k, self.seed)):
+            row = QHBoxLayout()
+            for w in pair:
+                row.addWidget(w, 1)
+            rows.addLayout(row)
         g.addLayout(rows)
 
         # -- input --------------------------------------------------------------------
@@ -375,7 +425,7 @@ class ChatPanel(QWidget):
         self.input.setObjectName("message_input")
         self.input.setPlaceholderText("Message K3…  (Enter sends, Shift+Enter: new line, "
                                       "Esc stops)")
-        self.input.setMaximumHeight(90)
+        self.input.setMaximumHeight(80)
         self.send_btn = QPushButton("Send")
         self.send_btn.setObjectName("primary")
         self.stop_btn = QPushButton("Stop")
@@ -387,20 +437,23 @@ class ChatPanel(QWidget):
                                      "stopped), for up to the limit more tokens")
         self.regen_btn = QPushButton("Regenerate")
         self.regen_btn.setToolTip("Answer the last message again")
-        self.edit_btn = QPushButton("Edit last")
+        self.edit_btn = QPushButton("Edit")
         self.edit_btn.setToolTip("Edit your last message (Edit on any message of yours "
                                  "edits that one)")
-        col = QVBoxLayout()
-        for b in (self.send_btn, self.stop_btn, self.continue_btn, self.regen_btn,
-                  self.edit_btn):
-            col.addWidget(b)
+        # one row under the message box: the rarer actions left, Stop and Send right (a
+        # column of five buttons took the conversation's height at 1024x700)
+        btnrow = QHBoxLayout()
+        for b in (self.continue_btn, self.regen_btn, self.edit_btn):
+            b.setObjectName("small")
+            btnrow.addWidget(b)
+        btnrow.addStretch(1)
+        btnrow.addWidget(self.stop_btn)
+        btnrow.addWidget(self.send_btn)
         self.edit_bar = NoticeBar("Cancel")
         self.edit_label, self.edit_cancel = self.edit_bar.label, self.edit_bar.button
-        inrow = QHBoxLayout()
-        inrow.addWidget(self.input, 1)
-        inrow.addLayout(col)
 
         cmdrow = QHBoxLayout()
+        cmdrow.setContentsMargins(0, 0, 0, 0)
         self.command = QLineEdit()
         self.command.setReadOnly(True)
         self.command.setObjectName("command")
@@ -411,16 +464,29 @@ class ChatPanel(QWidget):
         cmdrow.addWidget(self.command, 1)
         cmdrow.addWidget(copy)
 
+        # the settings of the conversation, for the window's side panel: the system
+        # prompt, generation, and the k3 command line that runs the same thing
+        self.settings_box = QWidget()
+        sl = QVBoxLayout(self.settings_box)
+        sl.setContentsMargins(4, 4, 4, 4)
+        sl.addWidget(QLabel("<b>System prompt</b>"))
+        sl.addWidget(self.system)
+        sl.addWidget(gen_box)
+        self.gen_box = gen_box
+        self.command_row = QWidget()
+        self.command_row.setLayout(cmdrow)
+        sl.addWidget(QLabel("<b>Command line</b>"))
+        sl.addWidget(self.command_row)
+        sl.addStretch(1)
+
         lay = QVBoxLayout(self)
         lay.addLayout(bar)
-        lay.addLayout(sysrow)
         lay.addWidget(self.scroll, 1)
         lay.addWidget(self.prefill_text)
         lay.addWidget(self.prefill)
-        lay.addWidget(gen_box)
         lay.addWidget(self.edit_bar)
-        lay.addLayout(inrow)
-        lay.addLayout(cmdrow)
+        lay.addWidget(self.input)
+        lay.addLayout(btnrow)
 
         # -- wiring -------------------------------------------------------------------
         self.send_btn.clicked.connect(self.send)
@@ -595,6 +661,16 @@ class ChatPanel(QWidget):
         if not self.generating:
             self._render()
 
+    def set_examples(self, prompts: list[str], blurb: str = "") -> None:
+        """Example prompts for an empty conversation (the demo model's); [] for none."""
+        self.examples, self.examples_blurb = list(prompts), blurb
+        if not self.generating:
+            self._render()
+
+    def send_example(self, text: str) -> None:
+        self.input.setPlainText(text)
+        self.send()
+
     def set_details(self, on: bool) -> None:
         self.details = on
         if not self.generating:
@@ -648,6 +724,14 @@ class ChatPanel(QWidget):
     def _render(self, keep_live: bool = False) -> None:
         live = self.live if keep_live else None
         self._clear(keep=live)
+        self.welcome = None
+        if self.examples and live is None and self.pending is None and self.draft is None \
+                and not any(m["role"] != "system" for m in self.messages):
+            self.welcome = WelcomeCard(self.examples_blurb, self.examples, self.send_example,
+                                       self.downloadRequested.emit)
+            for b in self.welcome.buttons:
+                b.setEnabled(self.loaded and not self.host.busy)
+            self.column.insertWidget(self.column.count() - 1, self.welcome)
         for i, m in enumerate(self.messages):
             if m["role"] == "system":
                 continue                 # shown in the system field above
@@ -719,6 +803,10 @@ class ChatPanel(QWidget):
             self.live = MessageWidget("assistant", prior["content"], prior.get("reasoning"))
         else:
             self.live = MessageWidget("assistant", reasoning="" if info["thinking"] else None)
+        if self.welcome is not None:     # the first message was sent: the card goes
+            self.column.removeWidget(self.welcome)
+            self.welcome.deleteLater()
+            self.welcome = None
         # the incomplete reply (last in the column) gives way to the live one
         last = self.column.itemAt(self.column.count() - 2) if self.column.count() > 1 else None
         if last is not None and last.widget() is not None and \
@@ -812,6 +900,9 @@ class ChatPanel(QWidget):
                                      bool((self.pending or {}).get("continuable")))
         self.regen_btn.setEnabled(self.loaded and not busy and has_user)
         self.edit_btn.setEnabled(not busy and has_user)
+        if self.welcome is not None:
+            for b in self.welcome.buttons:
+                b.setEnabled(self.loaded and not busy)
 
     # -- scrolling: follow the stream unless the person scrolled up ----------------------
     def _user_scrolled(self, v: int) -> None:

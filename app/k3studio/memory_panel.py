@@ -138,6 +138,7 @@ class MemoryPanel(QWidget):
         self.plan = None
         self.available_override: int | None = None
         self.probe = None
+        self.details = False             # the engine's vocabulary shown (window toggle)
         self.baseline_bytes = 0
         self._quiet = False
 
@@ -325,15 +326,26 @@ class MemoryPanel(QWidget):
 
     # -- reactions -----------------------------------------------------------------
     def refresh_available(self) -> None:
+        if self.available_override is None:
+            from k3engine.memory import available_memory
+            _, self.probe = available_memory()
+        self._show_available()
+        self.refresh()
+
+    def _show_available(self) -> None:
         if self.available_override is not None:
             self.available_label.setText(f"<b>{human(self.available_override)}</b> available "
                                          f"(set by hand, not probed)")
-        else:
-            from k3engine.memory import available_memory
-            _, self.probe = available_memory()
-            total = f"; {human(self.probe.total)} total" if self.probe.total else ""
-            self.available_label.setText(f"<b>{self.probe.how}</b>{total}")
-        self.refresh()
+            return
+        total = f"; {human(self.probe.total)} total" if self.probe.total else ""
+        # how the figure was found ("host binds", a cgroup limit) is the engine's vocabulary
+        how = self.probe.how if self.details else f"{human(self.probe.bytes)} available"
+        self.available_label.setText(f"<b>{how}</b>{total}")
+
+    def set_details(self, on: bool) -> None:
+        self.details = on
+        if self.probe is not None or self.available_override is not None:
+            self._show_available()
 
     def _preset_changed(self) -> None:
         name = self.preset.currentData()
@@ -439,8 +451,11 @@ class MemoryPanel(QWidget):
         tp = p.trunk_plan
         bits = []
         if tp is not None:
+            # the ring the trunk will use: no more slots than layers left to stream (the
+            # engine's rule; the header shows the loaded ring, and the two agree)
+            ring = min(tp.ring_slots, tp.n_layers - tp.n_pinned)
             bits.append(f"trunk: {tp.n_pinned}/{tp.n_layers} layers pinned "
-                        f"({human(tp.pinned_bytes)}), ring {tp.ring_slots} x "
+                        f"({human(tp.pinned_bytes)}), ring {ring} x "
                         f"{human(tp.slot_bytes)}; deterministic trunk hit rate "
                         f"{100 * tp.hit_rate:.0f}%")
             if tp.ring_held:

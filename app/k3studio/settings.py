@@ -51,7 +51,9 @@ class StudioSettings:
     remote_model: str = ""
     # window
     geometry: bytes = b""
-    splitter: bytes = b""
+    splitter: bytes = b""             # conversation list | chat | side panel (0 = collapsed)
+    side_tab: int = 0                 # the side panel's page: telemetry or settings
+    details: bool = False             # the engine's vocabulary shown (stats, plots, memory)
     tab: int = 0
 
 

@@ -283,6 +283,25 @@ def _turn(r: random.Random, first: bool) -> Turn:
         return Turn(user, reasoning, content, answer, names[i])
 
 
+# The app's first run on the demo offers a few prompts like these (k3studio's chat panel):
+# one per family a person can check at a glance.
+EXAMPLE_FAMILIES = ("fact", "add", "day", "convert")
+
+
+def example_prompts(seed: int = 0, families=EXAMPLE_FAMILIES) -> list[str]:
+    """One prompt of each family as the training corpus words them, never a held-out one
+    (the demo answers these; off-corpus questions get confident nonsense)."""
+    r = random.Random(seed)
+    fns = {name: fn for name, fn, _ in TASKS}
+    out = []
+    for fam in families:
+        q = fns[fam](r)[0]
+        while is_test_prompt(q):
+            q = fns[fam](r)[0]
+        out.append(q)
+    return out
+
+
 # ---- plain text -----------------------------------------------------------------------
 
 def _drill(r: random.Random) -> str:
