@@ -489,6 +489,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.save_settings()
+        self.memory.forecast_box.cancel_measure()     # a child process: never left behind
         # Background jobs (demo model, pack, checks) must stop before their QThreads are
         # destroyed, or Qt aborts the process; each honours abort at its next safe point.
         for task in list(Task._live):

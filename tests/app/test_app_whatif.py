@@ -204,3 +204,28 @@ def test_what_if_says_what_is_missing(qtbot, window, demo_model):
     window.whatif.set_machine(None)
     # a model is chosen: not "Pick a model"
     assert "Measure this machine" in window.whatif.total_label.text()
+
+
+def test_measure_this_machine_shows_progress_and_cancels(qtbot, window, demo_model,
+                                                         tmp_path):
+    """It ran in the app's process for ~80 s behind a static "Measuring…" and kept its
+    gigabytes of RSS afterwards: now a child process, its phases shown, Cancel ends it."""
+    import os
+
+    from k3engine.telemetry import rss_bytes
+    box = window.memory.forecast_box
+    device = tmp_path / "device"
+    device.mkdir()
+    box.device = str(device)
+    before = rss_bytes()
+    box.measure.click()
+    assert box.measuring and box.measure.text() == "Cancel" and box.bar.isVisibleTo(box)
+    qtbot.waitUntil(lambda: box.phase != "starting", timeout=TIMEOUT)
+    shown = box.figures.text()
+    assert box.phase in shown and "Measuring this machine" in shown
+    box.measure.click()                                  # Cancel
+    qtbot.waitUntil(lambda: not box.measuring, timeout=TIMEOUT)
+    assert "cancelled" in box.figures.text() and not box.bar.isVisibleTo(box)
+    assert box.measure.text() == "Measure this machine"
+    assert os.listdir(device) == []                      # no scratch file left behind
+    assert rss_bytes() - before < 100_000_000            # the work was the child's
