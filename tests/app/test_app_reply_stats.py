@@ -48,6 +48,17 @@ def test_each_reply_shows_its_own_stats(qtbot, window):
     print("[stats] " + "\n[stats] ".join(shown))
     assert shown == [_line(t) for t in turns]
     assert all(s.startswith(f"{t['n']} token") for s, t in zip(shown, turns))
+    # the default view speaks plainly; the engine's vocabulary is behind Details
+    summary = window.plots.summary
+    assert not any("ended by" in s for s in shown)
+    assert "TRUE resident hit" not in summary.text()
+    window.chat.details_toggle.click()
+    assert all(f"ended by {t['end_name']}" in w.stats.text()
+               for w, t in zip(_replies(window), turns))
+    assert "TRUE resident hit" in summary.text() and window.settings.details
+    window.actions_by_name["details"].trigger()           # View > Engine details: off
+    assert not window.chat.details_toggle.isChecked()
+    assert [w.stats.text() for w in _replies(window)] == shown
 
     # Regenerate: a new reply, not a continuation of the one it replaces
     with qtbot.waitSignal(window.host.turnFinished, timeout=TIMEOUT) as b:
