@@ -49,6 +49,7 @@ class StudioSettings:
     backend: str = "local"
     remote_url: str = ""
     remote_model: str = ""
+    serve_port: int = 0               # the app's k3 serve port, kept across on/off (0: free)
     # window
     geometry: bytes = b""
     splitter: bytes = b""             # conversation list | chat | side panel (0 = collapsed)

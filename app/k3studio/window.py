@@ -216,6 +216,7 @@ class MainWindow(QMainWindow):
         self.dark = False
         self.set_theme(self.settings.theme)
         chat_backend.attach(self)
+        self.local_server.port = self.settings.serve_port
 
         attach_whatif(self)
         attach_download(self)
@@ -252,6 +253,7 @@ class MainWindow(QMainWindow):
         s.geometry = bytes(self.saveGeometry().data())
         s.splitter = bytes(self.splitter.saveState().data())
         s.side_tab = self.side.currentIndex()
+        s.serve_port = self.local_server.port
         s.tab = self.tabs.currentIndex()
         s.conversation_path = self.library.path
         settings_mod.save(self.store, s)
