@@ -447,6 +447,9 @@ class ChatPanel(QWidget):
             b.setObjectName("small")
             btnrow.addWidget(b)
         btnrow.addStretch(1)
+        # as wide as "Stopping…" from the start: the row never grows the window mid-reply
+        self.stop_btn.setMinimumWidth(self.stop_btn.fontMetrics().horizontalAdvance(
+            "Stopping…") + 36)
         btnrow.addWidget(self.stop_btn)
         btnrow.addWidget(self.send_btn)
         self.edit_bar = NoticeBar("Cancel")

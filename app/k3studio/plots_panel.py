@@ -228,10 +228,9 @@ class PlotsPanel(QWidget):
         self.png_btn.clicked.connect(self._png_dialog)
         self.csv_btn.clicked.connect(self._csv_dialog)
         self.clear_btn.clicked.connect(self.clear)
+        # no title of its own: the side panel's tab says "Telemetry"
         top = QHBoxLayout()
-        title = QLabel("<b>Telemetry</b>")
-        title.setToolTip("One point per generated token")
-        top.addWidget(title, 1)
+        top.addStretch(1)
         for b in (self.clear_btn, self.png_btn, self.csv_btn):
             b.setObjectName("small")
             top.addWidget(b)

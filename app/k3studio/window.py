@@ -157,7 +157,10 @@ class MainWindow(QMainWindow):
 
         self.rss_label = QLabel()
         self.rss_label.setToolTip("This process's resident set now (from the OS)")
-        self.demo_label = QLabel(demo.DEMO_LABEL)
+        # short, so the status messages beside it keep their room (the whole sentence cut
+        # them off at 1024 px); the sentence is the tooltip and the welcome card's
+        self.demo_label = QLabel("Demo model")
+        self.demo_label.setToolTip(demo.DEMO_LABEL)
         self.demo_label.setObjectName("demo_badge")
         self.demo_label.setVisible(False)
         self.statusBar().addPermanentWidget(self.demo_label)
@@ -310,6 +313,22 @@ class MainWindow(QMainWindow):
                 a.setChecked(sizes[index] > 0)
                 a.blockSignals(False)
 
+    def _show_model_line(self) -> None:
+        """The chat bar's model line: the name (and that a demo is not Kimi K3); how the
+        trunk is held is the engine's vocabulary, shown with Details."""
+        info = self.host.loaded_info
+        if info is None or self.backend.is_remote:
+            return
+        name = os.path.basename(os.path.normpath(info["model_dir"]))
+        line = f"<b>{name}</b>"
+        if demo.is_demo(info["model_dir"]):
+            line += " · demo, not Kimi K3"
+        if self.settings.details:
+            line += " · " + (f"trunk streamed, {len(info['pinned_layers'])}/"
+                             f"{info['n_layers']} layers pinned, ring {info['ring_slots']}"
+                             if info["streamed"] else "trunk resident")
+        self.chat.set_model(line, True)
+
     def _details(self, on: bool) -> None:
         """The engine's vocabulary (prefill breakdown, end ids, resident hits, binds): in
         the reply stats, the telemetry summary and the memory panel, or not at all."""
@@ -317,6 +336,7 @@ class MainWindow(QMainWindow):
         self.chat.set_details(on)
         self.plots.set_details(on)
         self.memory.set_details(on)
+        self._show_model_line()
 
     # -- model lifecycle -------------------------------------------------------------
     def load_model(self) -> None:
@@ -345,8 +365,7 @@ class MainWindow(QMainWindow):
         from k3engine.tools.demo_corpus import example_prompts
         self.chat.set_examples(example_prompts(demo.DEMO_EXAMPLES_SEED) if is_demo else [],
                                demo.DEMO_BLURB)
-        self.chat.set_model(f"<b>{name}</b> · {how}" + (" · <b>DEMO: tiny trained model, not Kimi K3</b>"
-                                                         if is_demo else ""), True)
+        self._show_model_line()
         self.plots.reset(f"model {self._plotted_model or 'none'}")   # token axis from 1
         self._plotted_model = name
         self.plots.set_model(info)

@@ -182,3 +182,23 @@ def test_the_plan_label_is_not_clipped(qtbot, window):
     assert label.toPlainText() == "plan 167.41 MB"
     box, view = label.sceneBoundingRect(), p.p_rss.vb.sceneBoundingRect()
     assert view.left() <= box.left() and box.right() <= view.right(), (box, view)
+
+
+def test_status_messages_keep_their_room_beside_the_demo_badge(qtbot, window):
+    from k3studio import demo
+    _at(qtbot, window, 1024, 700)
+    window.demo_label.setVisible(True)
+    msg = "Loaded demo-model in 86.4 ms: trunk streamed; peak RSS after loading 203.14 MB"
+    window.statusBar().showMessage(msg)
+    QApplication.processEvents()
+    permanent = window.demo_label.width() + window.rss_label.width()
+    room = window.statusBar().width() - permanent
+    assert room >= window.statusBar().fontMetrics().horizontalAdvance(msg) + 20, room
+    assert window.demo_label.toolTip() == demo.DEMO_LABEL      # the sentence, on hover
+
+
+def test_export_says_its_arrow(window):
+    """The style drew the drop-down arrow over the last letters of "Export"."""
+    b = window.sidebar.export_btn
+    assert b.text().startswith("Export") and b.text().endswith("▾")
+    assert b.sizeHint().width() >= b.fontMetrics().horizontalAdvance(b.text())

@@ -122,6 +122,7 @@ def test_the_ring_in_the_plan_is_the_ring_loaded(qtbot, window, demo_model):
     window.memory.set_budgets(1.0, 0.005)             # room for the whole trunk
     info = load(qtbot, window, *demo_model)
     assert info["streamed"] and len(info["pinned_layers"]) == info["n_layers"]
+    window.chat.details_toggle.setChecked(True)       # how the trunk is held: a detail
     header = re.search(r"ring (\d+)", window.chat.model_label.text()).group(1)
     planned = re.search(r"ring (\d+) x", window.memory.detail.text()).group(1)
     assert header == planned == str(info["ring_slots"]) == "0"
