@@ -224,6 +224,7 @@ class MainWindow(QMainWindow):
         attach_whatif(self)
         attach_download(self)
         attach_datapoint(self)
+        appres.sheet_drawn_popups(self)
         self._restore_window()
         self.chat.details_toggle.setChecked(self.settings.details)
         self._details(self.settings.details)

@@ -202,3 +202,21 @@ def test_export_says_its_arrow(window):
     b = window.sidebar.export_btn
     assert b.text().startswith("Export") and b.text().endswith("▾")
     assert b.sizeHint().width() >= b.fontMetrics().horizontalAdvance(b.text())
+
+
+def test_the_current_preset_shows_in_its_drop_down(qtbot, window):
+    """The current row ("custom") was drawn as an empty white box: white selected text on
+    the combo rule's white background."""
+    from PySide6.QtGui import QColor
+    combo = window.memory.preset
+    assert combo.currentText() == "custom"                  # the test store's preset
+    window.tabs.setCurrentIndex(1)
+    combo.showPopup()
+    view = combo.view()
+    qtbot.waitUntil(view.isVisible, timeout=TIMEOUT)
+    rect = view.visualRect(view.model().index(combo.currentIndex(), 0))
+    img = view.viewport().grab(rect).toImage()
+    combo.hidePopup()
+    colours = {QColor(img.pixel(x, y)).name() for x in range(0, img.width(), 3)
+               for y in range(img.height())}
+    assert "#2f6fe0" in colours, colours                    # the sheet's selection colour
