@@ -454,8 +454,12 @@ class MemoryPanel(QWidget):
             # the ring the trunk will use: no more slots than layers left to stream (the
             # engine's rule; the header shows the loaded ring, and the two agree)
             ring = min(tp.ring_slots, tp.n_layers - tp.n_pinned)
+            # the packed trunk's size as Setup gives it (the plan's trunk term adds the
+            # ring and the widening room to the pinned layers: a different figure)
+            whole = (f" of the {human(sum(self.figures.layer_sizes[:tp.n_layers]))} packed "
+                     f"trunk" if self.figures is not None else "")
             bits.append(f"trunk: {tp.n_pinned}/{tp.n_layers} layers pinned "
-                        f"({human(tp.pinned_bytes)}), ring {ring} x "
+                        f"({human(tp.pinned_bytes)}{whole}), ring {ring} x "
                         f"{human(tp.slot_bytes)}; deterministic trunk hit rate "
                         f"{100 * tp.hit_rate:.0f}%")
             if tp.ring_held:

@@ -432,6 +432,7 @@ class PlotsPanel(QWidget):
 
     def set_details(self, on: bool) -> None:
         self.show_details = on
+        self.details.setVisible(on)          # the trunk map's and heat map's own terms
         self._redraw()
 
     def point_counts(self) -> dict[str, int]:

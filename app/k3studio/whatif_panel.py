@@ -261,8 +261,8 @@ class WhatIfPanel(QWidget):
         return f"{head}, {len(set(self.keys)):,} distinct experts"
 
     def _curve_ready(self, task: Task, curve: dict) -> None:
-        if task is not self._task:
-            return                              # a newer trace replaced this one
+        if task is not self._task or self.shape is None:
+            return                              # a newer trace or no model any more
         self.curve = curve
         sb = self.shape.figures.expert_slot_bytes
         unit, scale = self._unit()
