@@ -199,12 +199,16 @@ class ForecastBox(QGroupBox):
             trunk_ring=trunk_ring, streamed=plan.streamed, ultra=plan.ultra,
             prompt_len=PROMPT_LEN, gen=GEN, hits=self.hits, baseline_bytes=self.baseline_bytes,
             trace_window=trace_window())      # the session trace the app's runs keep
-        if fc.s_per_token < TOO_SMALL_S:
+        small = fc.s_per_token < TOO_SMALL_S
+        # its list of assumptions would only explain a figure not shown: the room goes to
+        # the sentence
+        self.assumptions_view.setVisible(not small)
+        if small:
             self.figures.setText(
-                f"<b>This model is too small to forecast meaningfully.</b> The forecast adds "
-                f"up disk reads and matrix work, here {human_seconds(fc.s_per_token)} a "
-                f"token: less than the engine's fixed cost per token, which it does not "
-                f"model. The stats under each reply give the measured speed.")
+                f"<b>This model is too small to forecast meaningfully:</b> its disk reads "
+                f"and matrix work come to {human_seconds(fc.s_per_token)} a token, less than "
+                f"the engine's own cost per token, which the forecast does not model. Each "
+                f"reply's stats give the measured speed.")
         else:
             self.figures.setText(
                 f"<b>{human_seconds(fc.s_per_token)}/token</b> decoding · first token "
