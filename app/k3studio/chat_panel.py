@@ -850,8 +850,8 @@ class ChatPanel(QWidget):
         last = records[-1]
         gen = self._turn_info["gen"] if self._turn_info else 0
         done = self._turn_info.get("resumed", 0) if self._turn_info else 0
-        self.live.set_stats(f"token {last['i']}/{done + gen} · {last['seconds']:.3f} s for "
-                            f"the last token")
+        self.live.set_stats(f"token {last['i']}/{done + gen} · {human_seconds(last['seconds'])} "
+                            f"for the last token")
 
     def _turn_finished(self, info: dict) -> None:
         self._prefilling = False
