@@ -364,7 +364,7 @@ class MainWindow(QMainWindow):
         is_demo = demo.is_demo(info["model_dir"])
         self.demo_label.setVisible(is_demo)
         from k3engine.tools.demo_corpus import example_prompts
-        self.chat.set_examples(example_prompts(demo.DEMO_EXAMPLES_SEED) if is_demo else [],
+        self.chat.set_examples(example_prompts() if is_demo else [],
                                demo.DEMO_BLURB)
         self._show_model_line()
         self.plots.reset(f"model {self._plotted_model or 'none'}")   # token axis from 1
