@@ -139,6 +139,7 @@ class MemoryPanel(QWidget):
         self.available_override: int | None = None
         self.probe = None
         self.details = False             # the engine's vocabulary shown (window toggle)
+        self._measured: tuple[int, int] | None = None    # (planned, measured peak) bytes
         self.baseline_bytes = 0
         self._quiet = False
 
@@ -439,6 +440,10 @@ class MemoryPanel(QWidget):
             if not p.cache_fits_topk:
                 msg += (f". But the expert cache holds only {p.expert_slots} slots and top-k "
                         f"needs {p.expert_slots_needed}: loading will fail; raise the cache.")
+            over = self._measured_over(p.total_bytes)
+            if over:
+                # "Fits" is the admission check; the run itself went past the forecast
+                msg += f". Measured: {human(over)} over this plan (a forecast)"
             self.verdict.setObjectName("verdict_ok" if p.cache_fits_topk else "verdict_refused")
             self.verdict.setText(msg)
         else:
@@ -483,9 +488,18 @@ class MemoryPanel(QWidget):
     def clear_measured(self) -> None:
         """A new conversation: the last reply's peak is not this one's."""
         self.measured.setText(MEASURED_EMPTY)
+        self._measured = None
+        self.refresh()
+
+    def _measured_over(self, planned: int) -> int:
+        """Bytes the measured peak went over `planned`, when it was measured on that plan."""
+        m = self._measured
+        return m[1] - m[0] if m and m[0] == planned and m[1] > m[0] else 0
 
     def show_measured(self, planned: int, peak: int, after_load: int | None = None) -> None:
         """Planned total against the measured peak RSS of this process."""
+        self._measured = (int(planned), int(peak))
+        self.refresh()                   # the verdict says when the peak went over the plan
         diff = peak - planned
         word = "under" if diff < 0 else "over"
         extra = (f"; {human(after_load)} right after loading the weights"

@@ -96,6 +96,14 @@ def test_planned_vs_measured_after_a_run(qtbot, window, demo_model):
     assert not info["failed"]
     text = window.memory.measured.text()
     assert "Measured peak RSS" in text and "planned" in text
+    # the verdict does not say only "Fits" when the run went over its plan
+    mem = window.memory
+    planned = mem.plan.total_bytes
+    mem.show_measured(planned, planned + 70_000_000)
+    assert mem.verdict.text().startswith("Fits") and "70.00 MB over this plan" in \
+        mem.verdict.text()
+    mem.show_measured(planned, planned - 1_000_000)
+    assert "over this plan" not in mem.verdict.text()
 
 
 def test_refused_plan_at_load_is_an_error_and_the_app_stays_usable(qtbot, window, demo_model):
