@@ -67,11 +67,11 @@ def test_the_corpus_is_deterministic_and_holds_out_its_test_prompts():
     assert not train_prompts & test_prompts
 
 
-def greedy_chat(shipped, first_user: str, thinking: bool):
+def greedy_chat(shipped, first_user: str, thinking: bool, **opts):
     lm, tok, ctl = shipped
     h = History([Message("user", first_user)])
     chat = chat_on(lm, tok, h, Sampler.from_flags(greedy=True))
-    return h, lambda gen: run_turn(chat.turn(GenSpec(gen=gen, thinking=thinking)))
+    return h, lambda gen: run_turn(chat.turn(GenSpec(gen=gen, thinking=thinking, **opts)))
 
 
 def test_shipped_model_chats_two_turns_each_closed(shipped):
@@ -92,6 +92,20 @@ def test_thinking_turn_closes_with_reasoning(shipped):
     r = chat(256)
     print(f"[gate] thinking turn: reasoning {r.reasoning!r}, content {r.content!r}")
     assert r.end_id == shipped[2].end_of_msg and r.reasoning and r.content
+
+
+def test_the_demo_answers_its_example_prompts(shipped):
+    """The app's first run offers these (one click sends): each answered right, with the
+    app's defaults (greedy, thinking at low effort)."""
+    from k3engine.tools.demo_corpus import example_turns
+    turns = example_turns()
+    assert len(turns) == 4 and not any(is_test_prompt(q) for q, _ in turns)
+    for q, answer in turns:
+        _, chat = greedy_chat(shipped, q, thinking=True, effort="low")
+        r = chat(128)
+        print(f"[gate] example {q!r}: {r.content!r} (right answer {answer!r})")
+        assert r.end_id == shipped[2].end_of_msg and answer is not None
+        assert answer in r.content.replace(",", "")
 
 
 def test_ready_copy_in_the_cache(tmp_path):

@@ -765,3 +765,8 @@ def test_several_sequences_are_counted_and_a_refusal_says_how_many_fit(fig):
           f"{M.human(avail)} available: ...{msg[-40:]!r}")
     assert [r.kind for r in tight.refusals] == ["plan"]
     assert "2 of the 4 sequences would fit" in msg
+
+
+def test_human_seconds_picks_the_unit_for_the_magnitude():
+    assert [M.human_seconds(s) for s in (0, 8.5e-4, 0.0123, 0.5, 4.561, 125, 4321)] == [
+        "0 s", "850 µs", "12.3 ms", "500 ms", "4.56 s", "2 min 5 s", "1 h 12 min"]

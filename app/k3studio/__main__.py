@@ -6,7 +6,11 @@ Options (all optional):
   --quit-after N       quit by itself after N seconds (also K3STUDIO_QUIT_AFTER=N), for
                        headless checks
   --settings FILE      keep settings in this INI file instead of the per-user store
-  --data-dir DIR       where the demo model is made (default: the per-user data directory)
+  --data-dir DIR       keep everything in DIR instead of the per-user data directory: the
+                       demo model, conversations, the remote key and (unless --settings
+                       says otherwise) the settings, DIR/settings.ini
+
+One instance per data folder: a second start on the same folder raises the first window.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     default=_env_float("K3STUDIO_QUIT_AFTER"),
                     help="quit after N seconds (env K3STUDIO_QUIT_AFTER)")
     ap.add_argument("--settings", metavar="FILE", help="settings INI file")
-    ap.add_argument("--data-dir", metavar="DIR", help="per-user data directory override")
+    ap.add_argument("--data-dir", metavar="DIR", help="keep everything (demo model, "
+                    "conversations, settings) in DIR instead of the per-user folders")
     ap.add_argument("--version", action="store_true", help="print the version and exit")
     return ap.parse_args(argv)
 
@@ -105,9 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtCore import QSettings, QTimer
 
     app = make_app()
+    from . import demo
+    from .single_instance import InstanceServer, raise_running, raise_window
     from .window import MainWindow
-    store = QSettings(args.settings, QSettings.IniFormat) if args.settings else None
-    win = MainWindow(store=store, data_dir=args.data_dir)
+    data_dir = os.path.abspath(args.data_dir) if args.data_dir else demo.data_dir()
+    if raise_running(data_dir):
+        print(f"k3-studio: already running on {data_dir}: raised its window", file=sys.stderr)
+        return 0
+    settings_file = args.settings or (os.path.join(data_dir, "settings.ini")
+                                      if args.data_dir else None)
+    if settings_file:
+        os.makedirs(os.path.dirname(os.path.abspath(settings_file)), exist_ok=True)
+    # --data-dir: its own settings too (the model remembered elsewhere is not loaded)
+    store = QSettings(settings_file, QSettings.IniFormat) if settings_file else None
+    win = MainWindow(store=store, data_dir=data_dir)
+    instance = InstanceServer(data_dir, win)
+    instance.raiseRequested.connect(lambda: raise_window(win))
     if args.model:
         win.setup.set_paths(os.path.abspath(args.model),
                             os.path.abspath(args.trunk) if args.trunk else "",

@@ -89,3 +89,16 @@ def app_icon() -> QIcon:
                 icon.addPixmap(pm)
             break
     return icon
+
+
+def sheet_drawn_popups(root) -> None:
+    """Give every drop-down under `root` a plain item delegate.  Qt's default one for a
+    combo's popup draws each row as a menu item through the combo's own style-sheet rule
+    (a bordered white box): the current row, "custom" in the preset list, showed as an
+    empty box, its white selected text on white.  The plain delegate draws the rows from
+    the sheet's `QComboBox QAbstractItemView` rules instead."""
+    from PySide6.QtWidgets import QComboBox, QStyledItemDelegate
+    for combo in root.findChildren(QComboBox):
+        if not isinstance(combo.itemDelegate(), QStyledItemDelegate) or \
+                type(combo.itemDelegate()).__name__ == "QComboMenuDelegate":
+            combo.setItemDelegate(QStyledItemDelegate(combo))

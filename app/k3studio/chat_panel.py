@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame,
                                QProgressBar, QPushButton, QScrollArea, QSizePolicy, QSpinBox,
                                QToolButton, QVBoxLayout, QWidget)
 
-from k3engine.memory import human
+from k3engine.memory import human, human_seconds
 
 from .markdown_view import MarkdownView
 from .notice_bar import NoticeBar
@@ -174,6 +174,37 @@ class MessageWidget(QFrame):
         return self._has_thinking
 
 
+class WelcomeCard(QFrame):
+    """An empty conversation on the demo model: what the demo is and is not, a few prompts
+    from what it was trained on (one click sends), and where to get Kimi K3."""
+
+    def __init__(self, blurb: str, prompts: list[str], on_prompt, on_download, parent=None):
+        super().__init__(parent)
+        self.role = "welcome"                # in the column with the messages (by role)
+        self.setObjectName("welcome")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 12, 14, 12)
+        lay.setSpacing(6)
+        title = QLabel("<b>Try the demo model</b>")
+        self.blurb = QLabel(blurb)
+        self.blurb.setWordWrap(True)
+        lay.addWidget(title)
+        lay.addWidget(self.blurb)
+        self.buttons = []
+        for text in prompts:
+            b = QPushButton(text)
+            b.setObjectName("example_prompt")
+            b.setToolTip("Send this message")
+            b.clicked.connect(lambda _c=False, t=text: on_prompt(t))
+            lay.addWidget(b, 0, Qt.AlignLeft)
+            self.buttons.append(b)
+        self.download = QLabel('<a href="download">Get Kimi K3 itself in the Download '
+                               'tab</a>')
+        self.download.setObjectName("hint")
+        self.download.linkActivated.connect(lambda _l: on_download())
+        lay.addWidget(self.download)
+
+
 class MessageInput(QPlainTextEdit):
     """The message box: Enter (or Ctrl+Enter) sends, Shift+Enter starts a new line, Tab
     and Shift+Tab move the focus (a tab character is never what a chat message wants)."""
@@ -197,30 +228,46 @@ class MessageInput(QPlainTextEdit):
         super().keyPressEvent(e)
 
 
-def stats_text(info: dict) -> str:
+# what a reply's stats line needs from the turn summary: kept with the conversation (its
+# meta file) so the line shows again when the conversation is reopened
+STATS_KEYS = ("n", "continued", "prompt_ids", "reused", "first_token_seconds",
+              "prefill_positions_per_s", "tokens_per_s", "decode_s_per_token", "read_bytes",
+              "end_name", "peak_rss_bytes", "stats")
+
+
+def _rate(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def stats_text(info: dict, details: bool = False) -> str:
     """Per-reply figures.  The first token carries the whole prefill, so the decode rate
-    (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none."""
+    (tokens/s and s/token) is taken over the tokens after it; a one-token reply has none.
+    The prefill breakdown and the end id are the engine's vocabulary: `details` only."""
     if info.get("stats"):                 # a remote reply: only what the server can tell
         return info["stats"]
     n = info["n"]
     parts = [f"{n} token{'s' if n != 1 else ''}"
              + (f" (continued after {info['continued']})" if info.get("continued") else "")]
+    first = human_seconds(info["first_token_seconds"])
     if info.get("continued"):
-        parts.append(f"first new token {info['first_token_seconds']:.2f} s")
-    else:
+        parts.append(f"first new token {first}")
+    elif details:
         new = info["prompt_ids"] - info["reused"]
-        parts.append(f"first token {info['first_token_seconds']:.2f} s (prefill {new} "
+        parts.append(f"first token {first} (prefill {new} "
                      f"position{'s' if new != 1 else ''} at "
-                     f"{info.get('prefill_positions_per_s', 0.0):.1f}/s; "
+                     f"{_rate(info.get('prefill_positions_per_s', 0.0))}/s; "
                      f"{info['reused']} of {info['prompt_ids']} reused)")
+    else:
+        parts.append(f"first token {first}")
     if n > 1:
-        parts.append(f"decode {info['tokens_per_s']:.2f} tokens/s = "
-                     f"{info['decode_s_per_token']:.3f} s/token after the first")
+        parts.append(f"decode {_rate(info['tokens_per_s'])} tokens/s = "
+                     f"{human_seconds(info['decode_s_per_token'])}/token after the first")
     if info.get("read_bytes") is not None:
-        parts.append(f"read {human(info['read_bytes'])}")
-    if info.get("end_name"):
-        parts.append(f"ended by {info['end_name']}")
+        parts.append(f"read {human(info['read_bytes'])}" if info["read_bytes"] else
+                     "nothing read from disk")
     parts.append(f"peak RSS {human(info['peak_rss_bytes'])}")
+    if details and info.get("end_name"):
+        parts.append(f"ended by {info['end_name']}")
     return " · ".join(parts)
 
 
@@ -229,25 +276,31 @@ def progress_text(p: dict) -> str:
     layers done so far (the engine's LoadProgress)."""
     frac = p["done_bytes"] / p["total_bytes"] if p.get("total_bytes") else 0.0
     eta = p.get("eta_s")
-    left = f" · about {_secs(eta)} left" if eta is not None else ""
+    left = f" · about {human_seconds(eta)} left" if eta is not None else ""
     return (f"Reading the prompt: {p['prompt_ids']} positions · layer {p['layers']}/"
-            f"{p.get('n_layers') or '?'} ({100 * frac:.0f}%) · {_secs(p.get('elapsed_s', 0))} "
-            f"elapsed{left}")
-
-
-def _secs(s: float) -> str:
-    return f"{s:.1f} s" if s < 90 else f"{int(s // 60)} min {int(s % 60)} s"
+            f"{p.get('n_layers') or '?'} ({100 * frac:.0f}%) · "
+            f"{human_seconds(p.get('elapsed_s', 0))} elapsed{left}")
 
 
 class ChatPanel(QWidget):
     changed = Signal()                 # a chat setting changed (the window persists it)
+    replyStatsChanged = Signal(object)  # {transcript index (str): stats} to keep in the meta
+    downloadRequested = Signal()        # the welcome card's pointer to the Download tab
 
     def __init__(self, host, spec_fn: Callable[[], RunSpec], parent=None):
         super().__init__(parent)
         self.host = host
         self._spec_fn = spec_fn
         self.messages: list[dict] = []
-        self.stats: dict[int, str] = {}          # assistant ordinal -> stats line
+        # transcript index of a reply -> its turn's figures (STATS_KEYS).  By index, set
+        # from the turn that made it: the local engine sends the transcript before the turn
+        # summary and a remote one after, so counting replies at the summary is off by one.
+        self.reply_stats: dict[int, dict] = {}
+        self._reply_index = 0                    # where the reply in flight will go
+        self.details = False                     # the engine's vocabulary in the stats
+        self.examples: list[str] = []            # the welcome card's prompts (demo only)
+        self.examples_blurb = ""
+        self.welcome: WelcomeCard | None = None
         self.draft: dict | None = None           # a failed reply (not in the conversation)
         self.pending: dict | None = None         # the incomplete last reply (the worker's)
         self.pending_stats = ""
@@ -260,20 +313,38 @@ class ChatPanel(QWidget):
         self._prefilling = False
 
         # -- conversation bar ---------------------------------------------------------
+        # the two side panels' toggles frame the model line (the window wires them)
         bar = QHBoxLayout()
+        self.list_toggle = QToolButton()
+        self.list_toggle.setObjectName("panel_toggle")
+        self.list_toggle.setText("☰")
+        self.list_toggle.setCheckable(True)
+        self.list_toggle.setToolTip("Show or hide the conversation list (Ctrl+Shift+L)")
         self.model_label = QLabel("No model loaded: load one in Setup.")
         self.model_label.setObjectName("hint")
         self.model_label.setWordWrap(True)
+        self.details_toggle = QToolButton()
+        self.details_toggle.setText("Details")
+        self.details_toggle.setCheckable(True)
+        self.details_toggle.setToolTip("Show the engine's own terms and figures: prefill "
+                                       "breakdown, end ids, resident hits, binds")
+        self.details_toggle.toggled.connect(self.set_details)
+        self.side_toggle = QToolButton()
+        self.side_toggle.setObjectName("panel_toggle")
+        self.side_toggle.setText("Panel")
+        self.side_toggle.setCheckable(True)
+        self.side_toggle.setToolTip("Show or hide the telemetry and settings panel "
+                                    "(Ctrl+Shift+P)")
+        bar.addWidget(self.list_toggle, 0, Qt.AlignTop)
         bar.addWidget(self.model_label, 1)     # New / Open / Export: the sidebar and menus
+        bar.addWidget(self.details_toggle, 0, Qt.AlignTop)
+        bar.addWidget(self.side_toggle, 0, Qt.AlignTop)
 
-        sysrow = QHBoxLayout()
         self.system = QLineEdit()
         self.system.setPlaceholderText("System prompt (optional): applies to this conversation")
         self.system.setToolTip("The conversation's system message (k3 --system). Changing it "
                                "re-renders the whole transcript, so the next turn prefills "
                                "from scratch.")
-        sysrow.addWidget(QLabel("System"))
-        sysrow.addWidget(self.system, 1)
 
         # -- the transcript -----------------------------------------------------------
         self.scroll = QScrollArea()
@@ -338,18 +409,15 @@ class ChatPanel(QWidget):
         # a spin box's size hint is its widest text ("seed 2147483647"): let them shrink
         for w in (self.limit, self.temperature, self.top_p, self.top_k, self.seed):
             w.setMinimumWidth(80)
-        row1, row2 = QHBoxLayout(), QHBoxLayout()
-        # the sampling row shows only when sampling is on (greedy ignores it), which keeps
-        # the panel usable at 1024x700
-        for w in (self.thinking, self.effort, self.limit, self.greedy):
-            row1.addWidget(w)
-        row1.addStretch(1)
-        for w in (self.temperature, self.top_p, self.top_k, self.seed):
-            row2.addWidget(w)
-        row2.addStretch(1)
+        # two to a row, for a side panel ~300 px wide; the sampling rows show only when
+        # sampling is on (greedy ignores them)
         rows = QVBoxLayout()
-        rows.addLayout(row1)
-        rows.addLayout(row2)
+        for pair in ((self.thinking, self.effort), (self.limit, self.greedy),
+                     (self.temperature, self.top_p), (self.top_k, self.seed)):
+            row = QHBoxLayout()
+            for w in pair:
+                row.addWidget(w, 1)
+            rows.addLayout(row)
         g.addLayout(rows)
 
         # -- input --------------------------------------------------------------------
@@ -357,7 +425,7 @@ class ChatPanel(QWidget):
         self.input.setObjectName("message_input")
         self.input.setPlaceholderText("Message K3…  (Enter sends, Shift+Enter: new line, "
                                       "Esc stops)")
-        self.input.setMaximumHeight(90)
+        self.input.setMaximumHeight(80)
         self.send_btn = QPushButton("Send")
         self.send_btn.setObjectName("primary")
         self.stop_btn = QPushButton("Stop")
@@ -369,20 +437,26 @@ class ChatPanel(QWidget):
                                      "stopped), for up to the limit more tokens")
         self.regen_btn = QPushButton("Regenerate")
         self.regen_btn.setToolTip("Answer the last message again")
-        self.edit_btn = QPushButton("Edit last")
+        self.edit_btn = QPushButton("Edit")
         self.edit_btn.setToolTip("Edit your last message (Edit on any message of yours "
                                  "edits that one)")
-        col = QVBoxLayout()
-        for b in (self.send_btn, self.stop_btn, self.continue_btn, self.regen_btn,
-                  self.edit_btn):
-            col.addWidget(b)
+        # one row under the message box: the rarer actions left, Stop and Send right (a
+        # column of five buttons took the conversation's height at 1024x700)
+        btnrow = QHBoxLayout()
+        for b in (self.continue_btn, self.regen_btn, self.edit_btn):
+            b.setObjectName("small")
+            btnrow.addWidget(b)
+        btnrow.addStretch(1)
+        # as wide as "Stopping…" from the start: the row never grows the window mid-reply
+        self.stop_btn.setMinimumWidth(self.stop_btn.fontMetrics().horizontalAdvance(
+            "Stopping…") + 36)
+        btnrow.addWidget(self.stop_btn)
+        btnrow.addWidget(self.send_btn)
         self.edit_bar = NoticeBar("Cancel")
         self.edit_label, self.edit_cancel = self.edit_bar.label, self.edit_bar.button
-        inrow = QHBoxLayout()
-        inrow.addWidget(self.input, 1)
-        inrow.addLayout(col)
 
         cmdrow = QHBoxLayout()
+        cmdrow.setContentsMargins(0, 0, 0, 0)
         self.command = QLineEdit()
         self.command.setReadOnly(True)
         self.command.setObjectName("command")
@@ -393,16 +467,29 @@ class ChatPanel(QWidget):
         cmdrow.addWidget(self.command, 1)
         cmdrow.addWidget(copy)
 
+        # the settings of the conversation, for the window's side panel: the system
+        # prompt, generation, and the k3 command line that runs the same thing
+        self.settings_box = QWidget()
+        sl = QVBoxLayout(self.settings_box)
+        sl.setContentsMargins(4, 4, 4, 4)
+        sl.addWidget(QLabel("<b>System prompt</b>"))
+        sl.addWidget(self.system)
+        sl.addWidget(gen_box)
+        self.gen_box = gen_box
+        self.command_row = QWidget()
+        self.command_row.setLayout(cmdrow)
+        sl.addWidget(QLabel("<b>Command line</b>"))
+        sl.addWidget(self.command_row)
+        sl.addStretch(1)
+
         lay = QVBoxLayout(self)
         lay.addLayout(bar)
-        lay.addLayout(sysrow)
         lay.addWidget(self.scroll, 1)
         lay.addWidget(self.prefill_text)
         lay.addWidget(self.prefill)
-        lay.addWidget(gen_box)
         lay.addWidget(self.edit_bar)
-        lay.addLayout(inrow)
-        lay.addLayout(cmdrow)
+        lay.addWidget(self.input)
+        lay.addLayout(btnrow)
 
         # -- wiring -------------------------------------------------------------------
         self.send_btn.clicked.connect(self.send)
@@ -566,9 +653,38 @@ class ChatPanel(QWidget):
     def reset_view(self) -> None:
         """Another conversation (new or opened): its replies' stats and draft are not ours."""
         self.draft = None
-        self.stats.clear()
+        self.reply_stats.clear()
+        self.pending_stats = ""
         if self.editing is not None:
             self.cancel_edit()
+
+    def set_reply_stats(self, stored: dict | None) -> None:
+        """The stats kept with an opened conversation ({index: figures}, as in its meta)."""
+        self.reply_stats = {int(k): dict(v) for k, v in (stored or {}).items()}
+        if not self.generating:
+            self._render()
+
+    def set_examples(self, prompts: list[str], blurb: str = "") -> None:
+        """Example prompts for an empty conversation (the demo model's); [] for none."""
+        self.examples, self.examples_blurb = list(prompts), blurb
+        if not self.generating:
+            self._render()
+
+    def send_example(self, text: str) -> None:
+        self.input.setPlainText(text)
+        self.send()
+
+    def set_details(self, on: bool) -> None:
+        self.details = on
+        if not self.generating:
+            self._render()
+
+    def _stats_line(self, index: int) -> str:
+        st = self.reply_stats.get(index)
+        return stats_text(st, self.details) if st else ""
+
+    def _stats_changed(self) -> None:
+        self.replyStatsChanged.emit({str(k): v for k, v in self.reply_stats.items()})
 
     def open_conversation(self, path: str) -> None:
         self.reset_view()
@@ -583,6 +699,13 @@ class ChatPanel(QWidget):
     # -- observations --------------------------------------------------------------
     def show_conversation(self, msgs: list) -> None:
         self.messages = list(msgs)
+        # a shorter transcript (Edit, Regenerate, take back): the dropped replies' stats go;
+        # index len(msgs) may be the incomplete reply's, shown after the transcript
+        gone = [k for k in self.reply_stats if k > len(msgs)]
+        for k in gone:
+            del self.reply_stats[k]
+        if gone:
+            self._stats_changed()
         sysmsg = next((m["content"] for m in msgs if m["role"] == "system"), None)
         if sysmsg is not None and not self.system.hasFocus():
             self.system.blockSignals(True)
@@ -604,14 +727,20 @@ class ChatPanel(QWidget):
     def _render(self, keep_live: bool = False) -> None:
         live = self.live if keep_live else None
         self._clear(keep=live)
-        k = 0
+        self.welcome = None
+        if self.examples and live is None and self.pending is None and self.draft is None \
+                and not any(m["role"] != "system" for m in self.messages):
+            self.welcome = WelcomeCard(self.examples_blurb, self.examples, self.send_example,
+                                       self.downloadRequested.emit)
+            for b in self.welcome.buttons:
+                b.setEnabled(self.loaded and not self.host.busy)
+            self.column.insertWidget(self.column.count() - 1, self.welcome)
         for i, m in enumerate(self.messages):
             if m["role"] == "system":
                 continue                 # shown in the system field above
             stats = note = ""
             if m["role"] == "assistant":
-                k += 1
-                stats = self.stats.get(k, "")
+                stats = self._stats_line(i)
                 if m.get("incomplete"):
                     note = "This reply was cut short (stopped or at the limit) and answered " \
                            "as it was."
@@ -626,7 +755,8 @@ class ChatPanel(QWidget):
         elif self.pending is not None:
             p = self.pending
             w = MessageWidget("assistant", p["content"], p.get("reasoning"),
-                              self.pending_stats, self._pending_note(p))
+                              self._stats_line(len(self.messages)) or self.pending_stats,
+                              self._pending_note(p))
             w.setObjectName("incomplete")
             w.set_reasoning(p.get("reasoning"), expanded=not p["content"])
             self.column.insertWidget(self.column.count() - 1, w)
@@ -661,6 +791,14 @@ class ChatPanel(QWidget):
     def _turn_started(self, info: dict) -> None:
         self.generating = True
         self._turn_info = info
+        # the reply goes after the transcript as sent for this turn; whatever stats sat at
+        # or after that index belonged to a reply this turn replaces
+        self._reply_index = len(self.messages)
+        stale = [k for k in self.reply_stats if k >= self._reply_index]
+        for k in stale:
+            del self.reply_stats[k]
+        if stale:
+            self._stats_changed()
         self.command.setText(info["command"][3:])
         self.command.setCursorPosition(0)
         prior = info.get("prior")
@@ -668,6 +806,10 @@ class ChatPanel(QWidget):
             self.live = MessageWidget("assistant", prior["content"], prior.get("reasoning"))
         else:
             self.live = MessageWidget("assistant", reasoning="" if info["thinking"] else None)
+        if self.welcome is not None:     # the first message was sent: the card goes
+            self.column.removeWidget(self.welcome)
+            self.welcome.deleteLater()
+            self.welcome = None
         # the incomplete reply (last in the column) gives way to the live one
         last = self.column.itemAt(self.column.count() - 2) if self.column.count() > 1 else None
         if last is not None and last.widget() is not None and \
@@ -708,8 +850,8 @@ class ChatPanel(QWidget):
         last = records[-1]
         gen = self._turn_info["gen"] if self._turn_info else 0
         done = self._turn_info.get("resumed", 0) if self._turn_info else 0
-        self.live.set_stats(f"token {last['i']}/{done + gen} · {last['seconds']:.3f} s for "
-                            f"the last token")
+        self.live.set_stats(f"token {last['i']}/{done + gen} · {human_seconds(last['seconds'])} "
+                            f"for the last token")
 
     def _turn_finished(self, info: dict) -> None:
         self._prefilling = False
@@ -731,12 +873,15 @@ class ChatPanel(QWidget):
             self._update_buttons()
             return
         self.draft = None
-        stats = stats_text(info)
-        if info["end_id"] is not None:
-            k = sum(1 for m in self.messages if m["role"] == "assistant") + 1
-            self.stats[k] = stats
-        else:
-            self.pending_stats = stats
+        figures = {k: info[k] for k in STATS_KEYS if info.get(k) is not None}
+        # only a Continue continues (its turn started from the stopped reply): a
+        # regenerated reply is new, whatever the summary's count says
+        prior = (self._turn_info or {}).get("prior")
+        figures["continued"] = info.get("continued", 0) if prior else 0
+        self.reply_stats[self._reply_index] = figures
+        self.pending_stats = "" if info["end_id"] is not None else \
+            stats_text(figures, self.details)
+        self._stats_changed()
         self._render()
         self._update_buttons()
 
@@ -758,6 +903,9 @@ class ChatPanel(QWidget):
                                      bool((self.pending or {}).get("continuable")))
         self.regen_btn.setEnabled(self.loaded and not busy and has_user)
         self.edit_btn.setEnabled(not busy and has_user)
+        if self.welcome is not None:
+            for b in self.welcome.buttons:
+                b.setEnabled(self.loaded and not busy)
 
     # -- scrolling: follow the stream unless the person scrolled up ----------------------
     def _user_scrolled(self, v: int) -> None:

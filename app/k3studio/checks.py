@@ -153,10 +153,15 @@ DOCTOR_STEPS = ((192, "server", "~6 s/token"), (96, "workstation", "~6-20 s/toke
 
 def recommend_preset(avail_bytes: int) -> tuple[str | None, str]:
     """(preset, why) for the real Kimi K3 from available memory, as `k3 doctor` decides."""
-    gb = avail_bytes / (1024 ** 3)
+    from k3engine.memory import human
+    # the floors are k3 doctor's, in GiB; the figure is shown like every other byte count
+    # (human: decimal units), so "Available memory" and this line agree (24.04 GB was
+    # also called "22 GB available" here)
+    gib = avail_bytes / (1024 ** 3)
+    have = human(avail_bytes)
     for floor, name, speed in DOCTOR_STEPS:
-        if gb >= floor:
-            return name, (f"{gb:.0f} GB available (>= {floor}): '{name}' for the full Kimi K3 "
-                          f"checkpoint ({speed} on the reference hardware)")
-    return None, (f"under 10 GB available ({gb:.1f} GB): below the floor for running the full "
+        if gib >= floor:
+            return name, (f"{have} available (at least {floor} GiB): '{name}' for the full "
+                          f"Kimi K3 checkpoint ({speed} on the reference hardware)")
+    return None, (f"{have} available, under 10 GiB: below the floor for running the full "
                   f"checkpoint (~8.2 GB peak RSS). Small models such as the demo still run.")

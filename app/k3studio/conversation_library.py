@@ -108,6 +108,20 @@ class ConversationLibrary(QObject):
             self.meta.incomplete = inc
             self._write(self.host.messages, force=True)
 
+    def set_reply_stats(self, stats: dict) -> None:
+        """Each reply's figures (the chat panel's, by transcript index), kept in the meta
+        file so they show again when the conversation is reopened."""
+        if self.meta is None or self.meta.extra.get("reply_stats", {}) == stats:
+            return
+        if stats:
+            self.meta.extra["reply_stats"] = stats
+        else:
+            self.meta.extra.pop("reply_stats", None)
+        try:
+            self.store.save_meta(self.meta)
+        except Exception as e:          # noqa: BLE001 - the figures stay on screen
+            self.failed.emit(f"could not save the conversation: {e}")
+
     # -- saving -------------------------------------------------------------------------
     def _snapshot(self, msgs: list) -> None:
         if self._opening:                # the transcript just read: nothing new to write

@@ -213,9 +213,9 @@ class ConversationStore:
         if not meta.title:
             meta.title = default_title(history)
         history.save(self.path(cid))
-        self._write_meta(meta)
+        self.save_meta(meta)
 
-    def _write_meta(self, meta: Meta) -> None:
+    def save_meta(self, meta: Meta) -> None:
         data = json.dumps({k: v for k, v in asdict(meta).items() if k != "id"},
                           ensure_ascii=False, indent=1).encode("utf-8")
         write_atomic(self._meta_path(meta.id), data, mode=PRIVATE)
@@ -223,7 +223,7 @@ class ConversationStore:
     def rename(self, cid: str, title: str) -> Meta:
         meta = self.meta(cid)
         meta.title = " ".join(title.split()) or meta.title
-        self._write_meta(meta)
+        self.save_meta(meta)
         return meta
 
     def delete(self, cid: str) -> None:

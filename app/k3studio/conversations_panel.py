@@ -56,7 +56,9 @@ class ConversationsPanel(QWidget):
         self.delete_btn = QToolButton()
         self.delete_btn.setText("Delete")
         self.export_btn = QToolButton()
-        self.export_btn.setText("Export")
+        # the arrow in the text: the style's menu indicator was drawn over "Export"
+        self.export_btn.setObjectName("menu_button")
+        self.export_btn.setText("Export ▾")
         self.export_btn.setPopupMode(QToolButton.InstantPopup)
         menu = QMenu(self.export_btn)
         menu.addAction("As JSONL (k3 --history)…", lambda: self.export_dialog("jsonl"))

@@ -10,6 +10,10 @@ import shutil
 
 DEMO_DIR, DEMO_TRUNK = "demo-model", "demo-model-trunk"
 DEMO_LABEL = "Demo model: a tiny model trained on a small corpus, not Kimi K3"
+# the welcome card's line: what the demo knows, so an off-corpus answer is no surprise
+DEMO_BLURB = ("A tiny model trained only on small sums, days and months, unit conversions "
+              "and facts about K3 Studio: it shows the engine at work, not Kimi K3's answers. "
+              "Other questions get confident nonsense.")
 
 
 def data_dir() -> str:

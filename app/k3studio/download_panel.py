@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
                                QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from k3engine.memory import human
+from k3engine.memory import human, human_seconds
 from k3engine.tools import download as dl
 
 from .tasks import Task
@@ -422,7 +422,7 @@ class DownloadPanel(QWidget):
         eta = (size - have) / rate if rate > 0 else float("inf")
         if self.state == "running":
             self.status.setText(f"{box.current}: {human(have)} of {human(size)} overall, "
-                                f"{human(rate)}/s" + (f", about {eta:.0f} s left"
+                                f"{human(rate)}/s" + (f", about {human_seconds(eta)} left"
                                                       if eta != float("inf") else ""))
 
 

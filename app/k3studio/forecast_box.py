@@ -2,22 +2,39 @@
 (k3engine.forecast), recomputed with every slider move, each figure with its assumptions.
 
 The machine's figures come from the forecast's cache; when this machine has none yet, the
-"Measure this machine" button runs the short device test and kernel calibration on a task
-thread (a few seconds) and caches them, as `k3 forecast` does on its first run.
+"Measure this machine" button runs the device test and kernel calibration and caches them,
+as `k3 forecast` does on its first run.  It runs in a child process: its phases show as
+they start, Cancel ends it, and the gigabytes the calibration streams through go back to
+the system when it exits (in the app's own process they stayed in its RSS).
 """
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QPushButton,
-                               QScrollArea, QVBoxLayout)
+import os
+import sys
+import time
+
+from PySide6.QtCore import QProcess, QProcessEnvironment, Qt, QTimer, Signal
+from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QProgressBar,
+                               QPushButton, QScrollArea, QVBoxLayout)
 
 from k3engine import forecast as F
-from k3engine.memory import human, trace_window
+from k3engine.memory import human, human_seconds, trace_window
 
-from .tasks import Task
 
 PROMPT_LEN = 64          # the forecast column speaks of a typical chat turn
 GEN = 32
+# Below this the forecast's terms (disk reads, matrix work) are smaller than what it does
+# not model (the interpreter, thread hand-offs: a few ms a token, the demo's measured
+# decode): its figure would be "0.00 s/token", true of nothing.
+TOO_SMALL_S = 0.05
+# the child: measure, print each phase as it starts, write the forecast's cache (which the
+# app then reads); SIGTERM unwinds through the read test's cleanup (its scratch file)
+MEASURE = """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_a: sys.exit(3))
+from k3engine import forecast as F
+F.machine_figures(sys.argv[1], refresh=True, progress=lambda what: print(what, flush=True))
+"""
 
 
 def model_shape(model_dir: str, figures, streamed: bool) -> F.ModelShape | None:
@@ -43,7 +60,13 @@ class ForecastBox(QGroupBox):
         self.forecast: F.Forecast | None = None
         self.device: str | None = None
         self.baseline_bytes: int | None = None
-        self._task: Task | None = None
+        self.proc: QProcess | None = None
+        self.phase = ""
+        self._t0 = 0.0
+        self._cancelled = False
+        self._tick = QTimer(self)
+        self._tick.setInterval(500)
+        self._tick.timeout.connect(self._show_progress)
         lay = QVBoxLayout(self)
         self.figures = QLabel("Pick a model in Setup to see the forecast.")
         self.figures.setWordWrap(True)
@@ -59,6 +82,12 @@ class ForecastBox(QGroupBox):
         self.assumptions_view.setWidgetResizable(True)
         self.assumptions_view.setFrameShape(QFrame.NoFrame)
         lay.addWidget(self.assumptions_view, 1)
+        self.bar = QProgressBar()
+        self.bar.setRange(0, 0)                  # busy: the phases' lengths vary by machine
+        self.bar.setMaximumHeight(8)
+        self.bar.setTextVisible(False)
+        self.bar.setVisible(False)
+        lay.addWidget(self.bar)
         row = QHBoxLayout()
         self.measure = QPushButton("Measure this machine")
         self.measure.setToolTip("A short read test on the model's disk and a calibration of "
@@ -77,17 +106,76 @@ class ForecastBox(QGroupBox):
     def set_machine(self, machine: F.MachineFigures | None) -> None:
         self.machine = machine
 
+    @property
+    def measuring(self) -> bool:
+        return self.proc is not None
+
     def measure_machine(self) -> None:
-        if not self.device or (self._task is not None and not self._task.done):
+        """The button: start measuring, or cancel the measurement under way."""
+        if self.proc is not None:
+            self.cancel_measure()
             return
-        self.measure.setEnabled(False)
-        self.figures.setText("Measuring this machine (device read test, kernel calibration)…")
-        t = self._task = Task(lambda progress, cancelled: F.machine_figures(self.device,
-                                                                            refresh=True))
-        t.returned.connect(self._measured)
-        t.errored.connect(lambda e: self.figures.setText(f"Could not measure: {e}"))
-        t.finished.connect(lambda: self.measure.setEnabled(True))
-        t.start()
+        if not self.device:
+            return
+        p = self.proc = QProcess(self)
+        env = QProcessEnvironment.systemEnvironment()
+        # the child imports the engine from wherever this process found it
+        env.insert("PYTHONPATH", os.pathsep.join(x for x in sys.path if x))
+        p.setProcessEnvironment(env)
+        p.setProcessChannelMode(QProcess.SeparateChannels)
+        p.readyReadStandardOutput.connect(self._read_phase)
+        p.finished.connect(self._measure_ended)
+        p.errorOccurred.connect(self._measure_error)
+        self.phase, self._t0, self._cancelled = "starting", time.monotonic(), False
+        self.measure.setText("Cancel")
+        self.bar.setVisible(True)
+        self._tick.start()
+        self._show_progress()
+        p.start(sys.executable, ["-c", MEASURE, self.device])
+
+    def cancel_measure(self) -> None:
+        if self.proc is None:
+            return
+        self._cancelled = True
+        self.proc.terminate()
+        if not self.proc.waitForFinished(5000):
+            self.proc.kill()
+            self.proc.waitForFinished(5000)
+
+    def _read_phase(self) -> None:
+        out = bytes(self.proc.readAllStandardOutput()).decode(errors="replace")
+        lines = [x.strip() for x in out.splitlines() if x.strip()]
+        if lines:
+            self.phase = lines[-1]
+            self._show_progress()
+
+    def _show_progress(self) -> None:
+        from k3engine.memory import human_seconds
+        self.figures.setText(f"Measuring this machine: {self.phase}… "
+                             f"({human_seconds(time.monotonic() - self._t0)} so far; Cancel "
+                             f"stops it)")
+
+    def _measure_error(self, err) -> None:
+        if err == QProcess.FailedToStart:
+            self._measure_ended(-1, QProcess.CrashExit)
+
+    def _measure_ended(self, code: int, _status) -> None:
+        p, self.proc = self.proc, None
+        if p is None:
+            return
+        self._tick.stop()
+        self.bar.setVisible(False)
+        self.measure.setText("Measure this machine")
+        err = bytes(p.readAllStandardError()).decode(errors="replace").strip()
+        p.deleteLater()
+        m = F.cached_machine_figures(self.device) if code == 0 else None
+        if m is not None:
+            self._measured(m)
+        elif self._cancelled:
+            self.figures.setText("Measurement cancelled: nothing was kept.")
+        else:
+            last = err.splitlines()[-1] if err else f"exit code {code}"
+            self.figures.setText(f"Could not measure: {last}")
 
     def _measured(self, m) -> None:
         self.machine = m
@@ -96,6 +184,8 @@ class ForecastBox(QGroupBox):
     def update_for(self, plan, trunk_ring: int) -> F.Forecast | None:
         """Forecast the plan on the sliders (None without a model or machine figures)."""
         self.forecast = None
+        if self.proc is not None:
+            return None                  # the measurement's progress stays on show
         if plan is None or self.shape is None:
             self.figures.setText("Pick a model in Setup to see the forecast.")
             self.assumptions.setText("")
@@ -109,12 +199,24 @@ class ForecastBox(QGroupBox):
             trunk_ring=trunk_ring, streamed=plan.streamed, ultra=plan.ultra,
             prompt_len=PROMPT_LEN, gen=GEN, hits=self.hits, baseline_bytes=self.baseline_bytes,
             trace_window=trace_window())      # the session trace the app's runs keep
-        self.figures.setText(
-            f"<b>{fc.s_per_token:.2f} s/token</b> decoding · first token "
-            f"<b>{fc.ttft_s:.1f} s</b> for a {PROMPT_LEN}-token prompt<br>"
-            f"reads {human(fc.bytes_read_per_token)} per token (trunk "
-            f"{human(fc.trunk_bytes_per_token)} + experts {human(fc.expert_bytes_per_token)} "
-            f"at {100 * fc.hit_rate:.1f}% hit) · peak RSS ≈ {human(fc.peak_rss_bytes)}")
+        small = fc.s_per_token < TOO_SMALL_S
+        # its list of assumptions would only explain a figure not shown: the room goes to
+        # the sentence
+        self.assumptions_view.setVisible(not small)
+        if small:
+            self.figures.setText(
+                f"<b>This model is too small to forecast meaningfully:</b> its disk reads "
+                f"and matrix work come to {human_seconds(fc.s_per_token)} a token, less than "
+                f"the engine's own cost per token, which the forecast does not model. Each "
+                f"reply's stats give the measured speed.")
+        else:
+            self.figures.setText(
+                f"<b>{human_seconds(fc.s_per_token)}/token</b> decoding · first token "
+                f"<b>{human_seconds(fc.ttft_s)}</b> for a {PROMPT_LEN}-token prompt<br>"
+                f"reads {human(fc.bytes_read_per_token)} per token (trunk "
+                f"{human(fc.trunk_bytes_per_token)} + experts "
+                f"{human(fc.expert_bytes_per_token)} at {100 * fc.hit_rate:.1f}% hit) · "
+                f"peak RSS ≈ {human(fc.peak_rss_bytes)}")
         self.assumptions.setText("Computed from: " + "; ".join(fc.assumptions))
         self.figures.setToolTip("\n".join(fc.assumptions))
         return fc

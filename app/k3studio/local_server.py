@@ -1,7 +1,9 @@
 """`k3 serve` started from the app: this machine's model offered to other apps on loopback.
 
 It runs as its own process with the run's model, trunk, tokenizer and memory flags
-(runspec.model_flags), on 127.0.0.1 and a free port, so it is exactly the CLI's server.
+(runspec.model_flags), on 127.0.0.1, so it is exactly the CLI's server.  The port is the
+one it had last time (kept in the settings, so other apps' configured URL stays right when
+the toggle is switched off and on); a free one the first time, or when that port is taken.
 Being a separate process it loads its own copy of the model: on a small machine, unload the
 model in the app first (the Setup panel says so).  The URL comes from the server's own
 `listening on` line.  Stop sends SIGTERM (uvicorn shuts down, the engine stops at a safe
@@ -18,12 +20,12 @@ from PySide6.QtCore import QObject, QProcess, Signal
 LISTENING = re.compile(r"k3 serve: listening on (http://\S+)")
 
 
-def serve_argv(spec, cache_dir: str | None = None) -> list[str]:
+def serve_argv(spec, port: int = 0, cache_dir: str | None = None) -> list[str]:
     """`cache_dir`: the prompt cache on disk (a folder in the app's data folder), so the
     server, restarted, skips the prefill of a conversation it has seen."""
     from .runspec import model_flags
     return ["-m", "k3engine", "serve", spec.model_dir, *model_flags(spec),
-            "--host", "127.0.0.1", "--port", "0",
+            "--host", "127.0.0.1", "--port", str(int(port)),
             *(["--prompt-cache-dir", cache_dir] if cache_dir else [])]
 
 
@@ -36,7 +38,10 @@ class LocalServer(QObject):
         self.cache_dir = cache_dir
         self.proc: QProcess | None = None
         self.url = ""
+        self.port = 0                     # the port to ask for (0: any free one)
         self._out: list[str] = []
+        self._spec = None
+        self._asked = 0
 
     @property
     def running(self) -> bool:
@@ -46,11 +51,12 @@ class LocalServer(QObject):
         if self.proc is not None:
             return
         self._out, self.url = [], ""
+        self._spec, self._asked = spec, self.port
         p = self.proc = QProcess(self)
         p.setProcessChannelMode(QProcess.MergedChannels)
         p.readyReadStandardOutput.connect(self._read)
         p.finished.connect(self._finished)
-        p.start(sys.executable, serve_argv(spec, self.cache_dir))
+        p.start(sys.executable, serve_argv(spec, self.port, self.cache_dir))
 
     def stop(self) -> None:
         p = self.proc
@@ -68,8 +74,16 @@ class LocalServer(QObject):
             m = LISTENING.search(line)
             if m and not self.url:
                 self.url = m.group(1) + "/v1"
+                port = re.search(r":(\d+)$", m.group(1))
+                if port:
+                    self.port = int(port.group(1))
                 self.started.emit(self.url)
 
     def _finished(self, code: int, _status) -> None:
+        never_listened = not self.url
         self.proc, self.url = None, ""
+        if never_listened and code != 0 and self._asked:
+            self.port = 0                 # the remembered port is taken: any free one
+            self.start(self._spec)
+            return
         self.stopped.emit(code, "\n".join(self._out[-6:]))

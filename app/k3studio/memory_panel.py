@@ -138,6 +138,8 @@ class MemoryPanel(QWidget):
         self.plan = None
         self.available_override: int | None = None
         self.probe = None
+        self.details = False             # the engine's vocabulary shown (window toggle)
+        self._measured: tuple[int, int] | None = None    # (planned, measured peak) bytes
         self.baseline_bytes = 0
         self._quiet = False
 
@@ -325,15 +327,26 @@ class MemoryPanel(QWidget):
 
     # -- reactions -----------------------------------------------------------------
     def refresh_available(self) -> None:
+        if self.available_override is None:
+            from k3engine.memory import available_memory
+            _, self.probe = available_memory()
+        self._show_available()
+        self.refresh()
+
+    def _show_available(self) -> None:
         if self.available_override is not None:
             self.available_label.setText(f"<b>{human(self.available_override)}</b> available "
                                          f"(set by hand, not probed)")
-        else:
-            from k3engine.memory import available_memory
-            _, self.probe = available_memory()
-            total = f"; {human(self.probe.total)} total" if self.probe.total else ""
-            self.available_label.setText(f"<b>{self.probe.how}</b>{total}")
-        self.refresh()
+            return
+        total = f"; {human(self.probe.total)} total" if self.probe.total else ""
+        # how the figure was found ("host binds", a cgroup limit) is the engine's vocabulary
+        how = self.probe.how if self.details else f"{human(self.probe.bytes)} available"
+        self.available_label.setText(f"<b>{how}</b>{total}")
+
+    def set_details(self, on: bool) -> None:
+        self.details = on
+        if self.probe is not None or self.available_override is not None:
+            self._show_available()
 
     def _preset_changed(self) -> None:
         name = self.preset.currentData()
@@ -427,6 +440,10 @@ class MemoryPanel(QWidget):
             if not p.cache_fits_topk:
                 msg += (f". But the expert cache holds only {p.expert_slots} slots and top-k "
                         f"needs {p.expert_slots_needed}: loading will fail; raise the cache.")
+            over = self._measured_over(p.total_bytes)
+            if over:
+                # "Fits" is the admission check; the run itself went past the forecast
+                msg += f". Measured: {human(over)} over this plan (a forecast)"
             self.verdict.setObjectName("verdict_ok" if p.cache_fits_topk else "verdict_refused")
             self.verdict.setText(msg)
         else:
@@ -439,8 +456,15 @@ class MemoryPanel(QWidget):
         tp = p.trunk_plan
         bits = []
         if tp is not None:
+            # the ring the trunk will use: no more slots than layers left to stream (the
+            # engine's rule; the header shows the loaded ring, and the two agree)
+            ring = min(tp.ring_slots, tp.n_layers - tp.n_pinned)
+            # the packed trunk's size as Setup gives it (the plan's trunk term adds the
+            # ring and the widening room to the pinned layers: a different figure)
+            whole = (f" of the {human(sum(self.figures.layer_sizes[:tp.n_layers]))} packed "
+                     f"trunk" if self.figures is not None else "")
             bits.append(f"trunk: {tp.n_pinned}/{tp.n_layers} layers pinned "
-                        f"({human(tp.pinned_bytes)}), ring {tp.ring_slots} x "
+                        f"({human(tp.pinned_bytes)}{whole}), ring {ring} x "
                         f"{human(tp.slot_bytes)}; deterministic trunk hit rate "
                         f"{100 * tp.hit_rate:.0f}%")
             if tp.ring_held:
@@ -464,9 +488,18 @@ class MemoryPanel(QWidget):
     def clear_measured(self) -> None:
         """A new conversation: the last reply's peak is not this one's."""
         self.measured.setText(MEASURED_EMPTY)
+        self._measured = None
+        self.refresh()
+
+    def _measured_over(self, planned: int) -> int:
+        """Bytes the measured peak went over `planned`, when it was measured on that plan."""
+        m = self._measured
+        return m[1] - m[0] if m and m[0] == planned and m[1] > m[0] else 0
 
     def show_measured(self, planned: int, peak: int, after_load: int | None = None) -> None:
         """Planned total against the measured peak RSS of this process."""
+        self._measured = (int(planned), int(peak))
+        self.refresh()                   # the verdict says when the peak went over the plan
         diff = peak - planned
         word = "under" if diff < 0 else "over"
         extra = (f"; {human(after_load)} right after loading the weights"

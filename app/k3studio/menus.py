@@ -2,7 +2,7 @@
 
 File: New conversation (Ctrl+N), Open… (Ctrl+O: import a §9.1 JSONL file into the
 conversation list), Export as JSONL… (Ctrl+S), Export as Markdown… (Ctrl+Shift+S),
-Save benchmark datapoint… (datapoint_action.py), Quit (Ctrl+Q).  Chat: Stop (Esc), Continue, Regenerate.  View: theme.  Settings… (Ctrl+,).
+Save benchmark datapoint… (datapoint_action.py), Quit (Ctrl+Q).  Chat: Stop (Esc), Continue, Regenerate.  View: the side panels, engine details, theme.  Settings… (Ctrl+,).
 The window keeps the actions (`win.actions_by_name`) so tests and panels trigger the same
 thing a person does.
 """
@@ -58,6 +58,19 @@ def build_menus(win) -> dict[str, QAction]:
     add(c, "regenerate", "&Regenerate", win.chat.regenerate)
 
     v = bar.addMenu("&View")
+    for name, text, key, toggle in (
+            ("show_list", "&Conversation list", "Ctrl+Shift+L", win.chat.list_toggle),
+            ("show_side", "Telemetry and settings &panel", "Ctrl+Shift+P", win.chat.side_toggle),
+            ("details", "Engine &details", "Ctrl+Shift+D", win.chat.details_toggle)):
+        a = QAction(text, win, checkable=True)
+        a.setShortcut(QKeySequence(key))
+        # the action and the chat bar's button are one switch
+        a.setChecked(toggle.isChecked())
+        a.toggled.connect(toggle.setChecked)
+        toggle.toggled.connect(a.setChecked)
+        v.addAction(a)
+        acts[name] = a
+    v.addSeparator()
     group = QActionGroup(win)
     for key, label in THEME_LABELS.items():
         a = QAction(label, win, checkable=True)

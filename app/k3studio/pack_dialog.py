@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFileDialog, QFormLayo
                                QHBoxLayout, QLabel, QLineEdit, QProgressBar, QPushButton,
                                QVBoxLayout)
 
-from k3engine.memory import human
+from k3engine.memory import human, human_seconds
 
 from .tasks import Task
 
@@ -91,7 +91,7 @@ class PackDialog(QDialog):
         free = self._free(self.dest.text())
         secs = self.trunk_bytes / ASSUMED_COPY_BYTES_PER_S
         text = (f"{human(self.trunk_bytes)} to write; about "
-                f"{max(secs, 1):.0f} s at {ASSUMED_COPY_BYTES_PER_S / 1e6:.0f} MB/s "
+                f"{human_seconds(max(secs, 1))} at {human(ASSUMED_COPY_BYTES_PER_S)}/s "
                 f"(refined from the measured rate once packing starts). ")
         ok = True
         if free is not None:
@@ -139,7 +139,7 @@ class PackDialog(QDialog):
         rate = done / dt if dt > 0 else 0
         left = (total - done) / rate if rate > 0 else 0
         self.status.setText(f"layer {layers}/{self.n_layers or '?'}: {human(done)} of "
-                            f"{human(total)} ({rate / 1e6:.0f} MB/s, about {left:.0f} s left)")
+                            f"{human(total)} ({human(rate)}/s, about {human_seconds(left)} left)")
 
     def _finish(self) -> None:
         self.task = None
@@ -152,7 +152,7 @@ class PackDialog(QDialog):
     def _done(self, dest: str) -> None:
         self.bar.setValue(1000)
         self.outcome, self.result_dir = "done", dest
-        self.status.setText(f"Packed into {dest} in {time.monotonic() - self._t0:.1f} s.")
+        self.status.setText(f"Packed into {dest} in {human_seconds(time.monotonic() - self._t0)}.")
         self._finish()
         self.packed.emit(dest)
 

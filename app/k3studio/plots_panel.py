@@ -18,11 +18,11 @@ import csv
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QFont
+from PySide6.QtGui import QColor, QFont, QPainter, QPixmap
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QMenu, QPushButton,
-                               QVBoxLayout, QWidget)
+                               QTabWidget, QVBoxLayout, QWidget)
 
-from k3engine.memory import human
+from k3engine.memory import human, human_seconds
 
 TRUNK_COLOR = "#2f6fe0"       # blue: the trunk, everywhere in the app
 EXPERT_COLOR = "#e08a1b"      # amber: the experts
@@ -30,7 +30,10 @@ RSS_COLOR = "#7b3fb5"
 OK_COLOR = "#2e8b57"
 BAD_COLOR = "#c0392b"
 EMPTY_TEXT = "no tokens yet"
-TITLE_SIZE = "9.5pt"          # short titles at a modest size: two columns fit in ~380 px
+TITLE_SIZE = "9.5pt"          # short titles at a modest size
+# Two or three plots a page, stacked, so each keeps its size in a ~300 px side panel (six
+# at once were ~40 px tall at 1024x700, their ticks overlapping)
+PAGES = ("Speed", "Memory", "Experts")
 INITIAL_CAPACITY = 4096       # one reply at the largest --gen; doubles if a session grows
 
 # CSV columns, in order: the per-token record's keys
@@ -90,13 +93,18 @@ class PlotsPanel(QWidget):
         self.plan_total = 0
         self.available = 0
 
-        self.view = pg.GraphicsLayoutWidget()
-        v = self.view
+        self.views = {name: pg.GraphicsLayoutWidget() for name in PAGES}
+        self.pages = QTabWidget()
+        self.pages.setObjectName("plot_pages")
+        self.pages.setDocumentMode(True)
+        for name in PAGES:
+            self.pages.addTab(self.views[name], name)
+        self.view = self.pages
         f = QFont()
         f.setPointSize(9)
 
-        def plot(row, col, title, units=None, left=None, colspan=1):
-            p = v.addPlot(row=row, col=col, colspan=colspan)
+        def plot(v, row, title, units=None, left=None):
+            p = v.addPlot(row=row, col=0)
             p.setTitle(title, size=TITLE_SIZE)
             p.showGrid(x=True, y=True, alpha=0.25)
             p.setLabel("bottom", "token")
@@ -105,44 +113,52 @@ class PlotsPanel(QWidget):
             p.addLegend(offset=(-8, 8), labelTextSize="8pt")
             p.setMouseEnabled(x=True, y=False)
             p.getAxis("left").setTickFont(f)
+            if units is None:             # a share in %: never "% (x0.001)"
+                p.getAxis("left").enableAutoSIPrefix(False)
             p.getAxis("bottom").setTickFont(f)
             return p
 
         # RSS vs plan and available
-        self.p_rss = plot(0, 0, "RSS vs plan", "B", "RSS")
+        speed, memory, experts = (self.views[n] for n in PAGES)
+        self.p_rss = plot(memory, 0, "RSS vs plan", "B", "RSS")
         self.c_rss = self.p_rss.plot(name="RSS now", pen=_pen(RSS_COLOR))
         self.c_peak = self.p_rss.plot(name="peak RSS", pen=_pen(RSS_COLOR, 1, dash=True))
+        # labels left-aligned just inside the plot, above their line: a label centred at
+        # 5 % of the width lost its first digits to the axis ("67.41 MB" for 167.41)
+        inside = [(0, 1), (0, 1)]
         self.l_plan = pg.InfiniteLine(angle=0, pen=_pen(OK_COLOR, 1.5, dash=True), movable=False,
-                                      label="plan", labelOpts={"position": 0.05,
+                                      label="plan", labelOpts={"position": 0.02,
+                                                               "anchors": inside,
                                                                "color": OK_COLOR})
         self.l_avail = pg.InfiniteLine(angle=0, pen=_pen(BAD_COLOR, 1.5, dash=True),
                                        movable=False, label="available",
-                                       labelOpts={"position": 0.05, "color": BAD_COLOR})
+                                       labelOpts={"position": 0.02, "anchors": inside,
+                                                  "color": BAD_COLOR})
         for line in (self.l_plan, self.l_avail):
             line.setVisible(False)
             self.p_rss.addItem(line, ignoreBounds=True)
 
         # seconds per token
-        self.p_spt = plot(0, 1, "Seconds/token", "s", "time")
+        self.p_spt = plot(speed, 0, "Seconds/token", "s", "time")
         self.c_spt = self.p_spt.plot(name="s/token", pen=_pen("#2b3245"), symbol="o",
                                      symbolSize=3, symbolBrush="#2b3245")
 
         # I/O share, trunk/expert split (stacked: trunk below, experts on top)
-        self.p_io = plot(1, 0, "I/O share", None, "%")
+        self.p_io = plot(speed, 1, "I/O share", None, "%")
         self.c_io_total = self.p_io.plot(name="experts", pen=_pen(EXPERT_COLOR),
                                          fillLevel=0, brush=_brush(EXPERT_COLOR))
         self.c_io_trunk = self.p_io.plot(name="trunk", pen=_pen(TRUNK_COLOR),
                                          fillLevel=0, brush=_brush(TRUNK_COLOR, 110))
 
         # bytes read per token, split
-        self.p_gb = plot(1, 1, "Read/token", "B", "read")
+        self.p_gb = plot(memory, 1, "Read/token", "B", "read")
         self.c_gb_total = self.p_gb.plot(name="experts", pen=_pen(EXPERT_COLOR), fillLevel=0,
                                          brush=_brush(EXPERT_COLOR))
         self.c_gb_trunk = self.p_gb.plot(name="trunk", pen=_pen(TRUNK_COLOR), fillLevel=0,
                                          brush=_brush(TRUNK_COLOR, 110))
 
         # the expert cache: TRUE resident hit rate and retention
-        self.p_hit = plot(2, 0, "Expert cache", None, "%")
+        self.p_hit = plot(experts, 0, "Expert cache", None, "%")
         self.p_hit.setYRange(0, 100)
         self.c_true = self.p_hit.plot(name="TRUE resident hit", pen=_pen(OK_COLOR, 2.5))
         self.c_ret = self.p_hit.plot(name="retention", pen=_pen("#2b3245"))
@@ -150,7 +166,7 @@ class PlotsPanel(QWidget):
                                                                            dash=True))
 
         # expert heat: requests per (layer, expert)
-        self.p_heat = v.addPlot(row=2, col=1)
+        self.p_heat = experts.addPlot(row=1, col=0)
         self.p_heat.setTitle("Expert heat", size=TITLE_SIZE)
         self.p_heat.setLabel("bottom", "expert")
         self.p_heat.setLabel("left", "layer")
@@ -161,19 +177,18 @@ class PlotsPanel(QWidget):
         self.heat = None
 
         # trunk map: pinned vs ring, one cell per layer
-        self.p_map = v.addPlot(row=3, col=0, colspan=2)
+        self.p_map = memory.addPlot(row=2, col=0)
         self.p_map.setTitle("Trunk map", size=TITLE_SIZE)
         self.p_map.hideAxis("left")
         self.p_map.setLabel("bottom", "layer")
         self.p_map.setMouseEnabled(x=False, y=False)
-        self.p_map.setMaximumHeight(120)
+        self.p_map.setMaximumHeight(110)
         self.map_bars = pg.BarGraphItem(x=[], height=[], width=0.9, brushes=[])
         self.p_map.addItem(self.map_bars)
         self.map_info: dict | None = None
-        v.ci.layout.setRowStretchFactor(0, 3)
-        v.ci.layout.setRowStretchFactor(1, 3)
-        v.ci.layout.setRowStretchFactor(2, 3)
-        v.ci.layout.setRowStretchFactor(3, 1)
+        memory.ci.layout.setRowStretchFactor(0, 3)
+        memory.ci.layout.setRowStretchFactor(1, 3)
+        memory.ci.layout.setRowStretchFactor(2, 1)
 
         # Empty state: a plot without points says so instead of showing pyqtgraph's default
         # 0..1 axes (or a -400..400 x0.001 range for an empty fill curve).
@@ -202,6 +217,7 @@ class PlotsPanel(QWidget):
         self.details = QLabel()
         self.details.setObjectName("hint")
         self.details.setWordWrap(True)
+        self.show_details = False          # the engine's vocabulary in the summary
         self.map_label = self.heat_label = ""
         self.png_btn = QPushButton("PNG…")
         self.png_btn.setToolTip("Export the plots as a PNG image")
@@ -212,23 +228,24 @@ class PlotsPanel(QWidget):
         self.png_btn.clicked.connect(self._png_dialog)
         self.csv_btn.clicked.connect(self._csv_dialog)
         self.clear_btn.clicked.connect(self.clear)
+        # no title of its own: the side panel's tab says "Telemetry"
         top = QHBoxLayout()
-        title = QLabel("<b>Telemetry</b>")
-        title.setToolTip("One point per generated token")
-        top.addWidget(title, 1)
+        top.addStretch(1)
         for b in (self.clear_btn, self.png_btn, self.csv_btn):
+            b.setObjectName("small")
             top.addWidget(b)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addLayout(top)
         lay.addWidget(self.summary)
-        lay.addWidget(self.view, 1)
+        lay.addWidget(self.pages, 1)
         lay.addWidget(self.details)
 
     def set_dark(self, dark: bool) -> None:
         """Plot chrome for the theme (the series colours carry meaning and stay)."""
         bg, fg = ("#1e2128", "#c9cfdd") if dark else ("w", "#2b3245")
-        self.view.setBackground(bg)
+        for v in self.views.values():
+            v.setBackground(bg)
         for p in self._token_plots + (self.p_heat, self.p_map):
             for ax in ("left", "bottom"):
                 a = p.getAxis(ax)
@@ -309,12 +326,13 @@ class PlotsPanel(QWidget):
 
     def set_plan(self, total: int, available: int) -> None:
         self.plan_total, self.available = int(total), int(available)
-        self.l_plan.setPos(self.plan_total)
-        self.l_plan.label.setFormat(f"plan {human(self.plan_total)}")
-        self.l_plan.setVisible(self.plan_total > 0)
-        self.l_avail.setPos(self.available)
-        self.l_avail.label.setFormat(f"available {human(self.available)}")
-        self.l_avail.setVisible(self.available > 0)
+        # visible first: a hidden label ignores its new text (the first plan showed as a
+        # bare "plan" until the line moved again)
+        for line, word, value in ((self.l_plan, "plan", self.plan_total),
+                                  (self.l_avail, "available", self.available)):
+            line.setVisible(value > 0)
+            line.setPos(value)
+            line.label.setFormat(f"{word} {human(value)}")
         self._title_rss()
 
     def _title_rss(self) -> None:
@@ -389,18 +407,33 @@ class PlotsPanel(QWidget):
             if self.available and self.available < 3 * top:
                 top = max(top, float(self.available))
             self.p_rss.setYRange(0, top * 1.08, padding=0)
+            # every axis from 0 to what the data reaches: an all-zero series gets 0..1,
+            # not pyqtgraph's centred -0.5..0.5 ("read (mB)" from -400 to 400)
             sec = s.view("seconds")
-            self.summary.setText(
-                f"{s.n} tokens · last {sec[-1]:.3f} s/token · mean {sec.mean():.3f} s · "
-                f"I/O share {io_all[-1]:.0f}% (trunk {io_t[-1]:.0f}%) · TRUE resident hit "
-                f"{100 * s.view('true_resident_hit')[-1]:.1f}% · retention "
-                f"{100 * s.view('retention')[-1]:.1f}% · read "
-                f"{human(gb_t[-1] + s.view('expert_bytes')[-1])}/token · peak RSS "
-                f"{human(peak[-1])}" + (f" · available {human(self.available)}"
-                                        if self.available else ""))
+            read = gb_t + s.view("expert_bytes")
+            for p, hi, floor, cap in ((self.p_spt, sec.max(), 1e-3, None),
+                                      (self.p_io, io_all.max(), 10.0, 100.0),
+                                      (self.p_gb, read.max(), 1.0, None)):
+                top = max(float(hi) * 1.12, floor)
+                p.setYRange(0, min(top, cap) if cap else top, padding=0)
+            text = (f"{s.n} tokens · last {human_seconds(sec[-1])}/token · mean "
+                    f"{human_seconds(sec.mean())} · read {human(read[-1])}/token · peak RSS "
+                    f"{human(peak[-1])}")
+            if self.show_details:
+                text += (f" · I/O share {io_all[-1]:.0f}% (trunk {io_t[-1]:.0f}%) · TRUE "
+                         f"resident hit {100 * s.view('true_resident_hit')[-1]:.1f}% · "
+                         f"retention {100 * s.view('retention')[-1]:.1f}%"
+                         + (f" · available {human(self.available)}" if self.available
+                            else ""))
+            self.summary.setText(text)
         else:
             self.summary.setText("Plots fill as tokens are generated." + (
                 f" Available memory {human(self.available)}." if self.available else ""))
+
+    def set_details(self, on: bool) -> None:
+        self.show_details = on
+        self.details.setVisible(on)          # the trunk map's and heat map's own terms
+        self._redraw()
 
     def point_counts(self) -> dict[str, int]:
         """How many points each curve holds (tests: one per generated token)."""
@@ -412,7 +445,23 @@ class PlotsPanel(QWidget):
 
     # -- export ---------------------------------------------------------------------
     def export_png(self, path: str) -> bool:
-        return self.view.grab().save(path, "PNG")
+        """Every page, one under the other (a page not shown is laid out at the shown
+        one's size first)."""
+        size = self.pages.currentWidget().size()
+        shots = []
+        for v in self.views.values():
+            if v.size() != size:
+                v.resize(size)
+            shots.append(v.grab())
+        out = QPixmap(size.width(), sum(p.height() for p in shots))
+        out.fill(Qt.white)
+        painter = QPainter(out)
+        y = 0
+        for p in shots:
+            painter.drawPixmap(0, y, p)
+            y += p.height()
+        painter.end()
+        return out.save(path, "PNG")
 
     def export_csv(self, path: str, archived: int | None = None) -> None:
         """The current series, or `archived` (an index into `archive`, -1 the latest)."""

@@ -1,16 +1,22 @@
 """Screenshots of K3 Studio on the demo model, for docs/.
 
     xvfb-run -a -s "-screen 0 1600x1000x24" env QT_QPA_PLATFORM=xcb \\
-        python -m k3studio.screenshot docs/ [--theme light|dark] [--size 1024x700]
+        python -m k3studio.screenshot docs/ [--theme light|dark] [--size 1024x700] \\
+        [--tag -1920] [--only first-run,conversation,panels-collapsed]
 
 opens the real window (X11 under Xvfb), makes the demo model in a temporary data
 directory, loads it with a trunk budget of about half its 2.65 MB trunk (so the trunk map
 shows pinned layers and a ring) and an expert cache smaller than its 224 (layer, expert)
 pairs (so the hit rate moves), and saves (SUFFIX is "" for the
-light theme, "-dark" for the dark one):
+light theme, "-dark" for the dark one, then --tag; --only saves just the named shots):
 
   k3studio-markdown SUFFIX.png  a saved conversation whose reply has Markdown and a code
                                block, with the conversation list beside it
+  k3studio-first-run SUFFIX.png an empty conversation on the demo: what it is, example
+                               prompts from its training corpus, the pointer to Download
+  k3studio-conversation SUFFIX.png  four replies (the examples, each sent with one click),
+                               each with its own stats, the telemetry panel beside them
+  k3studio-panels-collapsed SUFFIX.png  the same with both side panels collapsed
   k3studio-chat SUFFIX.png      the window mid-generation, plots filling
   k3studio-prefill SUFFIX.png   a long prompt's prefill: progress, elapsed time and ETA
   k3studio-memory SUFFIX.png    the memory panel with the live plan and measured peak RSS
@@ -75,7 +81,7 @@ def seed_conversations(data_dir: str) -> str:
     return store.path(cid)
 
 
-def grabber(app, win, out: str, suffix: str, saved: list[str]):
+def grabber(app, win, out: str, suffix: str, saved: list[str], only=None):
     """grab(name, widget=None): save the widget (default: the window) as
     OUT/k3studio-NAME SUFFIX.png -- from the X server under xcb (what is on screen),
     rendered by Qt offscreen."""
@@ -83,6 +89,8 @@ def grabber(app, win, out: str, suffix: str, saved: list[str]):
     platform = QGuiApplication.platformName()
 
     def grab(name: str, widget=None) -> None:
+        if only and name not in only:
+            return
         widget = widget or win
         app.processEvents()
         path = os.path.join(out, f"k3studio-{name}{suffix}.png")
@@ -110,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", nargs="?", default="docs")
     ap.add_argument("--theme", choices=("light", "dark"), default="light")
     ap.add_argument("--size", default="1280x800", help="window size WxH")
+    ap.add_argument("--tag", default="", help="appended to each file name (e.g. -1920)")
+    ap.add_argument("--only", default="", help="comma-separated shot names to save")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     out = os.path.abspath(args.out)
     width, height = (int(v) for v in args.size.lower().split("x"))
-    suffix = "" if args.theme == "light" else "-dark"
+    suffix = ("" if args.theme == "light" else "-dark") + args.tag
+    only = {n for n in args.only.split(",") if n}
     os.makedirs(out, exist_ok=True)
     if not os.environ.get("QT_QPA_PLATFORM"):
         os.environ["QT_QPA_PLATFORM"] = "xcb" if os.environ.get("DISPLAY") else "offscreen"
@@ -136,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     win.show()
     saved: list[str] = []
     state = {"shot": False, "code": 0, "phase": "markdown"}
-    grab = grabber(app, win, out, suffix, saved)
+    grab = grabber(app, win, out, suffix, saved, only)
+    examples: list[str] = []
 
     def loaded(_info) -> None:
         if state["phase"] != "markdown":
@@ -146,6 +158,32 @@ def main(argv: list[str] | None = None) -> int:
 
     def markdown_shot() -> None:
         grab("markdown")
+        state["phase"] = "conversation"
+        win.new_conversation()
+        QTimer.singleShot(600, first_run_shot)
+
+    def first_run_shot() -> None:
+        grab("first-run")
+        card = win.chat.welcome
+        examples.extend(b.text() for b in card.buttons)
+        win.chat.limit.setValue(96)          # room for each reply to end by itself
+        card.buttons[0].click()              # one click sends it
+
+    def next_example() -> None:
+        asked = sum(1 for m in win.chat.messages if m["role"] == "user")
+        if asked < len(examples):
+            win.chat.send_example(examples[asked])
+            return
+        grab("conversation")
+        win.show_panel(0, False)
+        win.show_panel(2, False)
+        QTimer.singleShot(400, collapsed_shot)
+
+    def collapsed_shot() -> None:
+        grab("panels-collapsed")
+        win.show_panel(0, True)
+        win.show_panel(2, True)
+        win.chat.limit.setValue(GEN)
         state["phase"] = "chat"
         win.new_conversation()
         win.chat.input.setPlainText("What is the expert cache in K3 Studio?")   # in its corpus
@@ -164,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             win.chat.stop()
 
     def finished(_info) -> None:
-        if state["phase"] == "chat":
+        if state["phase"] == "conversation":
+            QTimer.singleShot(300, next_example)
+        elif state["phase"] == "chat":
             QTimer.singleShot(300, after_chat)
         elif state["phase"] == "prefill":
             QTimer.singleShot(300, after_prefill)
@@ -208,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     win.host.turnFinished.connect(finished)
     win.host.errored.connect(failed)
     run_window(app, win, lambda: win.use_demo(autoload=True))
-    return state["code"] if len(saved) == 6 else 1
+    want = len(only) if only else 9
+    return state["code"] if len(saved) == want else 1
 
 
 if __name__ == "__main__":

@@ -49,9 +49,12 @@ class StudioSettings:
     backend: str = "local"
     remote_url: str = ""
     remote_model: str = ""
+    serve_port: int = 0               # the app's k3 serve port, kept across on/off (0: free)
     # window
     geometry: bytes = b""
-    splitter: bytes = b""
+    splitter: bytes = b""             # conversation list | chat | side panel (0 = collapsed)
+    side_tab: int = 0                 # the side panel's page: telemetry or settings
+    details: bool = False             # the engine's vocabulary shown (stats, plots, memory)
     tab: int = 0
 
 

@@ -267,9 +267,7 @@ class SetupPanel(QWidget):
         self.summary.setText(insp.summary)
         is_demo = demo.is_demo(self.model.text())
         self.demo_badge.setVisible(is_demo)
-        # the demo is offered for a folder that is no model, not for a download under way
-        self.demo_box.setVisible(self.demo_task is not None
-                                 or (not insp.model.ok and insp.download is None))
+        self._show_demo_offer()
         self._update_buttons()
         self.refresh_doctor()
         self.inspected.emit(insp)
@@ -283,7 +281,17 @@ class SetupPanel(QWidget):
         self.model_loaded, self.busy = loaded, busy
         if text is not None:
             self.load_state.setText(text)
+        self._show_demo_offer()
         self._update_buttons()
+
+    def _show_demo_offer(self) -> None:
+        """"No model yet?" is for someone without one: a folder that is no model and
+        nothing loaded (not while a model, the demo say, is loaded and another folder is
+        being typed), never for a download under way."""
+        insp = self.inspection
+        self.demo_box.setVisible(self.demo_task is not None or (
+            not self.model_loaded and insp is not None and not insp.model.ok
+            and insp.download is None))
 
     def _update_buttons(self) -> None:
         insp = self.inspection
@@ -417,7 +425,11 @@ class SetupPanel(QWidget):
         from k3engine.threads import default_threads, physical_cores
         _, probe = available_memory()
         name, why = checks.recommend_preset(probe.bytes if probe.known else 0)
-        lines = [f"<b>Available memory:</b> {probe.how}"]
+        # how the figure was found ("host binds", a cgroup limit) is the engine's vocabulary:
+        # in the tooltip, the figure in the text
+        lines = [f"<b>Available memory:</b> {human(probe.bytes)}" if probe.known else
+                 f"<b>Available memory:</b> {probe.how}"]
+        self.doctor.setToolTip(f"Available memory: {probe.how}")
         if probe.total:
             lines.append(f"<b>Total memory:</b> {human(probe.total)}")
         lines.append(f"<b>CPU:</b> {os.cpu_count()} logical, {physical_cores()} physical "
@@ -430,8 +442,10 @@ class SetupPanel(QWidget):
                      incremental=True, positions=257, available_bytes=probe,
                      total_memory=probe.total or 0)
             if p.admitted:
+                # what the plan holds, not auto's budgets (GBs a 3 MB trunk cannot fill)
                 lines.append(f"<b>This model:</b> fits; <i>auto</i> plans {human(p.total_bytes)}"
-                             f" (trunk {p.trunk_gb:.2f} GB / cache {p.cache_gb:.2f} GB).")
+                             f" (trunk {human(p.trunk_bytes)} / expert cache "
+                             f"{human(p.expert_cache_bytes)}).")
             else:
                 lines.append(f"<b>This model:</b> auto refuses: {p.refusals[0].message}")
             if insp.trunk.level != checks.OK:

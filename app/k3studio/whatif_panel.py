@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView,
 
 from k3engine import forecast as F
 from k3engine.experts import POLICIES
-from k3engine.memory import TRACE_PAIR_BYTES, human
+from k3engine.memory import TRACE_PAIR_BYTES, human, human_seconds
 from k3engine.tools import sim_cache
 
 from .tasks import Task
@@ -28,8 +28,8 @@ from .tasks import Task
 CURVE_POINTS = 14
 REFILL_MS = 250          # splits are recomputed once the sliders rest (a trace replay each)
 SPLIT_ROWS = 10
-SPLIT_COLUMNS = ["trunk GB", "cache GB", "pinned", "slots", "hit", "read/token",
-                 "s/token (forecast)"]
+SPLIT_COLUMNS = ["trunk", "cache", "pinned", "slots", "hit", "read/token",
+                 "time/token (forecast)"]
 
 
 def slot_series(min_slots: int, max_slots: int, n: int = CURVE_POINTS) -> list[int]:
@@ -158,9 +158,46 @@ class WhatIfPanel(QWidget):
             f"{POLICIES[name].title} hit")
 
     def set_budget(self, trunk_gb: float, cache_gb: float, ring: int = 2) -> None:
+        """The Memory tab's budgets.  Kept as set; what the view uses is `in_force`: a
+        budget above what the model can hold buys nothing (the max preset's 109 GB cache
+        is the demo's 3.67 MB pool)."""
         self.budget = (float(trunk_gb), float(cache_gb), int(ring))
         self._mark_current()
         self._refill.start()
+
+    def model_max_gb(self) -> tuple[float, float]:
+        """(trunk, cache) GB that hold the whole model: every layer pinned (with the
+        binder's widening room), every (layer, expert) pair in the cache."""
+        from k3engine.memory import plan_trunk
+        f = self.shape.figures
+        trunk = plan_trunk(f.layer_sizes, 10**15, self.budget[2], f.widen_bytes).total_bytes
+        return trunk / 1e9, f.expert_pool * f.expert_slot_bytes / 1e9
+
+    @property
+    def in_force(self) -> tuple[float, float, int]:
+        trunk, cache, ring = self.budget
+        if self.shape is None:
+            return self.budget
+        t_max, c_max = self.model_max_gb()
+        return min(trunk, t_max), min(cache, c_max), ring
+
+    def _unit(self) -> tuple[str, float]:
+        """The cache axis in MB for a model whose whole pool is under a GB (the demo)."""
+        if self.shape is not None and self.model_max_gb()[1] < 1.0:
+            return "MB", 1e3
+        return "GB", 1.0
+
+    def set_dark(self, dark: bool) -> None:
+        bg, fg = ("#1e2128", "#c9cfdd") if dark else ("w", "#2b3245")
+        self.plot.setBackground(bg)
+        for ax in ("left", "bottom"):
+            self.plot.getAxis(ax).setPen(fg)
+            self.plot.getAxis(ax).setTextPen(fg)
+        legend = self.plot.getPlotItem().legend
+        if legend is not None:
+            legend.setLabelTextColor(fg)
+            for _, label in legend.items:
+                label.setText(label.text)
 
     def set_trace(self, keys: list[int] | None, label: str = "",
                   total: int | None = None) -> None:
@@ -224,11 +261,13 @@ class WhatIfPanel(QWidget):
         return f"{head}, {len(set(self.keys)):,} distinct experts"
 
     def _curve_ready(self, task: Task, curve: dict) -> None:
-        if task is not self._task:
-            return                              # a newer trace replaced this one
+        if task is not self._task or self.shape is None:
+            return                              # a newer trace or no model any more
         self.curve = curve
         sb = self.shape.figures.expert_slot_bytes
-        gb = [s * sb / 1e9 for s in curve["slots"]]
+        unit, scale = self._unit()
+        self.plot.setLabel("bottom", f"expert cache ({unit})")
+        gb = [s * sb / 1e9 * scale for s in curve["slots"]]
         self.lru_curve.setData(gb, curve["lru"])
         self.s3fifo_curve.setData(gb, curve["s3fifo"])
         self.belady_curve.setData(gb, curve["belady"])
@@ -240,17 +279,21 @@ class WhatIfPanel(QWidget):
         self._fill_splits()
 
     def _mark_current(self) -> None:
-        self.current.setValue(self.budget[1])
+        self.current.setValue(self.in_force[1] * self._unit()[1])
 
     # -- the splits ----------------------------------------------------------------
     def _fill_splits(self) -> None:
         self.table.setRowCount(0)
         self.rows = []
-        if self.shape is None or self.machine is None:
-            self.total_label.setText("Pick a model (and let the machine be measured) to see "
-                                     "the predicted s/token of each split.")
+        if self.shape is None:
+            self.total_label.setText("Pick a model in Setup to see the predicted s/token of "
+                                     "each split.")
             return
-        trunk, cache, ring = self.budget
+        if self.machine is None:
+            self.total_label.setText("Measure this machine (Memory tab) to see the predicted "
+                                     "s/token of each split.")
+            return
+        trunk, cache, ring = self.in_force
         total = trunk + cache
         if total <= 0:
             self.total_label.setText("Set a budget in the Memory tab.")
@@ -261,10 +304,10 @@ class WhatIfPanel(QWidget):
         self.table.setRowCount(len(self.rows))
         for r, (t, c, fc) in enumerate(self.rows):
             tp = fc.plan.trunk_plan
-            cells = [f"{t:.3f}", f"{c:.3f}",
+            cells = [human(t * 1e9), human(c * 1e9),
                      f"{tp.n_pinned}/{tp.n_layers}" if tp else "resident",
                      str(fc.plan.expert_slots), f"{100 * fc.hit_rate:.1f}%",
-                     human(fc.bytes_read_per_token), f"{fc.s_per_token:.3f}"]
+                     human(fc.bytes_read_per_token), human_seconds(fc.s_per_token)]
             for col, text in enumerate(cells):
                 it = QTableWidgetItem(text)
                 it.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
@@ -274,7 +317,8 @@ class WhatIfPanel(QWidget):
                     it.setFont(f)
                 self.table.setItem(r, col, it)
         self.total_label.setText(
-            f"Total {total:.3f} GB (the current trunk {trunk:.3f} GB + cache {cache:.3f} GB); "
+            f"Total {human(total * 1e9)} (the trunk {human(trunk * 1e9)} + cache "
+            f"{human(cache * 1e9)} in force: budgets above what the model holds buy nothing); "
             f"fastest forecast in bold." + ("" if self.shape.streamed else
                                              " The trunk is resident: pack a trunk to stream it."))
         fc0 = self.rows[0][2]

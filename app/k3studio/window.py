@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMainWindow, QPushButton,
                                QSplitter, QTabWidget, QToolButton, QVBoxLayout, QWidget)
 
-from k3engine.memory import human
+from k3engine.memory import human, human_seconds
 from k3engine.telemetry import rss_bytes
 
 from . import APP_NAME, appres, demo
@@ -37,8 +37,19 @@ from .whatif_panel import WhatIfPanel, attach_whatif
 from .worker import EngineHost
 
 TAB_SETUP, TAB_MEMORY, TAB_CHAT = 0, 1, 2
+LIST, CHAT, SIDE = 0, 1, 2            # the chat tab's splitter: list | conversation | side
+SIDE_TELEMETRY, SIDE_SETTINGS = 0, 1
 MEMORY_FIELDS = ("model_dir", "trunk_dir", "tok_dir", "preset", "trunk_gb", "cache_gb",
                  "trunk_ring", "cache_policy", "threads")
+
+
+def cache_text(info: dict) -> str:
+    """The loaded expert cache in units for its size (the engine's own line is the
+    reference's, fixed to MB/GB/TB: "224 slots x 0.02 MB = 0.00 GB" on the demo)."""
+    slots, slot = info["expert_slots"], info["expert_slot_bytes"]
+    pool = len(info["moe_layers"]) * info["n_experts"]
+    share = f" ({100 * slots / pool:.0f}% of the {pool} (layer, expert) pairs)" if pool else ""
+    return f"expert cache {slots} slots x {human(slot)} = {human(slots * slot)}{share}"
 
 
 class ErrorBanner(QFrame):
@@ -113,17 +124,27 @@ class MainWindow(QMainWindow):
         self.library = ConversationLibrary(store, self.host, self)
         self.sidebar = ConversationsPanel(store)
 
+        # The conversation owns the window: the list on the left and the telemetry and
+        # settings on the right are side panels that collapse (a toggle each, or drag a
+        # panel to the edge); the splitter's state is kept in the settings.
+        self.side = QTabWidget()
+        self.side.setObjectName("side_panel")
+        self.side.addTab(self.plots, "Telemetry")
+        self.side.addTab(self.chat.settings_box, "Settings")
         self.splitter = QSplitter(Qt.Horizontal)
+        self.splitter.setChildrenCollapsible(True)
         self.splitter.addWidget(self.sidebar)
         self.splitter.addWidget(self.chat)
-        self.splitter.addWidget(self.plots)
-        self.splitter.setStretchFactor(0, 0)
-        self.splitter.setStretchFactor(1, 2)
-        self.splitter.setStretchFactor(2, 3)
+        self.splitter.addWidget(self.side)
+        self.splitter.setCollapsible(CHAT, False)
+        self.splitter.setStretchFactor(LIST, 0)
+        self.splitter.setStretchFactor(CHAT, 3)
+        self.splitter.setStretchFactor(SIDE, 1)
+        self._panel_width = {LIST: 0, SIDE: 0}   # a collapsed panel's width to reopen at
         self.tabs = QTabWidget()
         self.tabs.addTab(self.setup, "Setup")
         self.tabs.addTab(self.memory, "Memory")
-        self.tabs.addTab(self.splitter, "Chat && telemetry")
+        self.tabs.addTab(self.splitter, "Chat")
         self.whatif = WhatIfPanel()
         self.tabs.addTab(self.whatif, "What-if")
         self.errors = ErrorBanner()
@@ -136,7 +157,10 @@ class MainWindow(QMainWindow):
 
         self.rss_label = QLabel()
         self.rss_label.setToolTip("This process's resident set now (from the OS)")
-        self.demo_label = QLabel(demo.DEMO_LABEL)
+        # short, so the status messages beside it keep their room (the whole sentence cut
+        # them off at 1024 px); the sentence is the tooltip and the welcome card's
+        self.demo_label = QLabel("Demo model")
+        self.demo_label.setToolTip(demo.DEMO_LABEL)
         self.demo_label.setObjectName("demo_badge")
         self.demo_label.setVisible(False)
         self.statusBar().addPermanentWidget(self.demo_label)
@@ -179,6 +203,12 @@ class MainWindow(QMainWindow):
         self.sidebar.openRequested.connect(lib.open)
         self.sidebar.newRequested.connect(self.new_conversation)
         self.sidebar.deleted.connect(lib.forget)
+        self.chat.replyStatsChanged.connect(lib.set_reply_stats)
+        self.chat.list_toggle.toggled.connect(lambda on: self.show_panel(LIST, on))
+        self.chat.side_toggle.toggled.connect(lambda on: self.show_panel(SIDE, on))
+        self.chat.details_toggle.toggled.connect(self._details)
+        self.splitter.splitterMoved.connect(self._sync_toggles)
+        self.chat.downloadRequested.connect(lambda: self.tabs.setCurrentWidget(self.download))
         lib.changed.connect(self.sidebar.set_current)
         lib.switched.connect(self._switched)
         lib.wantsModel.connect(self._conversation_model)
@@ -189,11 +219,15 @@ class MainWindow(QMainWindow):
         self.dark = False
         self.set_theme(self.settings.theme)
         chat_backend.attach(self)
+        self.local_server.port = self.settings.serve_port
 
         attach_whatif(self)
         attach_download(self)
         attach_datapoint(self)
+        appres.sheet_drawn_popups(self)
         self._restore_window()
+        self.chat.details_toggle.setChecked(self.settings.details)
+        self._details(self.settings.details)
         if not self.settings.model_dir:
             self.tabs.setCurrentIndex(TAB_SETUP)
         self._show_rss()
@@ -222,6 +256,8 @@ class MainWindow(QMainWindow):
         s = self.settings
         s.geometry = bytes(self.saveGeometry().data())
         s.splitter = bytes(self.splitter.saveState().data())
+        s.side_tab = self.side.currentIndex()
+        s.serve_port = self.local_server.port
         s.tab = self.tabs.currentIndex()
         s.conversation_path = self.library.path
         settings_mod.save(self.store, s)
@@ -232,9 +268,76 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(s.geometry)
         if not (s.splitter and self.splitter.restoreState(s.splitter)
                 and self.splitter.count() == len(self.splitter.sizes())):
-            w = max(self.width(), 1000)
-            self.splitter.setSizes([w * 17 // 100, w * 43 // 100, w * 40 // 100])
+            self.splitter.setSizes(self._default_sizes())
+        self.side.setCurrentIndex(min(max(s.side_tab, 0), self.side.count() - 1))
         self.tabs.setCurrentIndex(min(max(s.tab, 0), self.tabs.count() - 1))
+        self._sync_toggles()
+
+    def _default_sizes(self) -> list[int]:
+        """The conversation gets the most: at 1024 px about 180 | 530 | 300 (the side
+        panel's plots stay legible), at 1920 px 260 | 1100 | 560."""
+        w = max(self.width(), 1000)
+        side = max(300, w * 29 // 100)
+        lst = max(170, w * 14 // 100)
+        return [lst, w - side - lst, side]
+
+    # -- side panels --------------------------------------------------------------------
+    def panel_shown(self, index: int) -> bool:
+        return self.splitter.sizes()[index] > 0
+
+    def show_panel(self, index: int, on: bool) -> None:
+        """Open or collapse a side panel; the conversation takes or gives the room."""
+        sizes = self.splitter.sizes()
+        if on == (sizes[index] > 0):
+            return
+        if on:
+            want = self._panel_width[index] or self._default_sizes()[index]
+            give = min(want, max(sizes[CHAT] - 300, 0)) or want
+            sizes[index], sizes[CHAT] = give, max(sizes[CHAT] - give, 1)
+        else:
+            self._panel_width[index] = sizes[index]
+            sizes[CHAT] += sizes[index]
+            sizes[index] = 0
+        self.splitter.setSizes(sizes)
+        self._sync_toggles()
+
+    def _sync_toggles(self, *_a) -> None:
+        """The toggles follow the splitter (a panel dragged shut is shown as closed)."""
+        sizes = self.splitter.sizes()
+        for toggle, index in ((self.chat.list_toggle, LIST), (self.chat.side_toggle, SIDE)):
+            toggle.blockSignals(True)
+            toggle.setChecked(sizes[index] > 0)
+            toggle.blockSignals(False)
+            a = self.actions_by_name.get("show_list" if index == LIST else "show_side")
+            if a is not None:
+                a.blockSignals(True)
+                a.setChecked(sizes[index] > 0)
+                a.blockSignals(False)
+
+    def _show_model_line(self) -> None:
+        """The chat bar's model line: the name (and that a demo is not Kimi K3); how the
+        trunk is held is the engine's vocabulary, shown with Details."""
+        info = self.host.loaded_info
+        if info is None or self.backend.is_remote:
+            return
+        name = os.path.basename(os.path.normpath(info["model_dir"]))
+        line = f"<b>{name}</b>"
+        if demo.is_demo(info["model_dir"]):
+            line += " · demo, not Kimi K3"
+        if self.settings.details:
+            line += " · " + (f"trunk streamed, {len(info['pinned_layers'])}/"
+                             f"{info['n_layers']} layers pinned, ring {info['ring_slots']}"
+                             if info["streamed"] else "trunk resident")
+        self.chat.set_model(line, True)
+
+    def _details(self, on: bool) -> None:
+        """The engine's vocabulary (prefill breakdown, end ids, resident hits, binds): in
+        the reply stats, the telemetry summary and the memory panel, or not at all."""
+        self.settings.details = on
+        self.chat.set_details(on)
+        self.plots.set_details(on)
+        self.memory.set_details(on)
+        self._show_model_line()
 
     # -- model lifecycle -------------------------------------------------------------
     def load_model(self) -> None:
@@ -254,14 +357,16 @@ class MainWindow(QMainWindow):
         name = os.path.basename(os.path.normpath(info["model_dir"]))
         how = (f"trunk streamed, {len(info['pinned_layers'])}/{info['n_layers']} layers pinned, "
                f"ring {info['ring_slots']}" if info["streamed"] else "trunk resident")
-        text = (f"Loaded {name} in {info['seconds']:.1f} s: {how}; {info['cache_line']}. "
-                f"Peak RSS after loading {human(info['peak_rss_after_load'])} (plan "
-                f"{human(info['plan_total'])}).")
+        text = (f"Loaded {name} in {human_seconds(info['seconds'])}: {how}; "
+                f"{cache_text(info)}. Peak RSS after loading "
+                f"{human(info['peak_rss_after_load'])} (plan {human(info['plan_total'])}).")
         self.setup.set_engine_state(True, self.host.busy, text)
         is_demo = demo.is_demo(info["model_dir"])
         self.demo_label.setVisible(is_demo)
-        self.chat.set_model(f"<b>{name}</b> · {how}" + (" · <b>DEMO: tiny trained model, not Kimi K3</b>"
-                                                         if is_demo else ""), True)
+        from k3engine.tools.demo_corpus import example_prompts
+        self.chat.set_examples(example_prompts() if is_demo else [],
+                               demo.DEMO_BLURB)
+        self._show_model_line()
         self.plots.reset(f"model {self._plotted_model or 'none'}")   # token axis from 1
         self._plotted_model = name
         self.plots.set_model(info)
@@ -278,6 +383,7 @@ class MainWindow(QMainWindow):
         self.loaded_spec = None
         self.setup.set_engine_state(False, self.host.busy, "No model loaded.")
         self.chat.set_model("No model loaded: load one in Setup.", False)
+        self.chat.set_examples([])
         self.plots.set_model(None)
 
     def _busy(self, busy: bool) -> None:
@@ -362,6 +468,8 @@ class MainWindow(QMainWindow):
         """New or another conversation: its own stats, and the plots start again at token 1
         (the previous series stays exportable)."""
         self.chat.reset_view()
+        if cid and self.library.meta is not None:
+            self.chat.set_reply_stats(self.library.meta.extra.get("reply_stats"))
         self.memory.clear_measured()
         self.plots.reset(f"conversation {self._shown_conversation or 'new'}")
         self._shown_conversation = cid
@@ -379,6 +487,7 @@ class MainWindow(QMainWindow):
         self.settings.theme = theme if theme in appres.THEMES else "system"
         self.dark = appres.apply_theme(QApplication.instance(), self.settings.theme)
         self.plots.set_dark(self.dark)
+        self.whatif.set_dark(self.dark)
         for key in appres.THEMES:
             a = self.actions_by_name.get(f"theme_{key}")
             if a is not None:
@@ -402,6 +511,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.save_settings()
+        self.memory.forecast_box.cancel_measure()     # a child process: never left behind
         # Background jobs (demo model, pack, checks) must stop before their QThreads are
         # destroyed, or Qt aborts the process; each honours abort at its next safe point.
         for task in list(Task._live):

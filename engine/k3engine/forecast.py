@@ -356,14 +356,19 @@ def measure_baseline() -> int:
         return 0
 
 
-def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigures:
+def measure_machine(device_dir: str, threads: int | None = None,
+                    progress=None) -> MachineFigures:
+    """`progress(phase)` is called as each phase starts (the app shows it live)."""
     from . import kernels as K
+    say = progress or (lambda _what: None)
     nt = threads or default_threads()
     old = K.get_num_threads()
     K.set_num_threads(nt)
     before, own0 = _cpu_busy(), _own_cpu()
     try:
+        say("timing the engine's matrix kernels")
         kern = calibrate_kernels()
+        say("timing the small kernels")
         kern["small_s"] = calibrate_small()
     finally:
         K.set_num_threads(old)
@@ -373,7 +378,9 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
         hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         busy = (after[0] - before[0]) - (own1 - own0) * hz
         other = max(0.0, busy / (after[1] - before[1]))
+    say("reading a test file on the model's disk")
     read, direct, lat, large = measure_read(device_dir)
+    say("measuring the engine's baseline memory")
     return MachineFigures(machine_identity(device_dir, nt), read, direct, read_latency_s=lat,
                           baseline_bytes=measure_baseline(), threads=nt,
                           measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -382,7 +389,7 @@ def measure_machine(device_dir: str, threads: int | None = None) -> MachineFigur
 
 
 def machine_figures(device_dir: str, threads: int | None = None, refresh: bool = False,
-                    path: str | None = None) -> MachineFigures:
+                    path: str | None = None, progress=None) -> MachineFigures:
     """The cached figures for this machine (keyed by `machine_identity`), measured and
     saved when absent, stale (another identity) or `refresh`.  A damaged cache file is
     remeasured and rewritten, never trusted."""
@@ -393,7 +400,7 @@ def machine_figures(device_dir: str, threads: int | None = None, refresh: bool =
         got = cached_machine_figures(device_dir, nt, path)
         if got is not None:
             return got
-    m = measure_machine(device_dir, nt)
+    m = measure_machine(device_dir, nt, progress)
     entries = _read_cache(path)
     entries[identity_key(m.identity)] = m.to_json()
     try:

@@ -25,7 +25,10 @@ def _make_importable() -> None:
     app/ and `k3studio_resources` in resources/ -- the same mapping the install makes."""
     if importlib.util.find_spec("k3studio") is None:
         sys.path.insert(0, str(REPO / "app"))
-    if importlib.util.find_spec("k3studio_resources") is None:
+    # this checkout's resources, even when another checkout's are installed in the venv
+    # (its style sheet would be the one under test)
+    found = importlib.util.find_spec("k3studio_resources")
+    if found is None or not str(found.origin or "").startswith(str(REPO / "resources")):
         spec = importlib.util.spec_from_file_location(
             "k3studio_resources", REPO / "resources" / "__init__.py",
             submodule_search_locations=[str(REPO / "resources")])

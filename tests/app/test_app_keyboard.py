@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QFontInfo, QGuiApplication
+from PySide6.QtGui import QFontMetricsF, QGuiApplication
 from PySide6.QtWidgets import QApplication
 
 from k3studio import markdown_view
@@ -99,7 +99,11 @@ def test_markdown_reply_with_a_code_block(qtbot, window, tmp_path):
     assert blocks[0].textFormat() == Qt.MarkdownText
     code = blocks[1]
     assert code.lang.text() == "python" and code.text() == "def f(x):\n    return x + 1"
-    assert QFontInfo(code.code.font()).fixedPitch()
+    # what a person sees: the family the block asked for, every glyph as wide as the next
+    # (not QFontInfo.fixedPitch(), which is False for Noto Sans Mono, a monospace font)
+    assert code.code.font().family() == markdown_view.mono_font().family()
+    fm = QFontMetricsF(code.code.font())
+    assert len({fm.horizontalAdvance(c * 8) for c in "il0W_m"}) == 1
     code.copy_btn.click()
     assert QGuiApplication.clipboard().text() == "def f(x):\n    return x + 1"
     reply.copy_btn.click()

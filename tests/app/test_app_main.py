@@ -92,3 +92,38 @@ def test_the_demo_is_made_once(tmp_path, gen):
     demo.make_demo(root)                  # already there: nothing rewritten
     assert os.path.getmtime(os.path.join(model, "config.json")) == mtime
     assert not os.path.exists(model + ".partial")
+
+
+def test_data_dir_isolates_everything(qtbot, tmp_path, monkeypatch, demo_model):
+    """--data-dir without --settings kept the per-user settings, so the model remembered
+    there was loaded into the isolated folder's session."""
+    from PySide6.QtCore import QSettings
+
+    from k3studio import settings as settings_mod
+    from k3studio.__main__ import main
+    user = tmp_path / "user.ini"
+    s = QSettings(str(user), QSettings.IniFormat)
+    s.setValue("model_dir", demo_model[0])
+    s.sync()
+    before = user.read_bytes()
+    monkeypatch.setattr(settings_mod, "default_store",
+                        lambda: QSettings(str(user), QSettings.IniFormat))
+    data = tmp_path / "isolated"
+    assert main(["--quit-after", "0.5", "--data-dir", str(data)]) == 0
+    mine = QSettings(str(data / "settings.ini"), QSettings.IniFormat)
+    assert (data / "settings.ini").exists() and not mine.value("model_dir")
+    assert user.read_bytes() == before                 # the per-user store untouched
+
+
+def test_one_instance_per_data_folder(qtbot, window, tmp_path):
+    from k3studio.__main__ import main
+    from k3studio.single_instance import InstanceServer, raise_running
+    server = InstanceServer(window.data_dir, window)
+    assert server.listening
+    raised = []
+    server.raiseRequested.connect(lambda: raised.append(True))
+    t0 = time.monotonic()
+    assert main(["--data-dir", window.data_dir]) == 0   # a second start: no second window
+    assert time.monotonic() - t0 < 10
+    qtbot.waitUntil(lambda: raised == [True], timeout=TIMEOUT)
+    assert not raise_running(str(tmp_path / "another-folder"))

@@ -96,6 +96,14 @@ def test_planned_vs_measured_after_a_run(qtbot, window, demo_model):
     assert not info["failed"]
     text = window.memory.measured.text()
     assert "Measured peak RSS" in text and "planned" in text
+    # the verdict does not say only "Fits" when the run went over its plan
+    mem = window.memory
+    planned = mem.plan.total_bytes
+    mem.show_measured(planned, planned + 70_000_000)
+    assert mem.verdict.text().startswith("Fits") and "70.00 MB over this plan" in \
+        mem.verdict.text()
+    mem.show_measured(planned, planned - 1_000_000)
+    assert "over this plan" not in mem.verdict.text()
 
 
 def test_refused_plan_at_load_is_an_error_and_the_app_stays_usable(qtbot, window, demo_model):
@@ -113,3 +121,16 @@ def test_refused_plan_at_load_is_an_error_and_the_app_stays_usable(qtbot, window
     qtbot.waitUntil(lambda: not window.host.busy, timeout=TIMEOUT)
     with qtbot.waitSignal(window.host.loaded, timeout=TIMEOUT):
         window.setup.load_btn.click()
+
+
+def test_the_ring_in_the_plan_is_the_ring_loaded(qtbot, window, demo_model):
+    """With every layer pinned the engine streams nothing and keeps no ring: the header
+    said "ring 0" while the Memory tab said ring 2."""
+    import re
+    window.memory.set_budgets(1.0, 0.005)             # room for the whole trunk
+    info = load(qtbot, window, *demo_model)
+    assert info["streamed"] and len(info["pinned_layers"]) == info["n_layers"]
+    window.chat.details_toggle.setChecked(True)       # how the trunk is held: a detail
+    header = re.search(r"ring (\d+)", window.chat.model_label.text()).group(1)
+    planned = re.search(r"ring (\d+) x", window.memory.detail.text()).group(1)
+    assert header == planned == str(info["ring_slots"]) == "0"

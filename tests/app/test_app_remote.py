@@ -160,6 +160,16 @@ def test_the_app_starts_and_stops_its_local_server(qtbot, window, demo_model):
         p.serve.setChecked(False)
     assert blocker.args[0] == 0 and not window.local_server.running
     assert not p.serve.isChecked()
+    # on again: the same URL (another app configured with it keeps working), and the port
+    # is kept in the settings for the next start of the app
+    p.serve.setChecked(True)
+    qtbot.waitUntil(lambda: p.serve_url.text().startswith("http://127.0.0.1:"),
+                    timeout=TIMEOUT)
+    assert p.serve_url.text() == url
+    window.save_settings()
+    assert window.settings.serve_port == int(url.split(":")[2].split("/")[0])
+    with qtbot.waitSignal(window.local_server.stopped, timeout=TIMEOUT):
+        p.serve.setChecked(False)
 
 
 def test_remote_regenerate_and_conversation_files(qtbot, window, server, tmp_path):

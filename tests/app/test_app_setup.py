@@ -151,6 +151,9 @@ def test_recommend_preset_follows_the_doctor():
     assert checks.recommend_preset(12 * gib)[0] == "laptop"
     name, why = checks.recommend_preset(4 * gib)
     assert name is None and "floor" in why
+    # the figure as every other byte count shows it ("Available memory" in the same view
+    # said 24.04 GB where this said "22 GB available")
+    assert checks.recommend_preset(24_040_000_000)[1].startswith("24.04 GB available")
 
 
 def test_verify_files_names_a_damaged_shard(qtbot, window, demo_model, model_copy):

@@ -283,6 +283,34 @@ def _turn(r: random.Random, first: bool) -> Turn:
         return Turn(user, reasoning, content, answer, names[i])
 
 
+# The app's first run on the demo offers a few prompts like these (k3studio's chat panel):
+# one per family a person can check at a glance.  Seed 7 draws four the shipped demo answers
+# right with the app's defaults (greedy, thinking at low effort; tests/test_demo_model.py
+# checks it): several seeds' sets hold a sum it gets wrong ("1 plus 5 is 5."), a poor first
+# impression of what a tiny model does learn.
+EXAMPLE_FAMILIES = ("fact", "add", "day", "convert")
+EXAMPLE_SEED = 7
+
+
+def example_turns(seed: int = EXAMPLE_SEED, families=EXAMPLE_FAMILIES
+                  ) -> list[tuple[str, str | None]]:
+    """(prompt, the one right answer or None) for one prompt of each family as the training
+    corpus words them, never a held-out one (off-corpus questions get confident nonsense)."""
+    r = random.Random(seed)
+    fns = {name: fn for name, fn, _ in TASKS}
+    out = []
+    for fam in families:
+        q, _reasoning, _content, answer = fns[fam](r)
+        while is_test_prompt(q):
+            q, _reasoning, _content, answer = fns[fam](r)
+        out.append((q, answer))
+    return out
+
+
+def example_prompts(seed: int = EXAMPLE_SEED) -> list[str]:
+    return [q for q, _ in example_turns(seed)]
+
+
 # ---- plain text -----------------------------------------------------------------------
 
 def _drill(r: random.Random) -> str:
