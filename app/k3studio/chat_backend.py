@@ -37,6 +37,10 @@ class ChatBackend(QObject):
         return self.active.busy
 
     @property
+    def messages(self) -> list[dict]:
+        return self.active.messages
+
+    @property
     def is_remote(self) -> bool:
         return self.active is self.remote
 
@@ -65,6 +69,8 @@ def attach(window) -> None:
         remote.configure(url, key, model)
         if fresh:
             remote.new_conversation(window.settings.system_prompt)
+        # remote chats are saved and listed like local ones, the endpoint in their meta
+        window.library.follow("remote", {"kind": "remote", "url": url, "model": model})
         backend.use(remote)
         window.chat.set_model(f"<b>{model}</b> · remote endpoint {url} · {LOCAL_ONLY}", True)
         window.plots.set_model(None)
@@ -72,6 +78,7 @@ def attach(window) -> None:
                                      f"show time to first token, tokens/s and token counts.")
 
     def use_local() -> None:
+        window.library.follow("local")
         backend.use(window.host)
         if window.host.loaded_info is not None:
             window._loaded(window.host.loaded_info)
@@ -110,12 +117,6 @@ def attach(window) -> None:
         panel.serve_url.setText("" if code == 0 else f"k3 serve ended ({code}): "
                                 f"{tail.splitlines()[-1] if tail else ''}")
 
-    def new_remote_conversation() -> None:    # the sidebar's library follows this machine
-        if backend.is_remote and not remote.busy:
-            remote.new_conversation(window.chat.system.text())
-            window.chat.reset_view()
-
-    window.sidebar.newRequested.connect(new_remote_conversation)
     panel.serveToggled.connect(serve)
     server.started.connect(panel.serve_url.setText)
     server.stopped.connect(served_stopped)

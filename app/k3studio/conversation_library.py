@@ -33,6 +33,10 @@ class ConversationLibrary(QObject):
         self._saved: list[dict] | None = None
         self._opening = False
         self._next_incomplete: dict | None = None
+        # the chat's host (this machine, a remote endpoint) and each one's open conversation
+        self.backend: dict | None = None  # a remote host's endpoint and model, for the meta
+        self._key = "local"
+        self._parked: dict[str, tuple] = {}
         host.conversation.connect(self._snapshot)
         host.pendingChanged.connect(self._pending)
 
@@ -88,6 +92,22 @@ class ConversationLibrary(QObject):
         if cid == self.current:
             self.new(next((m["content"] for m in self.host.messages
                            if m["role"] == "system"), ""))
+
+    def follow(self, key: str, backend: dict | None = None) -> None:
+        """The chat now talks to another host (`key`: "local" or "remote"): each keeps its
+        own open conversation, saved and listed alike; the one it had comes back (none for
+        a host seen the first time).  `backend` (a remote endpoint and model) goes into the
+        meta of what it saves."""
+        self.backend = backend
+        if key == self._key:
+            return
+        self._parked[self._key] = (self.current, self.meta, self._saved,
+                                   self._next_incomplete)
+        self._key = key
+        self.current, self.meta, self._saved, self._next_incomplete = \
+            self._parked.pop(key, (None, None, None, None))
+        self.switched.emit(self.current or "")
+        self.changed.emit(self.current or "")
 
     def set_model(self, model_dir: str, trunk_dir: str, tok_dir: str) -> None:
         """The model now loaded; the open conversation remembers it from its next save."""
@@ -147,8 +167,12 @@ class ConversationLibrary(QObject):
             meta.extra["incomplete_messages"] = marks
         else:
             meta.extra.pop("incomplete_messages", None)
-        if self.model[0]:
-            meta.model_dir, meta.trunk_dir, meta.tok_dir = self.model
+        if self.backend:
+            meta.extra["backend"] = dict(self.backend)
+        else:
+            meta.extra.pop("backend", None)
+            if self.model[0]:
+                meta.model_dir, meta.trunk_dir, meta.tok_dir = self.model
         try:
             self.store.save(self.current, history_of(msgs), meta)
         except Exception as e:          # noqa: BLE001 - the transcript stays on the engine

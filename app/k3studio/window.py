@@ -121,7 +121,8 @@ class MainWindow(QMainWindow):
         self.plots = PlotsPanel()
         store = ConversationStore(default_root(self.data_dir))
         store.purge_trash()                  # deletions of an earlier session are final
-        self.library = ConversationLibrary(store, self.host, self)
+        # the library follows whichever host the chat talks to (chat_backend.py)
+        self.library = ConversationLibrary(store, self.backend, self)
         self.sidebar = ConversationsPanel(store)
 
         # The conversation owns the window: the list on the left and the telemetry and
@@ -460,9 +461,9 @@ class MainWindow(QMainWindow):
 
     # -- conversations and look ---------------------------------------------------------
     def new_conversation(self) -> None:
-        if self.host.busy:
+        if self.backend.busy:
             return
-        self.library.new(self.chat.system.text())
+        self.library.new(self.chat.system.text())       # on the host the chat talks to
 
     def _switched(self, cid: str) -> None:
         """New or another conversation: its own stats, and the plots start again at token 1

@@ -211,3 +211,23 @@ def test_an_incomplete_remote_reply_is_answered_as_it_is(qtbot, window, server):
     assert window.remote.messages[1]["reasoning"] == cut["reasoning"]
     # the server saw it: the second prompt extends the first (reply sent back as generated)
     assert server.health()["last"]["reused_positions"] > 0
+
+
+def test_remote_chats_are_saved_and_listed_with_their_endpoint(qtbot, window, server):
+    """A conversation with a remote endpoint is saved and listed like a local one, its
+    endpoint and model in the meta file; back on this machine the library is on the local
+    conversation again."""
+    connect(qtbot, window, server.base_url, KEY)
+    qtbot.waitUntil(lambda: window.backend.is_remote and window.chat.loaded, timeout=TIMEOUT)
+    window.chat.limit.setValue(5)
+    remote_send(qtbot, window, "Name a colour")
+    qtbot.waitUntil(lambda: window.library.current is not None, timeout=TIMEOUT)
+    cid = window.library.current
+    meta = window.library.store.load(cid)[1]
+    print(f"[app] remote conversation {cid}: backend {meta.extra.get('backend')}")
+    assert meta.extra["backend"]["kind"] == "remote"
+    assert meta.extra["backend"]["url"] == server.base_url
+    assert cid in [m.id for m in window.library.store.list()]
+    window.backend_panel.local.setChecked(True)
+    qtbot.waitUntil(lambda: not window.backend.is_remote, timeout=TIMEOUT)
+    assert window.library.current != cid
