@@ -147,10 +147,11 @@ def test_splits_keep_the_total(tiny):
 def test_machine_figures_cached_by_identity(tmp_path, monkeypatch):
     """The measuring code runs (a short device test and calibration), the result is cached
     under the identity, reused, and a damaged cache file is remeasured, not trusted."""
-    monkeypatch.setattr(F, "READ_SCRATCH_BYTES", 16 * 10**6)
-    monkeypatch.setattr(F, "READ_SECONDS", 0.2)
-    monkeypatch.setattr(F, "KERNEL_SECONDS", 0.05)
-    monkeypatch.setattr(F, "COLD_ROTATION", 1)
+    from k3engine import calibrate as C
+    monkeypatch.setattr(C, "READ_SCRATCH_BYTES", 16 * 10**6)
+    monkeypatch.setattr(C, "READ_SECONDS", 0.2)
+    monkeypatch.setattr(C, "KERNEL_SECONDS", 0.05)
+    monkeypatch.setattr(C, "COLD_ROTATION", 1)
     cache = tmp_path / "figures.json"
     m1 = F.machine_figures(str(tmp_path), 1, path=str(cache))
     assert m1.source == "measured" and m1.bf16_bps > 0 and m1.read_rate(16) > 0

@@ -1,5 +1,5 @@
 """The machine's measured figures (read rates, kernel rates, the process baseline) and their
-cache file, keyed by the machine's identity.  Measured by forecast.measure_machine; read
+cache file, keyed by the machine's identity.  Measured by calibrate.measure_machine; read
 here by whoever prices a read or a step (the forecast, the compressed trunk's choice), so
 reading them needs nothing above the formats."""
 from __future__ import annotations
