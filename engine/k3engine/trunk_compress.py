@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from .atomic import publish_with_manifest, remove_stale
+from .atomic import open_nofollow, publish_with_manifest, remove_stale
 from .diskio import ALIGN, AlignedBuffer, align_up, open_for_streaming, parallel_read, pread_into
 from .inputfile import InputFileError, read_regular_file
 from .kernels import _k3z as Z
@@ -160,7 +160,8 @@ def compress_trunk(trunk_dir: str, block_bytes: int = BLOCK_BYTES,
     try:
         fd = os.open(m.bin_path, os.O_RDONLY)
         try:
-            with open(tmp_z, "wb") as out:
+            with os.fdopen(open_nofollow(tmp_z, os.O_WRONLY, 0o666, exclusive=True),
+                           "wb") as out:             # never through a planted link
                 for L, layer in enumerate(m.layers):
                     run = bytearray(layer.nbytes)
                     if pread_into(fd, memoryview(run), layer.file_off) != layer.nbytes:
