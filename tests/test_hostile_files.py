@@ -341,7 +341,8 @@ def test_pack_trunk_unwritable_targets(tiny, tmp_path):
     assert p.returncode == 1 and "cannot write" in p.stderr and "Traceback" not in p.stderr
     # a full disk: the partial file is /dev/full (ENOSPC on the first write).  A link planted
     # at the partial name is no longer followed (issue 47), so the opener is swapped instead.
-    code = ("import os, sys; from k3engine.tools import pack_trunk as t; from k3engine import trunk;"
+    code = ("import os, sys; from k3engine.tools import pack_trunk as t;"
+            "from k3engine import trunk;"
             "trunk.open_nofollow = lambda *a, **k: os.open('/dev/full', os.O_WRONLY);"
             "sys.exit(t.main(sys.argv[1:]))")
     full = tmp_path / "full"
