@@ -111,3 +111,19 @@ class _FakeFigures:
 
     def to_json(self) -> dict:
         return {"figures": 1}
+
+
+def test_make_checkpoint_never_follows_a_link_at_its_temp_names(tmp_path, victim):
+    from k3engine.tools.make_checkpoint import (TOKENIZER_FILES, dims_config, make_checkpoint,
+                                                write_tokenizer)
+    first, second = tmp_path / "a", tmp_path / "b"
+    make_checkpoint(str(first), dims_config("tiny"), seed=1)
+    second.mkdir()
+    shards = [p.name for p in first.iterdir() if p.name.endswith(".safetensors")]
+    for name in shards + list(TOKENIZER_FILES):
+        (second / f"{name}.tmp-{os.getpid()}").symlink_to(victim)
+    make_checkpoint(str(second), dims_config("tiny"), seed=1)
+    assert write_tokenizer(str(second), 1 << 20)
+    _untouched(victim)
+    for name in shards:
+        assert (second / name).read_bytes() == (first / name).read_bytes()
