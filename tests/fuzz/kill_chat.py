@@ -84,7 +84,7 @@ def one_run(model: str, ref: list[tuple], n_tokens: int, where: str, rng: random
     p = subprocess.Popen(_cmd(model, h), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, env=_env(), text=True, bufsize=1)
     p.stdin.write("\n".join(LINES) + "\n")
-    p.stdin.flush()
+    p.stdin.close()                     # end of input: after the last turn it exits
     target = rng.randrange(0, n_tokens + 1)             # tokens to see before the kill
     tokens = turns = 0
     deadline = time.monotonic() + 300
@@ -99,7 +99,6 @@ def one_run(model: str, ref: list[tuple], n_tokens: int, where: str, rng: random
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     p.stdout.close()
-    p.stdin.close()
     out.runs += 1
     try:
         if not os.path.exists(h):
