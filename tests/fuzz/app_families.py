@@ -31,8 +31,22 @@ GOOD = "20260101-000000-aaaaaa"
 CASE = "20260102-000000-bbbbbb"
 
 
-def _folder() -> str:
-    return tempfile.mkdtemp(dir=WORK)
+def in_folder(what: str):
+    """check(data) run as check(data, folder) in a fresh folder (removed after); an
+    exception other than Violation breaks the property (it would be a traceback)."""
+    def wrap(check):
+        def run(data):
+            folder = tempfile.mkdtemp(dir=WORK)
+            try:
+                return check(data, folder)
+            except Violation:
+                raise
+            except BaseException as e:
+                raise Violation(f"{what}: {type(e).__name__}: {e}") from e
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        return run
+    return wrap
 
 
 def _damaged_copies(folder: str, name: str) -> list[bytes]:
@@ -104,22 +118,15 @@ def _common(store, root: str, name: str, data: bytes) -> str:
     return "read"
 
 
-def check_meta(data: bytes) -> str:
-    folder = _folder()
-    try:
-        store, root = _store_with(folder, b'{"role":"user","content":"case"}\n', data)
-        outcome = _common(store, root, CASE + ".meta.json", data)
-        history, meta = store.load(CASE)
-        store.save(CASE, history, meta)
-        store.export_markdown(CASE, os.path.join(folder, "out.md"))
-        store.load(CASE)
-        return outcome
-    except Violation:
-        raise
-    except BaseException as e:
-        raise Violation(f"meta.json: {type(e).__name__}: {e}") from e
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+@in_folder("meta.json")
+def check_meta(data: bytes, folder: str) -> str:
+    store, root = _store_with(folder, b'{"role":"user","content":"case"}\n', data)
+    outcome = _common(store, root, CASE + ".meta.json", data)
+    history, meta = store.load(CASE)
+    store.save(CASE, history, meta)
+    store.export_markdown(CASE, os.path.join(folder, "out.md"))
+    store.load(CASE)
+    return outcome
 
 
 # --- a conversation's transcript -------------------------------------------------------------
@@ -134,27 +141,20 @@ def transcript_bytes(draw) -> bytes:
     return b"".join(lines)
 
 
-def check_transcript(data: bytes) -> str:
-    folder = _folder()
-    try:
-        store, root = _store_with(folder, data, b'{"title": "Case"}')
-        outcome = _common(store, root, CASE + ".jsonl", data)
-        if outcome == "read":
-            try:
-                history, meta = store.load(CASE)
-            except ChatError as e:
-                if CASE not in str(e) or _damaged_copies(root, CASE + ".jsonl") != [data]:
-                    raise Violation(f"a refused transcript not named or not kept: {e}") from e
-                return "moved aside on open"
-            store.save(CASE, history, meta)
-            store.export_markdown(CASE, os.path.join(folder, "out.md"))
-        return outcome
-    except Violation:
-        raise
-    except BaseException as e:
-        raise Violation(f"transcript: {type(e).__name__}: {e}") from e
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+@in_folder("transcript")
+def check_transcript(data: bytes, folder: str) -> str:
+    store, root = _store_with(folder, data, b'{"title": "Case"}')
+    outcome = _common(store, root, CASE + ".jsonl", data)
+    if outcome == "read":
+        try:
+            history, meta = store.load(CASE)
+        except ChatError as e:
+            if CASE not in str(e) or _damaged_copies(root, CASE + ".jsonl") != [data]:
+                raise Violation(f"a refused transcript not named or not kept: {e}") from e
+            return "moved aside on open"
+        store.save(CASE, history, meta)
+        store.export_markdown(CASE, os.path.join(folder, "out.md"))
+    return outcome
 
 
 # --- remote_keys.json -------------------------------------------------------------------------
@@ -173,9 +173,9 @@ def key_bytes(draw) -> bytes:
     return raw_edit(text.encode("utf-8", "surrogatepass"), draw(SOME_EDITS))
 
 
-def check_keys(data: bytes) -> str:
+@in_folder("remote_keys.json")
+def check_keys(data: bytes, folder: str) -> str:
     from k3studio.secrets_store import KeyStore
-    folder = _folder()
     os.environ["K3STUDIO_KEY_STORE"] = "file"
     try:
         path = os.path.join(folder, "remote_keys.json")
@@ -198,13 +198,8 @@ def check_keys(data: bytes) -> str:
         if ks.get("https://new") != "kn":
             raise Violation("the new key was not stored")
         return "moved aside" if moved else "read"
-    except Violation:
-        raise
-    except BaseException as e:
-        raise Violation(f"remote_keys.json: {type(e).__name__}: {e}") from e
     finally:
         os.environ.pop("K3STUDIO_KEY_STORE", None)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the settings file ------------------------------------------------------------------------
@@ -229,36 +224,29 @@ def settings_text(draw) -> bytes:
                     draw(SOME_EDITS))
 
 
-def check_settings(data: bytes) -> str:
+@in_folder("settings")
+def check_settings(data: bytes, folder: str) -> str:
     from PySide6.QtCore import QSettings
 
     from k3studio import settings as S
-    folder = _folder()
+    path = os.path.join(folder, "s.ini")
+    with open(path, "wb") as f:
+        f.write(data)
+    warned = _Count()
+    S.log.addHandler(warned)
     try:
-        path = os.path.join(folder, "s.ini")
-        with open(path, "wb") as f:
-            f.write(data)
-        warned = _Count()
-        S.log.addHandler(warned)
-        try:
-            s = S.load(QSettings(path, QSettings.IniFormat))
-        finally:
-            S.log.removeHandler(warned)
-        for name, (lo, hi) in S.RANGES.items():
-            v = getattr(s, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
-                raise Violation(f"settings: {name} = {v!r} after load")
-        for name, choices in S.CHOICES.items():
-            if getattr(s, name) not in choices:
-                raise Violation(f"settings: {name} = {getattr(s, name)!r} after load")
-        S.save(QSettings(path, QSettings.IniFormat), s)
-        return "clamped or defaulted" if warned.n else "read"
-    except Violation:
-        raise
-    except BaseException as e:
-        raise Violation(f"settings: {type(e).__name__}: {e}") from e
+        s = S.load(QSettings(path, QSettings.IniFormat))
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        S.log.removeHandler(warned)
+    for name, (lo, hi) in S.RANGES.items():
+        v = getattr(s, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
+            raise Violation(f"settings: {name} = {v!r} after load")
+    for name, choices in S.CHOICES.items():
+        if getattr(s, name) not in choices:
+            raise Violation(f"settings: {name} = {getattr(s, name)!r} after load")
+    S.save(QSettings(path, QSettings.IniFormat), s)
+    return "clamped or defaulted" if warned.n else "read"
 
 
 class _Count(logging.Handler):
