@@ -337,3 +337,26 @@ def test_the_key_and_token_files_never_write_through_a_link(tmp_path, victim, mo
         KeyStore(str(tmp_path)).set("https://a", "secret")
         save_token("hf_secret", str(tmp_path))
     _untouched(victim)
+
+
+def test_opening_a_damaged_transcript_moves_it_aside_and_says_so(qtbot, tmp_path):
+    from k3studio.window import MainWindow
+    data = tmp_path / "data"
+    root = data / "conversations"
+    _good(root)
+    bad = "20260106-000000-ffffff"
+    (root / f"{bad}.jsonl").write_text('{"role": "assistant", "content": "no user"}\n')
+    (root / f"{bad}.meta.json").write_text('{"title": "Listed by its title"}')
+    win = MainWindow(store=QSettings(str(tmp_path / "s.ini"), QSettings.IniFormat),
+                     data_dir=str(data))
+    qtbot.addWidget(win)
+    assert "Listed by its title" in win.sidebar.titles()    # the title came from the meta
+    with qtbot.waitSignal(win.library.failed, timeout=5000) as said:
+        assert not win.library.open(bad)
+    why = said.args[0]
+    assert why.count(str(root / f"{bad}.jsonl")) == 1 and "damaged folder" in why
+    assert _moved(root, f"{bad}.jsonl") and _moved(root, f"{bad}.meta.json")
+    assert any(f"{bad}.jsonl" in n for n in win.sidebar.damage_notes)
+    win.sidebar.refresh()
+    assert win.sidebar.titles() == ["Good one"]
+    win.close()
