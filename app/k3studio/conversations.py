@@ -13,8 +13,8 @@ Layout (`<AppDataLocation>/conversations/`, DESIGN "Conversations"):
   damaged/         files that could not be read, moved aside (damaged.py), never deleted
 
 Both files are created 0600 (they hold every message: DESIGN "Files that hold conversation
-content").  Writes are atomic (the transcript via History.save, the sidecar via
-atomic.write_atomic), so a crash leaves the previous version, never half a file.  The
+content").  Writes are atomic (atomic.write_atomic, both files), so a crash leaves the
+previous version, never half a file.  The
 folder is the app's own: a link planted in it is refused, never written through (issue 47),
 and a file in it that cannot be read is moved aside without stopping anything else.
 """
