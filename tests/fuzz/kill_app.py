@@ -15,7 +15,6 @@ reply only when it is stopped or hits the limit (conversation_library.py).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -24,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+
+from .kill_chat import Outcome, loop_main
 
 LINES = ["Hello there", "Tell me more", "What is a cat?", "Thanks"]
 STEP = 0.01
@@ -74,15 +74,6 @@ def child(data: str, model: str, trunk: str) -> int:
     os._exit(0)         # no teardown: the engine thread would abort Qt at exit (not our test)
 
 
-@dataclass
-class Outcome:
-    runs: int = 0
-    intact: int = 0
-    damaged: list[str] = field(default_factory=list)
-    turns_kept: int = 0
-    interrupted: int = 0             # the transcript ended with the user message
-
-
 def _spawn(data: str, model: str, trunk: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fuzz.kill_app", "--child", data, model,
                              trunk], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -128,24 +119,13 @@ def one_run(model: str, trunk: str, ref: list[tuple], took: float, where: str,
     printed, _ = p.communicate(timeout=60)
     printed = first + printed
     turns = printed.count("turn ")
-    out.runs += 1
-    try:
+    def reopen() -> list[tuple]:
         got = _transcripts(data)
         if len(got) > 1:
             raise AssertionError(f"{len(got)} conversations for one")
-        msgs = got[0] if got else []
-        if msgs != ref[:len(msgs)]:
-            raise AssertionError("the transcript is not a prefix of the uninterrupted one")
-        kept = sum(r == "assistant" for r, _ in msgs)
-        if kept < turns - 1:
-            raise AssertionError(f"{turns} turns finished, {kept} in the conversation")
-        out.turns_kept += kept
-        out.interrupted += bool(msgs) and msgs[-1][0] == "user"
-        out.intact += 1
-    except Exception as e:  # noqa: BLE001 - counted and reported with the run's folder
-        out.damaged.append(f"{data}: {type(e).__name__}: {e}")
-        return
-    shutil.rmtree(data, ignore_errors=True)
+        return got[0] if got else []
+
+    out.judge(data, ref, turns, reopen)
 
 
 def run_kills(runs: int, seed: int, where: str | None = None) -> Outcome:
@@ -167,25 +147,8 @@ def run_kills(runs: int, seed: int, where: str | None = None) -> Outcome:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.kill_app",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--child", nargs=3, metavar=("DATA", "MODEL", "TRUNK"),
-                    help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.child:
-        return child(*a.child)
-    seed = a.seed if a.seed is not None else random.getrandbits(32)
-    t0 = time.monotonic()
-    out = run_kills(a.runs, seed)
-    print(f"kill -9 of K3 Studio (seed {seed}): {out.runs} runs, {out.intact} conversation "
-          f"folders reopened intact, {len(out.damaged)} damaged, {out.turns_kept} completed "
-          f"turns kept, {out.interrupted} interrupted turns (partial replies are not saved) "
-          f"({time.monotonic() - t0:.0f} s)")
-    for d in out.damaged:
-        print(f"  DAMAGED: {d}")
-    return 1 if out.damaged else 0
+    return loop_main(argv, "python -m tests.fuzz.kill_app", __doc__, "K3 Studio", run_kills,
+                     child=child)
 
 
 if __name__ == "__main__":

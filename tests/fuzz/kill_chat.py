@@ -40,6 +40,28 @@ class Outcome:
     interrupted: int = 0             # the history ended with the user message (§9.4)
     turns_kept: int = 0
 
+    def judge(self, folder: str, ref: list[tuple], turns: int, reopen) -> None:
+        """One run's verdict: `reopen()` reads what the kill left as the next start would
+        (its messages, role first; raising when it cannot), which must be a prefix of the
+        uninterrupted `ref` holding every one of the `turns` reported finished but the
+        last.  A failing run's folder is kept for a look."""
+        self.runs += 1
+        try:
+            got = reopen()
+            if got != ref[:len(got)]:
+                raise AssertionError("not a prefix of the uninterrupted transcript")
+            kept = sum(m[0] == "assistant" for m in got)
+            if kept < turns - 1:
+                raise AssertionError(f"{turns} turns finished, {kept} kept")
+            self.lost_last_turn += kept == turns - 1
+            self.interrupted += bool(got) and got[-1][0] == "user"
+            self.turns_kept += kept
+            self.intact += 1
+        except Exception as e:  # noqa: BLE001 - counted and reported with the folder
+            self.damaged.append(f"{folder}: {type(e).__name__}: {e}")
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 def demo_copy(where: str) -> str:
     """The shipped trained demo model (its turns end), copied so nothing writes into the
@@ -99,30 +121,18 @@ def one_run(model: str, ref: list[tuple], n_tokens: int, where: str, rng: random
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     p.stdout.close()
-    out.runs += 1
-    try:
+    def reopen() -> list[tuple]:
         if not os.path.exists(h):
-            got = []
-        else:
-            got = [(m.role, m.content, m.reasoning_content) for m in History.load(h)]
-            with HistoryLock(h):                         # a new session may take it
-                History.load(h).save(h)                  # and save (stale temps go)
+            return []
+        got = [(m.role, m.content, m.reasoning_content) for m in History.load(h)]
+        with HistoryLock(h):                             # a new session may take it
+            History.load(h).save(h)                      # and save (stale temps go)
         leftovers = [n for n in os.listdir(d) if n.startswith(".h.jsonl.tmp-")]
         if leftovers:
             raise AssertionError(f"temp files left after the next save: {leftovers}")
-        if got != ref[:len(got)]:
-            raise AssertionError("the history is not a prefix of the uninterrupted transcript")
-        kept = sum(r == "assistant" for r, _, _ in got)
-        if kept < turns - 1:
-            raise AssertionError(f"{turns} turns printed, {kept} in the history")
-        out.lost_last_turn += kept == turns - 1
-        out.interrupted += bool(got) and got[-1][0] == "user"
-        out.turns_kept += kept
-        out.intact += 1
-    except Exception as e:  # noqa: BLE001 - counted and reported with the run's folder
-        out.damaged.append(f"{d}: {type(e).__name__}: {e}")
-        return
-    shutil.rmtree(d, ignore_errors=True)
+        return got
+
+    out.judge(d, ref, turns, reopen)
 
 
 def run_kills(runs: int, seed: int, where: str | None = None) -> Outcome:
@@ -141,23 +151,33 @@ def run_kills(runs: int, seed: int, where: str | None = None) -> Outcome:
             shutil.rmtree(where, ignore_errors=True)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.kill_chat",
-                                 description=__doc__.split("\n\n")[0])
+def loop_main(argv, prog: str, doc: str, what: str, run_kills, child=None) -> int:
+    """The command line of a kill loop (this one and kill_app.py): --runs, --seed, and the
+    figures; `child` serves a hidden --child DATA MODEL TRUNK (kill_app's driven app)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seed", type=int, default=None)
+    if child:
+        ap.add_argument("--child", nargs=3, metavar=("DATA", "MODEL", "TRUNK"),
+                        help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if child and a.child:
+        return child(*a.child)
     seed = a.seed if a.seed is not None else random.getrandbits(32)
     t0 = time.monotonic()
     out = run_kills(a.runs, seed)
-    print(f"kill -9 of k3 --chat (seed {seed}): {out.runs} runs, {out.intact} histories "
-          f"reopened intact, {len(out.damaged)} damaged, {out.turns_kept} completed turns "
-          f"kept, {out.interrupted} interrupted turns (partial replies are not saved), "
+    print(f"kill -9 of {what} (seed {seed}): {out.runs} runs, {out.intact} reopened intact, "
+          f"{len(out.damaged)} damaged, {out.turns_kept} completed turns kept, "
+          f"{out.interrupted} interrupted turns (partial replies are not saved), "
           f"{out.lost_last_turn} kills between a turn's end and its save "
           f"({time.monotonic() - t0:.0f} s)")
     for d in out.damaged:
         print(f"  DAMAGED: {d}")
     return 1 if out.damaged else 0
+
+
+def main(argv=None) -> int:
+    return loop_main(argv, "python -m tests.fuzz.kill_chat", __doc__, "k3 --chat", run_kills)
 
 
 if __name__ == "__main__":
