@@ -553,7 +553,7 @@ def test_failed_rename_leaves_old_file_byte_identical(tmp_path, monkeypatch):
     History([Message("system", "S"), Message("user", "old")]).save(p)
     before = p.read_bytes()
 
-    def boom(src, dst):
+    def boom(src, dst, **dir_fds):       # write_atomic renames under a directory descriptor
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(chat.os, "replace", boom)
     with pytest.raises(ChatError, match=f"^{p}: cannot save history"):

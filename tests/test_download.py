@@ -660,6 +660,53 @@ def test_symlink_inside_dest_is_refused(source, tmp_path, capsys, where):
     assert _only_metadata_was_asked(h)
 
 
+def _plant_in_part_dir(dest: Path, outside: Path, where: str, files: dict) -> Path:
+    """Issue 47: a link already inside DEST/.k3-download (manifest, a partial file, a
+    folder of partial files) pointing at outside/victim.json or at outside/."""
+    part_dir = dest / dl.PART_DIR
+    part_dir.mkdir(parents=True)
+    if where == "manifest":
+        link = part_dir / dl.MANIFEST
+        link.symlink_to(outside / "victim.json")
+    elif where == "incomplete":
+        data = files["config.json"]
+        fig = dl.FileFigure("config.json", len(data), None, _git_oid(data))
+        link = dl.part_path(dest, fig)
+        link.symlink_to(outside / "victim.json")
+    else:                                            # .k3-download/sub -> outside/
+        files["sub/victim.json"] = b"pwned\n"
+        link = part_dir / "sub"
+        link.symlink_to(outside, target_is_directory=True)
+    return link
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "raced"])
+@pytest.mark.parametrize("where", ["manifest", "incomplete", "partsub"])
+def test_symlink_inside_the_part_dir_is_never_written_through(source, tmp_path, capsys,
+                                                             monkeypatch, where, checked):
+    """Issue 47, finding 1.  `checked`: refused by check_targets before the first byte;
+    `raced` (check_targets skipped, as if the link appeared after it): the O_NOFOLLOW opens
+    still refuse it.  Either way the victim keeps its bytes and nothing lands outside."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.json").write_text("precious\n")
+    dest = tmp_path / "model"
+    files = dict(source)
+    link = _plant_in_part_dir(dest, outside, where, files)
+    if not checked:
+        monkeypatch.setattr(dl, "check_targets", lambda *a: None)
+    h = FakeHub(files)
+    try:
+        code, out, err = run(capsys, *args(h, dest))
+    finally:
+        h.close()
+    assert code == 1
+    assert str(link) in err and "symbolic link" in err and "Traceback" not in err
+    assert (outside / "victim.json").read_text() == "precious\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.json"]
+    assert link.is_symlink()                         # refused, not replaced
+
+
 @pytest.mark.parametrize("pair", [("Config.json", "config.json"), ("caf\u00e9.txt", "cafe\u0301.txt"),
                                   ("a", "a/b")])
 def test_name_collision_is_refused(source, tmp_path, capsys, pair):

@@ -339,9 +339,11 @@ def test_pack_trunk_unwritable_targets(tiny, tmp_path):
     p = subprocess.run([sys.executable, "-m", "k3engine", "pack-trunk", str(tiny),
                         str(blocker / "sub")], capture_output=True, text=True, timeout=300)
     assert p.returncode == 1 and "cannot write" in p.stderr and "Traceback" not in p.stderr
-    # a full disk: the partial file is /dev/full (ENOSPC on the first write)
-    code = ("import os, sys; from k3engine.tools import pack_trunk as t; d = sys.argv[2];"
-            "os.makedirs(d); os.symlink('/dev/full', os.path.join(d, f'trunk.bin.partial-{os.getpid()}'));"
+    # a full disk: the partial file is /dev/full (ENOSPC on the first write).  A link planted
+    # at the partial name is no longer followed (issue 47), so the opener is swapped instead.
+    code = ("import os, sys; from k3engine.tools import pack_trunk as t;"
+            "from k3engine import trunk;"
+            "trunk.open_nofollow = lambda *a, **k: os.open('/dev/full', os.O_WRONLY);"
             "sys.exit(t.main(sys.argv[1:]))")
     full = tmp_path / "full"
     p = subprocess.run([sys.executable, "-c", code, str(tiny), str(full)], capture_output=True,

@@ -57,7 +57,8 @@ class ConversationLibrary(QObject):
         try:
             history, meta = self.store.load(cid)
         except Exception as e:          # noqa: BLE001 - shown, the open one stays
-            self.failed.emit(f"{self.store.path(cid)}: {e}")
+            path = self.store.path(cid)
+            self.failed.emit(str(e) if str(e).startswith(path) else f"{path}: {e}")
             return False
         self.current, self.meta = cid, meta
         self._saved = None

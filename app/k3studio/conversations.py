@@ -10,22 +10,32 @@ Layout (`<AppDataLocation>/conversations/`, DESIGN "Conversations"):
                    of a conversation whose last reply is incomplete ends with the user
                    message (§9.4: an interrupted turn).
   .trash/          deleted conversations, until Undo or the next start (`purge_trash`)
+  damaged/         files that could not be read, moved aside (damaged.py), never deleted
 
 Both files are created 0600 (they hold every message: DESIGN "Files that hold conversation
-content").  Writes are atomic (the transcript via History.save, the sidecar via
-atomic.write_atomic), so a crash leaves the previous version, never half a file.
+content").  Writes are atomic (atomic.write_atomic, both files), so a crash leaves the
+previous version, never half a file.  The
+folder is the app's own: a link planted in it is refused, never written through (issue 47),
+and a file in it that cannot be read is moved aside without stopping anything else.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
-from k3engine.atomic import write_atomic
-from k3engine.chat import History, Message
+from k3engine.atomic import open_dir, write_atomic
+from k3engine.chat import HISTORY_LIMIT, ChatError, History, Message
+from k3engine.inputfile import InputFileError, read_regular_file
+
+from .damaged import (DamagedFile, check_regular, check_regular_dir, move_aside,
+                      read_json_object)
+
+log = logging.getLogger("k3studio")
 
 FOLDER = "conversations"
 TRASH = ".trash"
@@ -57,11 +67,41 @@ class Meta:
         for k in ("created", "updated"):
             if isinstance(raw.get(k), (int, float)):
                 setattr(m, k, float(raw[k]))
-        if isinstance(raw.get("incomplete"), dict):
-            m.incomplete = raw["incomplete"]
+        m.incomplete = _incomplete(cid, raw.get("incomplete"))
         if isinstance(raw.get("extra"), dict):
-            m.extra = raw["extra"]
+            m.extra = dict(raw["extra"])
+            marks = m.extra.get("incomplete_messages")
+            if marks is not None and not (isinstance(marks, list) and all(
+                    type(i) is int and 0 <= i < 1 << 31 for i in marks)):
+                # the worker and the Markdown export index with these (issue 47: a badly
+                # typed list crashed the export): dropped, not guessed at
+                log.warning("%s: incomplete_messages %.80r is not a list of message "
+                            "indices; ignored", cid, marks)
+                del m.extra["incomplete_messages"]
         return m
+
+
+_INCOMPLETE_TYPES = {"content": (str,), "reasoning": (str, type(None)), "why": (str,),
+                     "ids": (list,)}
+
+
+def _incomplete(cid: str, raw) -> dict | None:
+    """The sidecar's incomplete reply with its known fields of the right type only (a
+    wrong type is dropped and logged, so nothing downstream meets a number as text)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        log.warning("%s: incomplete reply is not an object; ignored", cid)
+        return None
+    out = {}
+    for k, v in raw.items():
+        kinds = _INCOMPLETE_TYPES.get(k)
+        if kinds is None or isinstance(v, kinds) and (
+                k != "ids" or all(type(t) is int and 0 <= t < 1 << 31 for t in v)):
+            out[k] = v
+        else:
+            log.warning("%s: incomplete reply field %r has a wrong type; ignored", cid, k)
+    return out if out.get("content") or out.get("reasoning") else None
 
 
 def default_title(messages) -> str:
@@ -114,6 +154,13 @@ class ConversationStore:
     def __init__(self, root: str):
         self.root = root
         os.makedirs(root, mode=0o700, exist_ok=True)
+        fd = open_dir(root)
+        try:
+            os.fchmod(fd, 0o700)    # a folder an older version made with the umask's mode
+        except OSError:
+            pass                    # not ours to change: the files in it are 0600 anyway
+        finally:
+            os.close(fd)
 
     # -- paths ------------------------------------------------------------------------
     def path(self, cid: str) -> str:
@@ -135,13 +182,13 @@ class ConversationStore:
         return [n[:-6] for n in names if n.endswith(".jsonl") and not n.startswith(".")]
 
     def meta(self, cid: str) -> Meta:
-        """The sidecar; a missing or damaged one gives defaults (the transcript is what
-        matters, and a person may drop any §9.1 file into the folder)."""
+        """The sidecar; a missing one gives defaults (the transcript is what matters, and a
+        person may drop any §9.1 file into the folder), a damaged one is moved aside."""
+        path = self._meta_path(cid)
         try:
-            with open(self._meta_path(cid), encoding="utf-8") as f:
-                raw = json.load(f)
-            m = Meta.from_json(cid, raw if isinstance(raw, dict) else {})
-        except (OSError, ValueError):
+            m = Meta.from_json(cid, read_json_object(path, "conversation metadata") or {})
+        except DamagedFile as e:
+            move_aside(path, e.problem)
             m = Meta(cid)
         if not m.updated:
             try:
@@ -150,23 +197,48 @@ class ConversationStore:
                 pass
         return m
 
+    def _transcript(self, cid: str) -> History:
+        """History.load (strict, errors name PATH:N) of a regular file of the folder; a
+        transcript it refuses is moved aside with its sidecar and ChatError raised."""
+        path = self.path(cid)
+        try:
+            check_regular(path, HISTORY_LIMIT)
+            return History.load(path)
+        except (DamagedFile, ChatError) as e:
+            why = e.problem if isinstance(e, DamagedFile) else str(e).removeprefix(path + ":")
+            self.set_aside(cid, why.strip())
+            raise ChatError(f"{path}: {why.strip()} (moved to the damaged folder)") from None
+
+    def set_aside(self, cid: str, why: str) -> None:
+        """Move a damaged conversation's files to damaged/ (never deleted)."""
+        for p in (self.path(cid), self._meta_path(cid)):
+            if os.path.lexists(p):
+                move_aside(p, why if p == self.path(cid) else "its transcript is damaged")
+
     def load(self, cid: str) -> tuple[History, Meta]:
-        """The transcript (History.load: strict, errors name PATH:N) and its sidecar."""
-        history = History.load(self.path(cid))
+        """The transcript and its sidecar."""
+        history = self._transcript(cid)
         meta = self.meta(cid)
         if not meta.title:
             meta.title = default_title(history)
         return history, meta
 
     def list(self) -> list[Meta]:
-        """Every conversation, most recently changed first."""
-        metas = [self.meta(cid) for cid in self.ids()]
-        for m in metas:
-            if not m.title:
-                try:
-                    m.title = default_title(History.load(self.path(m.id)))
-                except Exception:       # noqa: BLE001 - a damaged file still gets listed
-                    m.title = m.id
+        """Every conversation, most recently changed first; one that cannot be read is
+        moved aside (damaged.py) and the others are listed."""
+        metas = []
+        for cid in self.ids():
+            try:
+                check_regular(self.path(cid), HISTORY_LIMIT)
+                m = self.meta(cid)
+                if not m.title:
+                    m.title = default_title(self._transcript(cid))
+            except DamagedFile as e:
+                self.set_aside(cid, e.problem)
+                continue
+            except ChatError:
+                continue                # _transcript moved it aside
+            metas.append(m)
         return sorted(metas, key=lambda m: (m.updated, m.id), reverse=True)
 
     def search(self, query: str) -> list[Meta]:
@@ -179,18 +251,19 @@ class ConversationStore:
         out = []
         for m in metas:
             try:
-                with open(self.path(m.id), encoding="utf-8", errors="replace") as f:
-                    hay = f.read().lower()
-            except OSError:
+                hay = read_regular_file(self.path(m.id), HISTORY_LIMIT, "history").decode(
+                    "utf-8", "replace").lower()
+            except InputFileError:
                 hay = ""
             # the JSONL escapes newlines and quotes; search the decoded texts instead
             texts = [m.title.lower()]
             for line in hay.splitlines():
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
-                texts.extend(str(v) for k, v in rec.items() if k != "role")
+                if isinstance(rec, dict):   # a valid JSON line that is no record: skipped
+                    texts.extend(str(v) for k, v in rec.items() if k != "role")
             inc = m.incomplete or {}
             texts.extend(str(inc.get(k, "")).lower() for k in ("content", "reasoning"))
             blob = "\n".join(texts)
@@ -206,19 +279,22 @@ class ConversationStore:
                 return cid
 
     def save(self, cid: str, history: History, meta: Meta) -> None:
-        """Rewrite both files (History.save is mkstemp-based: 0600)."""
+        """Rewrite both files, 0600, never through a link planted in the folder (History
+        checked every message's line length as it was added: what History.save checks)."""
         now = time.time()
         meta.created = meta.created or now
         meta.updated = now
         if not meta.title:
             meta.title = default_title(history)
-        history.save(self.path(cid))
+        write_atomic(self.path(cid), history.to_jsonl(), mode=PRIVATE, inside=self.root)
         self.save_meta(meta)
 
     def save_meta(self, meta: Meta) -> None:
+        # A lone surrogate (no UTF-8 file can hold one) is written as "?": before, it failed
+        # this save and every later one of the conversation (issue 47).
         data = json.dumps({k: v for k, v in asdict(meta).items() if k != "id"},
-                          ensure_ascii=False, indent=1).encode("utf-8")
-        write_atomic(self._meta_path(meta.id), data, mode=PRIVATE)
+                          ensure_ascii=False, indent=1).encode("utf-8", "replace")
+        write_atomic(self._meta_path(meta.id), data, mode=PRIVATE, inside=self.root)
 
     def rename(self, cid: str, title: str) -> Meta:
         meta = self.meta(cid)
@@ -229,21 +305,38 @@ class ConversationStore:
     def delete(self, cid: str) -> None:
         """Move the conversation to the trash (Undo puts it back; the next start empties
         the trash)."""
-        trash = os.path.join(self.root, TRASH)
-        os.makedirs(trash, mode=0o700, exist_ok=True)
-        for src in (self.path(cid), self._meta_path(cid)):
-            if os.path.exists(src):
-                os.replace(src, os.path.join(trash, os.path.basename(src)))
+        self._move(cid, to_trash=True)
 
     def undo_delete(self, cid: str) -> bool:
-        trash = os.path.join(self.root, TRASH)
-        back = False
-        for name in (cid + ".jsonl", cid + META_SUFFIX):
-            src = os.path.join(trash, name)
-            if os.path.exists(src):
-                os.replace(src, os.path.join(self.root, name))
-                back = True
-        return back
+        return self._move(cid, to_trash=False)
+
+    def _move(self, cid: str, to_trash: bool) -> bool:
+        """Between the folder and .trash/, by directory descriptors: a .trash that is a
+        link is refused, never used to move a conversation out of the folder."""
+        path = os.path.join(self.root, TRASH)
+        try:
+            check_regular_dir(path)
+        except DamagedFile as e:
+            move_aside(path, e.problem)
+        root = open_dir(self.root)
+        try:
+            trash = open_dir(path, inside=self.root, create=True)
+        except BaseException:
+            os.close(root)
+            raise
+        src, dst = (root, trash) if to_trash else (trash, root)
+        moved = False
+        try:
+            for name in (cid + ".jsonl", cid + META_SUFFIX):
+                try:
+                    os.replace(name, name, src_dir_fd=src, dst_dir_fd=dst)
+                    moved = True
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(root)
+            os.close(trash)
+        return moved
 
     def purge_trash(self) -> None:
         shutil.rmtree(os.path.join(self.root, TRASH), ignore_errors=True)

@@ -8,6 +8,7 @@ lists and edits files: which conversation is open is the window's business (`ope
 from __future__ import annotations
 
 import os
+import weakref
 
 from PySide6.QtCore import QStandardPaths, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
@@ -15,6 +16,7 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QMenu, QPushButton, QToolButton,
                                QVBoxLayout, QWidget)
 
+from . import damaged
 from .conversations import ConversationStore
 from .notice_bar import NoticeBar
 
@@ -71,6 +73,11 @@ class ConversationsPanel(QWidget):
 
         self.undo_bar = NoticeBar("Undo")
         self.undo_label, self.undo_btn = self.undo_bar.label, self.undo_bar.button
+        # files of the data folder that could not be read and were moved aside (damaged.py):
+        # each said once, here, naming the file
+        self.damage_bar = NoticeBar("Dismiss")
+        self.damage_notes: list[str] = []
+        self.damage_bar.button.clicked.connect(self._dismiss_damage)
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 4, 0)
@@ -79,6 +86,7 @@ class ConversationsPanel(QWidget):
         lay.addWidget(self.list, 1)
         lay.addWidget(self.empty)
         lay.addWidget(self.undo_bar)
+        lay.addWidget(self.damage_bar)
         lay.addLayout(tools)
 
         self.new_btn.clicked.connect(self.newRequested)
@@ -92,7 +100,38 @@ class ConversationsPanel(QWidget):
         self.undo_btn.clicked.connect(self.undo)
         QShortcut(QKeySequence.Delete, self.list, self._delete_selected,
                   context=Qt.WidgetShortcut)
+        self._listen_for_damage()
         self.refresh()
+
+    # -- files moved aside -------------------------------------------------------------
+    def _listen_for_damage(self) -> None:
+        ref = weakref.ref(self)
+
+        def note(text: str) -> bool:
+            panel = ref()
+            try:
+                if panel is not None:
+                    panel.add_damage_notice(text)
+                    return True
+            except RuntimeError:        # the widget is gone (its window closed)
+                pass
+            damaged.unsubscribe(note)
+            return False
+
+        damaged.subscribe(note)
+        for text in damaged.take_notices():
+            self.add_damage_notice(text)
+
+    def add_damage_notice(self, text: str) -> None:
+        self.damage_notes.append(text)
+        self.damage_bar.label.setText("\n".join(self.damage_notes))
+        self.damage_bar.label.setToolTip("Moved aside, never deleted: the files can be "
+                                         "inspected or put back by hand")
+        self.damage_bar.show()
+
+    def _dismiss_damage(self) -> None:
+        self.damage_notes.clear()
+        self.damage_bar.hide()
 
     # -- the list ---------------------------------------------------------------------
     def refresh(self) -> None:

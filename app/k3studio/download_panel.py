@@ -27,9 +27,12 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
                                QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from k3engine.atomic import write_atomic
+from k3engine.inputfile import InputFileError, read_regular_file
 from k3engine.memory import human, human_seconds
 from k3engine.tools import download as dl
 
+from .damaged import DamagedFile, check_regular
 from .tasks import Task
 
 POLL_MS = 100
@@ -75,16 +78,9 @@ def save_token(token: str, config_dir: str | None = None) -> str:
         return "keyring"
     path = token_file(config_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    # created 0600 from the start: never a moment in which others could read it
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, token.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    # created 0600 from the start, and never through a link planted in the config folder
+    # (the fixed temp name "<file>.tmp" was opened O_TRUNC, following one: issue 47)
+    write_atomic(path, token.encode(), mode=0o600, inside=path.parent)
     return str(path)
 
 
@@ -97,9 +93,12 @@ def load_token(config_dir: str | None = None) -> str | None:
             got = None
         if got:
             return got
+    path = token_file(config_dir)
     try:
-        return token_file(config_dir).read_text().strip() or None
-    except OSError:
+        check_regular(str(path), 1 << 16)      # a FIFO or /dev/zero never reached
+        return read_regular_file(path, 1 << 16, "token").decode("utf-8", "replace").strip() \
+            or None
+    except (DamagedFile, InputFileError):
         return None
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from .damaged import DamagedFile, move_aside, read_json_object
+
 SERVICE = "K3 Studio remote endpoint"
 FILE_NAME = "remote_keys.json"
 
@@ -61,14 +63,23 @@ class KeyStore:
         self._write(keys)
 
     def _read(self) -> dict:
+        """The stored keys.  A file that cannot be read, or holds an entry that is not a
+        URL and its key (text), is moved aside to damaged/ (damaged.py) with every key in
+        it, never overwritten by the next save (issue 47: the other keys were lost); its
+        well-formed entries are written back."""
         try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-            return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-        except (OSError, ValueError):
+            data = read_json_object(self.path, "key file") or {}
+        except DamagedFile as e:
+            move_aside(self.path, e.problem)
             return {}
+        keys = {k: v for k, v in data.items() if isinstance(v, str)}
+        if len(keys) != len(data):
+            move_aside(self.path, f"{len(data) - len(keys)} entries are not text keys")
+            self._write(keys)           # the good ones stay where get() finds them
+        return keys
 
     def _write(self, keys: dict) -> None:
         from k3engine.atomic import write_atomic
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        write_atomic(self.path, json.dumps(keys).encode("utf-8"), mode=0o600)
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        write_atomic(self.path, json.dumps(keys).encode("utf-8"), mode=0o600, inside=folder)

@@ -363,7 +363,7 @@ def machine_figures(device_dir: str, threads: int | None = None, refresh: bool =
     """The cached figures for this machine (keyed by `machine_identity`), measured and
     saved when absent, stale (another identity) or `refresh`.  A damaged cache file is
     remeasured and rewritten, never trusted."""
-    from .atomic import write_atomic
+    from .atomic import open_dir, write_atomic
     nt = threads or default_threads()
     path = path or cache_file()
     if not refresh:
@@ -374,8 +374,11 @@ def machine_figures(device_dir: str, threads: int | None = None, refresh: bool =
     entries = _read_cache(path)
     entries[identity_key(m.identity)] = m.to_json()
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_atomic(path, (json.dumps(entries, indent=1, sort_keys=True) + "\n").encode())
+        # the cache folder is ours: a link planted in it (or as it) is refused (issue 47)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        os.close(open_dir(os.path.dirname(os.path.abspath(path)), inside=root, create=True))
+        write_atomic(path, (json.dumps(entries, indent=1, sort_keys=True) + "\n").encode(),
+                     inside=root)
     except OSError:
         pass                                     # an unwritable cache only costs a re-run
     return m

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from .atomic import publish_with_manifest, remove_stale
+from .atomic import open_nofollow, publish_with_manifest, remove_stale
 from .bind import Binder
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo, to_bf16, widen_bf16
 from .diskio import (ALIGN, CHUNK, AlignedBuffer, align_up, open_for_streaming, parallel_read,
@@ -198,7 +198,10 @@ def pack_trunk(model_dir: str, trunk_dir: str, n_layers: int | None = None,
             manifest["draft"] = draft
         done = 0
         try:
-            with open(tmp_bin, "wb") as out:
+            # O_EXCL|O_NOFOLLOW: a link planted at the partial name is replaced, never
+            # written through (issue 47); 0666 less the umask, as before (model data)
+            with os.fdopen(open_nofollow(tmp_bin, os.O_WRONLY, 0o666, exclusive=True),
+                           "wb") as out:
                 buf = bytearray(COPY_CHUNK)
                 for L, (shard, lo, own, infos) in enumerate(runs):
                     out.write(b"\0" * (-out.tell() % ALIGN))
@@ -283,7 +286,8 @@ def compress_trunk(trunk_dir: str, block_bytes: int = K3Z.BLOCK_BYTES,
     try:
         fd = os.open(m.bin_path, os.O_RDONLY)
         try:
-            with open(tmp_z, "wb") as out:
+            with os.fdopen(open_nofollow(tmp_z, os.O_WRONLY, 0o666, exclusive=True),
+                           "wb") as out:             # never through a planted link
                 for L, layer in enumerate(m.layers):
                     run = bytearray(layer.nbytes)
                     if pread_into(fd, memoryview(run), layer.file_off) != layer.nbytes:

@@ -708,3 +708,12 @@ def check_e2e(c: E2ECase) -> str:
 
 
 SLOW_FAMILIES = [Family("k3 end to end", e2e_cases(), check_e2e)]
+
+
+# --- K3 Studio's own files (tests/fuzz/app_families.py; needs the app and PySide6) ----------
+
+try:
+    from .app_families import APP_FAMILIES  # noqa: E402
+except ImportError:                         # an engine-only install: the engine families run
+    APP_FAMILIES = []
+FAMILIES += APP_FAMILIES

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlparse
 
-from ..atomic import write_atomic
+from ..atomic import open_dir, open_nofollow, write_atomic
 from ..checkpoint import INDEX_JSON, INDEX_LIMIT
 from ..inputfile import InputFileError, MiB, read_regular_file
 from ..strict_json import JSONFormatError, loads_strict
@@ -251,15 +251,19 @@ def safe_target(dest: Path, name: str) -> Path:
     return dest / name
 
 
-def check_targets(dest: Path, names: Iterable[str]) -> None:
-    """The destination's own checks, before anything is written: DEST/.k3-download must
-    not be a link either."""
+def check_targets(dest: Path, files: Iterable[FileFigure]) -> None:
+    """The destination's own checks, before anything is written: DEST/.k3-download, the
+    manifest and every partial file in it must not be links either (issue 47: a link
+    planted at manifest.json or at NAME.<sha16>.incomplete received the bytes).  The opens
+    themselves refuse links too (O_NOFOLLOW); this says so before the first byte."""
     part_dir = dest / PART_DIR
     if part_dir.is_symlink():
         raise DownloadError(f"{part_dir} is a symbolic link; refusing to write partial "
                             "files through it")
-    for n in names:
-        safe_target(dest, n)
+    safe_target(part_dir, MANIFEST)
+    for fig in files:
+        safe_target(dest, fig.name)
+        safe_target(part_dir, part_path(dest, fig).relative_to(part_dir).as_posix())
 
 
 def expected_from_siblings(repo: str, commit: str, siblings: list[dict]) -> Expected:
@@ -330,7 +334,8 @@ def save_manifest(dest: Path, exp: Expected, endpoint: str) -> None:
     d.mkdir(parents=True, exist_ok=True)
     doc = {"repo": exp.repo, "commit": exp.commit, "endpoint": endpoint,
            "files": [asdict(f) for f in exp.files.values()]}
-    write_atomic(str(d / MANIFEST), (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644)
+    write_atomic(d / MANIFEST, (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644,
+                 inside=dest)
 
 
 def load_manifest(dest: Path, repo: str | None) -> Expected | None:
@@ -406,7 +411,7 @@ def download_state(dest) -> DownloadState | None:
         left += 1
         part = part_path(dest, fig)
         try:
-            got = part.stat().st_size if part.is_file() else 0
+            got = _part_size(part)
         except OSError:
             got = 0
         if got:
@@ -510,9 +515,9 @@ def fetch_file(hub: Hub, dest: Path, fig: FileFigure, out: Out, label: str) -> N
     """Download one file to DEST/name, resuming DEST/.k3-download/name.<hash>.incomplete."""
     final = safe_target(dest, fig.name)
     part = part_path(dest, fig)
-    part.parent.mkdir(parents=True, exist_ok=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    have = part.stat().st_size if part.exists() else 0
+    for d in (part.parent, final.parent):      # made below DEST without following a link
+        os.close(open_dir(d, inside=dest, create=True, mode=0o777))
+    have = _part_size(part)
     if have > fig.size:
         part.unlink()
         have = 0
@@ -526,13 +531,13 @@ def fetch_file(hub: Hub, dest: Path, fig: FileFigure, out: Out, label: str) -> N
     while have < fig.size or fig.size == 0:
         attempt += 1
         try:
-            have = _fetch_range(hub, fig, part, have, out)
+            have = _fetch_range(hub, dest, fig, part, have, out)
             if have == fig.size:
                 break
             raise hub.httpx.RemoteProtocolError(
                 f"the body ended at {have:,} of {fig.size:,} bytes")
         except (hub.httpx.TransportError, _Retryable) as e:
-            have = part.stat().st_size if part.exists() else 0
+            have = _part_size(part)
             if attempt >= MAX_ATTEMPTS:
                 raise DownloadError(
                     f"{fig.name}: download interrupted at {have:,} of {fig.size:,} bytes after "
@@ -541,7 +546,7 @@ def fetch_file(hub: Hub, dest: Path, fig: FileFigure, out: Out, label: str) -> N
             out.say(f"{label} {fig.name}: connection lost at {human(have)} ({type(e).__name__}); "
                     f"resuming, attempt {attempt + 1} of {MAX_ATTEMPTS}")
             time.sleep(min(RETRY_SLEEP_MAX, 2.0 ** (attempt - 1)) if RETRY_SLEEP_MAX else 0)
-    with open(part, "r+b" if part.exists() else "w+b") as f:
+    with _open_part(dest, part) as f:
         os.fsync(f.fileno())
     safe_target(dest, fig.name)        # again: a link may have appeared while fetching
     os.replace(part, final)
@@ -556,7 +561,25 @@ class _Retryable(Exception):
     pass
 
 
-def _fetch_range(hub: Hub, fig: FileFigure, part: Path, have: int, out: Out) -> int:
+def _part_size(part: Path) -> int:
+    """Bytes in the partial file; a link at its name counts as none (never stat'ed through:
+    the open refuses it)."""
+    try:
+        st = os.lstat(part)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _open_part(dest: Path, part: Path):
+    """The partial file, read-write, created 0666 less the umask like any download; a link
+    at its name or in a folder below DEST is refused (OSError ELOOP), never followed."""
+    return os.fdopen(open_nofollow(part, os.O_RDWR | os.O_CREAT, 0o666, inside=dest), "r+b",
+                     buffering=WRITE_BUFFER)
+
+
+def _fetch_range(hub: Hub, dest: Path, fig: FileFigure, part: Path, have: int,
+                 out: Out) -> int:
     """One GET from `have` to the end, appended to `part`; returns the bytes now in it."""
     url, meta = hub.resolve(fig.name)
     if meta.size is not None and meta.size != fig.size:
@@ -584,10 +607,9 @@ def _fetch_range(hub: Hub, fig: FileFigure, part: Path, have: int, out: Out) -> 
         elif have:
             out.say(f"    {fig.name}: the server ignored the Range request; starting over")
             have = 0
-        mode = "r+b" if part.exists() else "w+b"
         last = time.monotonic()
         t0, start = last, have
-        with open(part, mode, buffering=WRITE_BUFFER) as f:
+        with _open_part(dest, part) as f:
             f.seek(have)
             f.truncate()
             for chunk in r.iter_bytes():
@@ -796,7 +818,7 @@ def _run(args: argparse.Namespace, token: str | None, out: Out) -> int:
         out.say(f"k3 download: hub not reachable ({type(e).__name__}); using the saved manifest")
     shards = exp.shards()
     if not args.verify_only:
-        check_targets(dest, list(exp.files))
+        check_targets(dest, exp.files.values())
     out.say(f"commit {exp.commit}: {len(exp.files)} files, {len(shards)} shards, "
             f"{sum(exp.files[n].size for n in shards):,} shard bytes ({exp.source})")
 
@@ -847,7 +869,7 @@ def _run(args: argparse.Namespace, token: str | None, out: Out) -> int:
             continue
         todo.append(fig)
         p = part_path(dest, fig)
-        have = p.stat().st_size if p.exists() else 0
+        have = _part_size(p)
         need_bytes += fig.size - (have if have <= fig.size else 0)
     free = free_bytes(dest)
     skipped = len(selected) - len(todo)

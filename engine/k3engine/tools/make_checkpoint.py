@@ -91,10 +91,7 @@ def write_tokenizer(out_dir: str, vocab: int) -> bool:
         return False
     for name in TOKENIZER_FILES:
         data = (src / name).read_bytes()
-        tmp = os.path.join(out_dir, f"{name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, os.path.join(out_dir, name))
+        write_atomic(os.path.join(out_dir, name), data, mode=0o644)     # model data
     return True
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..atomic import remove_stale
+from ..atomic import open_nofollow, remove_stale
 
 DTYPE_SIZE = {"U8": 1, "BF16": 2, "F16": 2, "F32": 4}
 
@@ -54,7 +54,8 @@ def write_safetensors(path: str, specs: list[TensorSpec],
                  re.compile(re.escape(os.path.basename(path)) + r"\.tmp-(?P<pid>[0-9]+)"))
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        # O_EXCL|O_NOFOLLOW: a link planted at the guessable temp name is not written through
+        with os.fdopen(open_nofollow(tmp, os.O_WRONLY, 0o666, exclusive=True), "wb") as f:
             def put(b) -> None:
                 f.write(b)
                 if digest is not None:
