@@ -91,7 +91,7 @@ def test_pack_trunk_never_follows_a_link_at_its_partial_names(tmp_path, victim, 
 
 @pytest.mark.parametrize("variant", ["file", "dir"])
 def test_the_machine_figures_cache_refuses_links(tmp_path, victim, monkeypatch, variant):
-    from k3engine import forecast
+    from k3engine import calibrate, machine
     cache = tmp_path / "cache"
     cache.mkdir()
     if variant == "dir":
@@ -99,10 +99,10 @@ def test_the_machine_figures_cache_refuses_links(tmp_path, victim, monkeypatch, 
         path = cache / "k3studio" / "victim"
     else:
         (cache / "k3studio").mkdir()
-        path = cache / "k3studio" / forecast.CACHE_NAME
+        path = cache / "k3studio" / machine.CACHE_NAME
         path.symlink_to(victim)
-    monkeypatch.setattr(forecast, "measure_machine", lambda d, nt: _FakeFigures())
-    forecast.machine_figures(str(tmp_path), threads=1, refresh=True, path=str(path))
+    monkeypatch.setattr(calibrate, "measure_machine", lambda d, nt, progress=None: _FakeFigures())
+    calibrate.machine_figures(str(tmp_path), threads=1, refresh=True, path=str(path))
     _untouched(victim)
 
 

@@ -200,7 +200,8 @@ def test_decoder_layer_attnres_wiring(name):
     for s in range(br_in.shape[1]):
         stack.push(np.ascontiguousarray(br_in[:, s]))
     st = MLAState.empty(cfg, T) if fx["is_mla"] else KDAState.zeros(cfg)
-    out = decoder_layer(L, h.copy(), stack, lw, st, 0, DictExperts(fx, "mlp_"), cfg)
+    out = decoder_layer(L, h.copy(), stack, lw, [(slice(0, T), st, 0)], DictExperts(fx, "mlp_"),
+                        cfg)
     check_close(f"{name} out", out, tens(fx, "out")[0])
     br_out = tens(fx, "block_residual_out")
     got = stack.buf[:stack.n].transpose(1, 0, 2)

@@ -87,6 +87,7 @@ def _transcripts(data: str) -> list[list[tuple]]:
     """Every conversation of the folder as the next start reads it."""
     from k3studio import damaged
     from k3studio.conversations import ConversationStore, default_root
+    damaged.take_notices()               # notices of earlier tests in this process are theirs
     store = ConversationStore(default_root(data))
     out = [[(m.role, m.content) for m in store.load(m.id)[0]] for m in store.list()]
     notes = damaged.take_notices()
