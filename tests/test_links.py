@@ -127,3 +127,14 @@ def test_make_checkpoint_never_follows_a_link_at_its_temp_names(tmp_path, victim
     _untouched(victim)
     for name in shards:
         assert (second / name).read_bytes() == (first / name).read_bytes()
+
+
+def test_the_history_lock_never_truncates_through_a_link(tmp_path, victim):
+    """The lock sidecar `.NAME.lock` beside a history: a link planted at that name is
+    refused (the lock used to open it and truncate what it pointed at)."""
+    from k3engine.chat import ChatError, HistoryLock
+    history = tmp_path / "h.jsonl"
+    (tmp_path / ".h.jsonl.lock").symlink_to(victim)
+    with pytest.raises(ChatError, match="cannot lock history"):
+        HistoryLock(history)
+    _untouched(victim)

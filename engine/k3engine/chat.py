@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from .atomic import write_atomic
+from .atomic import open_nofollow, write_atomic
 from .errors import EXIT_USAGE, EngineError
 from .inputfile import InputFileError, read_regular_file
 
@@ -272,8 +272,9 @@ class HistoryLock:
         d, base = os.path.split(os.path.realpath(self.path))
         self.lock_path = os.path.join(d, f".{base}.lock")
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
-                         0o600)
+            # never through a link planted at the sidecar's name: it is truncated (issue 47)
+            fd = open_nofollow(self.lock_path, os.O_RDWR | os.O_CREAT |
+                               getattr(os, "O_CLOEXEC", 0), 0o600)
         except OSError as e:
             raise ChatError(f"{self.path}: cannot lock history ({self.lock_path}: "
                             f"{e.strerror or e})") from None
