@@ -3,9 +3,11 @@ generated, a reply that reaches --gen keeps the REPL open, /continue goes on, /e
 with 0.  The non-terminal output is the golden's (test_cli_golden.py, case `chat`)."""
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -65,3 +67,90 @@ def test_repl_streams_text_and_continues_at_a_terminal(demo):
             p.kill()
         os.close(master)
     print("[cli] chat at a terminal: streamed, /continue, /exit -> 0")
+
+
+def _repl(demo, history, *args):
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "k3engine", demo, "--chat", "--tok", demo,
+                          "--history", str(history), *args], stdin=slave, stdout=slave,
+                         stderr=slave, close_fds=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    return p, master
+
+
+def test_ctrl_c_at_the_prompt_leaves_cleanly_and_help_lists_continue(demo, tmp_path):
+    p, master = _repl(demo, tmp_path / "h.jsonl", "--gen", "3")
+    buf = bytearray()
+    try:
+        read_until(master, b"user> ", buf)
+        os.write(master, b"/help\n")
+        helped = read_until(master, b"user> ", buf)
+        assert b"/continue" in helped
+        os.kill(p.pid, signal.SIGINT)                    # Ctrl-C at the prompt
+        assert p.wait(timeout=60) == 0
+        rest = bytes(buf) + _drain(master)
+        assert b"Traceback" not in rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    print("[cli] chat at a terminal: /help lists /continue, Ctrl-C at the prompt -> 0")
+
+
+def _drain(fd) -> bytes:
+    out = b""
+    while True:
+        r, _, _ = select.select([fd], [], [], 0.5)
+        if not r:
+            return out
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_a_reply_cut_by_kill_9_is_kept_and_continues(demo, tmp_path):
+    """kill -9 while a reply streams: the next start says the reply so far is kept, and
+    /continue goes on from it."""
+    history = tmp_path / "h.jsonl"
+    partial = tmp_path / ".h.jsonl.partial.json"
+    p, master = _repl(demo, history, "--gen", "4000")
+    buf = bytearray()
+    try:
+        read_until(master, b"user> ", buf)
+        os.write(master, b"Tell me a long story\n")
+        end = time.monotonic() + 240
+        while not partial.exists() and time.monotonic() < end:
+            r, _, _ = select.select([master], [], [], 0.05)
+            if r:
+                os.read(master, 65536)
+        assert partial.exists(), "no partial reply was saved while streaming"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    kept = json.loads(partial.read_text())
+    assert 0 < len(kept["ids"]) < 4000, "killed mid-reply"
+    assert os.stat(partial).st_mode & 0o777 == 0o600
+    p, master = _repl(demo, history, "--gen", "3")
+    buf = bytearray()
+    try:
+        said = read_until(master, b"user> ", buf)
+        assert b"is kept" in said, said[-400:]
+        os.write(master, b"/continue\n")
+        out = read_until(master, b"user> ", buf)
+        assert b"[3 tokens" in out, out[-400:]
+        os.write(master, b"/exit\n")
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    print(f"[cli] kill -9 mid-reply: {len(kept['ids'])} ids kept beside the history, "
+          f"/continue went on")

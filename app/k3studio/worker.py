@@ -269,12 +269,10 @@ class EngineWorker(QObject):
             History([Message("system", system_prompt)] if system_prompt else [])))
 
     def _rebind(self) -> None:
-        """The same transcript on the engine now loaded (or none): a new sequence, so an
-        incomplete reply stays answerable but can no longer be continued."""
-        p = self.conv.pending
-        if p is not None:
-            p.continuable = False
-        self._fresh(self.conv.history, self.conv.incomplete, p)
+        """The same transcript on the engine now loaded (or none): a new sequence; an
+        incomplete reply stays answerable, and Continue resumes it by one pass over the
+        transcript and the reply so far (Conversation.continue_turn)."""
+        self._fresh(self.conv.history, self.conv.incomplete, self.conv.pending)
 
     def _fresh(self, history, incomplete=(), pending=None) -> None:
         """Another transcript: a fresh sequence (the next turn prefills from scratch)."""
@@ -285,7 +283,8 @@ class EngineWorker(QObject):
     def open_conversation(self, path: str, extra=None) -> None:
         """`extra`: what the sidecar holds ({"incomplete": last reply or None,
         "incomplete_messages": [indices]}); the engine state of a reply from an earlier
-        session is gone, so it is shown and answerable, not continuable."""
+        session (or a crash) is gone: it is shown, answerable, and continued by one pass
+        over the transcript and the reply so far when its ids are known."""
         from k3engine.chat import History
         from k3engine.conversation import PendingReply
 
@@ -295,9 +294,10 @@ class EngineWorker(QObject):
             incomplete = {int(i) for i in x.get("incomplete_messages") or ()
                           if 0 <= int(i) < len(history)}
             p = x.get("incomplete")
-            pending = PendingReply(list(p.get("ids") or ()), 0, 0, p.get("content") or "",
-                                   p.get("reasoning"), p.get("why") or "stopped",
-                                   continuable=False) \
+            ids = [int(i) for i in (p.get("ids") or ()) if isinstance(i, int)] if p else []
+            pending = PendingReply(ids, 0, 0, p.get("content") or "", p.get("reasoning"),
+                                   p.get("why") or "stopped",
+                                   continuable=bool(ids) and min(ids) >= 0) \
                 if p and history.ends_with_user else None
             self._fresh(history, incomplete, pending)
         self._edit_conversation("open conversation", change)

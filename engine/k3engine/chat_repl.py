@@ -12,6 +12,8 @@ Two modes, told apart by whether stdin and stdout are both terminals:
 """
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import time
@@ -24,6 +26,7 @@ from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_US
                      EngineError)
 from .events import TokenOut, TurnEnded
 from .experts import ExpertLoadError
+from .inputfile import InputFileError, read_regular_file
 from .telemetry import Events
 
 
@@ -105,13 +108,22 @@ def _chat(spec: LoadSpec, gen: GenSpec, history_path: str | None, system: str | 
             return EXIT_OK
     eng = open_engine(spec, printer, tok=tok, gen=gen.gen)
     conv = Conversation(eng, history)
+    partial = PartialFile(history_path)
     first = True
     line = None
     code = EXIT_OK
+    if live and history.ends_with_user and partial.restore(conv):
+        print(f"chat: the reply that was being written when the last session ended is kept "
+              f"({len(conv.pending.ids)} tokens); {CONTINUE} goes on, a new message replaces "
+              f"the question", file=sys.stderr)
+        line = _next_line(conv, history_path, live)
+        if line is None:
+            eng.close()
+            return EXIT_OK
     try:
         while True:
             if line == CONTINUE:
-                code = _one_turn(conv, gen, printer, live, resume=True)
+                code = _one_turn(conv, gen, printer, live, resume=True, partial=partial)
             else:
                 try:
                     prompt = conv.render(gen)
@@ -131,7 +143,7 @@ def _chat(spec: LoadSpec, gen: GenSpec, history_path: str | None, system: str | 
                         if s.banner_line():
                             print(s.banner_line())
                     first = False
-                    code = _one_turn(conv, gen, printer, live)
+                    code = _one_turn(conv, gen, printer, live, partial=partial)
             if code not in (EXIT_OK, None):
                 return code
             if code is not None and history_path:
@@ -198,16 +210,19 @@ def _accept(line: str, conv: Conversation | None, history: History,
 
 
 def _one_turn(conv: Conversation, gen: GenSpec, printer: Printer, live: bool = False,
-              resume: bool = False) -> int:
+              resume: bool = False, partial: "PartialFile | None" = None) -> int:
     t0 = time.monotonic()
     res = None
     n = 0
     cancel = Cancel()
     phase = None
+    draft = partial.start(conv.pending if resume else None) if partial else None
     try:
         with _ctrl_c_stops(cancel):
             for ev in (conv.continue_turn(gen, cancel) if resume else conv.turn(gen, cancel)):
                 if isinstance(ev, TokenOut):
+                    if draft is not None:
+                        partial.stream(draft, ev)
                     if ev.id >= 0:
                         n += 1
                         if not live:
@@ -225,6 +240,8 @@ def _one_turn(conv: Conversation, gen: GenSpec, printer: Printer, live: bool = F
     except ExpertLoadError as e:              # never show a reply computed without an expert
         print(f"chat invalid: {e}; transcript kept", file=sys.stderr)
         return EXIT_DROP
+    if partial is not None:
+        partial.settle(conv.pending)
     if res.malformed is not None:
         print(f"chat: malformed assistant turn: {res.malformed}", file=sys.stderr)
         return EXIT_RUNTIME
@@ -263,6 +280,83 @@ def _live_end(res, gen: int, phase) -> int:
         print("chat: stopped before the first token; send the message again, or another",
               file=sys.stderr)
     return EXIT_OK
+
+
+class PartialFile:
+    """`.NAME.partial.json` beside the --history file: the reply being written, saved as its
+    first tokens come and then about once a second (0600, atomic), so a crash (kill -9)
+    loses at most that much of it; the next interactive start restores it as an incomplete
+    reply that /continue resumes (Conversation.continue_turn, by one pass over the
+    transcript and the reply so far).  The history file itself keeps the reference's
+    format: an unanswered question, as a crash always left it."""
+
+    EVERY_S = 1.0
+    LIMIT = 16 << 20
+
+    def __init__(self, history_path: str | None):
+        self.path = None
+        if history_path:
+            d, base = os.path.split(os.path.abspath(history_path))
+            self.path = os.path.join(d, f".{base}.partial.json")
+
+    def restore(self, conv: Conversation) -> bool:
+        from .conversation import PendingReply
+        if self.path is None:
+            return False
+        try:
+            raw = json.loads(read_regular_file(self.path, self.LIMIT, "partial reply"))
+            ids = [int(i) for i in raw["ids"]]
+            pending = PendingReply(ids, 0, 0, str(raw.get("content") or ""),
+                                   raw.get("reasoning"), "stopped", continuable=bool(ids))
+        except InputFileError as e:
+            if not e.missing:
+                print(f"chat: {self.path}: {e.problem}; ignored", file=sys.stderr)
+            return False
+        except (ValueError, KeyError, TypeError, RecursionError):
+            print(f"chat: {self.path}: not a saved reply; ignored", file=sys.stderr)
+            return False
+        conv.pending = pending
+        return bool(ids)
+
+    def start(self, prior) -> dict | None:
+        if self.path is None:
+            return None
+        return dict(ids=list(prior.ids) if prior else [],
+                    content=prior.content if prior else "",
+                    reasoning=prior.reasoning if prior else "", saved=0.0)
+
+    def stream(self, d: dict, ev) -> None:
+        if ev.id >= 0:
+            d["ids"].append(ev.id)
+        if ev.phase == "response":
+            d["content"] += ev.text
+        elif ev.phase == "thinking":
+            d["reasoning"] = (d["reasoning"] or "") + ev.text
+        if d["ids"] and time.monotonic() - d["saved"] >= self.EVERY_S:
+            d["saved"] = time.monotonic()
+            self._write({k: v for k, v in d.items() if k != "saved"})
+
+    def settle(self, pending) -> None:
+        """After the turn: the incomplete reply kept (or the file gone: the reply closed,
+        or nothing to keep)."""
+        if self.path is None:
+            return
+        if pending is not None and pending.ids:
+            self._write(dict(ids=list(pending.ids), content=pending.content,
+                             reasoning=pending.reasoning))
+        else:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def _write(self, d: dict) -> None:
+        from .atomic import write_atomic
+        try:
+            write_atomic(self.path, json.dumps(d).encode(),
+                         inside=os.path.dirname(self.path))
+        except OSError as e:                   # a full disk costs the crash copy, not the chat
+            print(f"chat: cannot save {self.path}: {e.strerror or e}", file=sys.stderr)
 
 
 class _ctrl_c_stops:

@@ -191,24 +191,38 @@ class Conversation:
                                      reused=reuse, prompt_positions=n_prompt))
 
     def continue_turn(self, spec: GenSpec, cancel: Cancel | None = None):
-        """Resume the incomplete reply for up to `spec.gen` more ids, exactly as the
-        uninterrupted turn would have gone on (its last id is fed now; the sampler's stream
-        was not restarted).  The summary's ids are the whole reply.  Refused (ChatError)
-        when there is nothing to continue."""
+        """Resume the incomplete reply for up to `spec.gen` more ids, as the uninterrupted
+        turn would have gone on.  With the state still held, its last id is fed now and the
+        sampler's stream goes on: the same ids.  A reply whose state is gone (reopened after
+        a restart or a crash, ids known) is resumed by one pass over the transcript and the
+        reply so far: the same ids for greedy decoding (a prefill in one pass or many gives
+        the same bits); a sampled one goes on with its stream advanced one draw per id.
+        The summary's ids are the whole reply.  Refused (ChatError) when there is nothing
+        to continue."""
         p = self.pending
-        if p is None or not p.continuable or not self.seq.usable or \
-                self.seq.pending != p.ids[-1:]:
+        held = p is not None and self.seq is not None and self.seq.usable and \
+            self.seq.pending == p.ids[-1:]
+        if p is None or not p.continuable or not p.ids or self.engine is None:
             raise ChatError("there is no incomplete reply to continue")
-        self.engine.check_limits(p.prompt_positions + len(p.ids), spec.gen)
         sampler = self.sampler_for(spec.sampling)
-        yield E.TurnStarted(p.prompt_positions, p.reused, spec.gen)
+        if held:
+            n_prompt, reused = p.prompt_positions, p.reused
+            self.engine.check_limits(n_prompt + len(p.ids), spec.gen)
+            self.seq.extend([], spec.gen + 1)
+        else:
+            prompt = self.render(spec)
+            n_prompt = len(prompt)
+            self.engine.check_limits(n_prompt + len(p.ids), spec.gen)
+            sampler.new_turn(self.turn0 + self.turns_done + 1)
+            sampler.skip(len(p.ids))
+            reused = self.seq.prepare(prompt + list(p.ids), spec.gen + 1)
+        yield E.TurnStarted(n_prompt, reused, spec.gen)
         self.pending = None
-        self.seq.extend([], spec.gen + 1)
         parser = ReplyStream(self.engine.tok, self.engine.ctl, spec.thinking)
         for tok_id in p.ids:                  # the parser picks up the reply's phase
             parser.push(tok_id)
-        return (yield from self._run(spec, sampler, cancel, parser, reused=p.reused,
-                                     prompt_positions=p.prompt_positions, prior=p.ids,
+        return (yield from self._run(spec, sampler, cancel, parser, reused=reused,
+                                     prompt_positions=n_prompt, prior=p.ids,
                                      texts={"thinking": p.reasoning or "",
                                             "response": p.content}))
 

@@ -215,6 +215,13 @@ class Sampler:
         self.turn = int(turn)
         self._rng = Pcg32(self.seed, self.turn)
 
+    def skip(self, n: int) -> None:
+        """Advance the stream as `n` sampled ids would have (one draw each; a step that fell
+        back to greedy drew none): a reply resumed without its state (Conversation)."""
+        if self.sampling and self._rng is not None:
+            for _ in range(n):
+                self._rng.unit()
+
     def sample(self, logits: np.ndarray) -> int:
         """Next id. Greedy never touches the stream, so it needs no turn."""
         return select(logits, self.temperature, self.top_p, self.top_k, self._rng, self.greedy,

@@ -171,8 +171,8 @@ def test_import_a_file_from_elsewhere(qtbot, window, tmp_path):
 
 
 def test_an_incomplete_reply_survives_a_restart(qtbot, store, tmp_path, demo_model):
-    """Kept in the sidecar: shown again after a restart (marked, not continuable: the
-    engine state is gone), and a new message answers it as it was."""
+    """Kept in the sidecar: shown again after a restart (marked, still continuable: its
+    ids are known), and a new message answers it as it was."""
     from k3studio.window import MainWindow
     data = str(tmp_path / "data")
     win = MainWindow(store=store, data_dir=data)
@@ -191,9 +191,8 @@ def test_an_incomplete_reply_survives_a_restart(qtbot, store, tmp_path, demo_mod
         win2.show()
     qtbot.waitUntil(lambda: win2.chat.pending is not None, timeout=TIMEOUT)
     p = win2.chat.pending
-    assert p["ids"] == t["ids"] and not p["continuable"]
-    assert "earlier session" in win2.chat._pending_note(p)
-    assert not win2.chat.continue_btn.isEnabled()
+    assert p["ids"] == t["ids"] and p["continuable"]
+    assert "Continue resumes it" in win2.chat._pending_note(p)
     send(qtbot, win2, "Go on anyway")
     msgs = [m for m in win2.host.messages if m["role"] != "system"]
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"] and msgs[1]["incomplete"]
@@ -203,4 +202,42 @@ def test_an_incomplete_reply_survives_a_restart(qtbot, store, tmp_path, demo_mod
     hist = History.load(win2.library.path)
     k = win2.library.store.meta(win2.library.current).extra["incomplete_messages"]
     assert [hist[i].role for i in k] == ["assistant"]
+    win2.close()
+
+
+def test_continue_after_a_restart_gives_the_uninterrupted_ids(qtbot, store, tmp_path,
+                                                             demo_model):
+    """A reply cut by the limit, the app closed (or killed) and started again: Continue
+    resumes it by one pass over the transcript and the reply so far, and the whole reply
+    equals the same turn answered at once with the larger limit (greedy)."""
+    from k3studio.window import MainWindow
+    data = str(tmp_path / "data")
+    win = MainWindow(store=store, data_dir=data)
+    qtbot.addWidget(win)
+    win.show()
+    load(qtbot, win, *demo_model)
+    win.chat.limit.setValue(6)
+    t = send(qtbot, win, "Tell me about K3 Studio")
+    assert t["end_id"] is None and len(t["ids"]) == 6
+    qtbot.waitUntil(lambda: bool(win.library.meta and win.library.meta.incomplete),
+                    timeout=TIMEOUT)
+    win.close()
+    win2 = MainWindow(store=store, data_dir=data)
+    qtbot.addWidget(win2)
+    with qtbot.waitSignal(win2.host.loaded, timeout=TIMEOUT):
+        win2.show()
+    qtbot.waitUntil(lambda: win2.chat.continue_btn.isEnabled(), timeout=TIMEOUT)
+    win2.chat.limit.setValue(6)
+    with qtbot.waitSignal(win2.host.turnFinished, timeout=TIMEOUT) as blocker:
+        win2.chat.continue_btn.click()
+    whole = blocker.args[0]
+    assert not whole.get("failed") and whole["ids"][:6] == t["ids"]
+    win2.chat.limit.setValue(len(whole["ids"]))
+    qtbot.waitUntil(lambda: win2.chat.regen_btn.isEnabled(), timeout=TIMEOUT)
+    with qtbot.waitSignal(win2.host.turnFinished, timeout=TIMEOUT) as blocker:
+        win2.chat.regen_btn.click()
+    once = blocker.args[0]
+    print(f"[app] continued after a restart: {whole['ids']} vs answered at once "
+          f"{once['ids']}")
+    assert once["ids"] == whole["ids"]
     win2.close()

@@ -9,9 +9,9 @@ the uninterrupted run's last turn.  Then the conversations folder is
 reopened as the next start would: every conversation loads (none is moved aside as
 damaged), its transcript is a prefix of the uninterrupted run's (greedy decoding) and it
 holds every turn the child reported finished -- except at most the last one, when the
-kill fell between the turn's end and its save.  The partial reply of a killed turn is not
-in the folder: the app saves the transcript after each message and turn, and an incomplete
-reply only when it is stopped or hits the limit (conversation_library.py).
+kill fell between the turn's end and its save.  The partial reply of a killed turn is kept
+beside the transcript as an incomplete reply (conversation_library.py saves it as its first
+tokens come and then about once a second; tests/app/test_app_crash_partial.py).
 """
 from __future__ import annotations
 
