@@ -10,13 +10,13 @@ token and the step time, on a budget given as `k3` memory flags.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 import sys
 
 import numpy as np
 
+from bench_engine import drop_caches            # benchmarks/ is the script's folder
 from k3engine.engine import load_spec_from, open_engine
 from k3engine.generate import BatchRun, GenSpec, Turn, decode_many
 
@@ -24,16 +24,6 @@ from k3engine.generate import BatchRun, GenSpec, Turn, decode_many
 def memory_flags(text: str) -> list[tuple[str, object]]:
     a = shlex.split(text)
     return [(a[i], a[i + 1]) for i in range(0, len(a), 2)]
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
 
 
 def one(model, trunk, flags, B, gen, plen, seed) -> tuple[float, float, float]:

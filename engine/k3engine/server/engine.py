@@ -255,6 +255,24 @@ class Backend:
                 sink(ev)
         return on_event
 
+    def _conversation(self, req: GenRequest, spec: GenSpec):
+        """A chat request's Conversation on the kept sequence that holds most of its
+        rendered prompt, and the chat's end ids; refusals (no chat tokens, a prompt that
+        does not render) as ApiError."""
+        try:
+            ends = tuple(self.engine.ctl.end_ids)
+        except EngineError:
+            raise ApiError(400, "this model has no tokenizer with chat control tokens",
+                           code="chat_unsupported") from None
+        conv = Conversation(self.engine, req.history)
+        try:
+            prompt = conv.render(spec)
+        except ChatError as e:
+            code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
+            raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
+        conv.seq = self.cache.take(prompt)
+        return conv, ends
+
     def _gen_spec(self, req: GenRequest) -> GenSpec:
         return GenSpec(gen=req.gen, sampling=req.sampling.to_sampling(),
                        thinking=req.thinking, effort=req.effort, spec=self.spec)
@@ -269,19 +287,8 @@ class Backend:
     # -- chat ------------------------------------------------------------------------
     def _chat(self, job: Job) -> str:
         req = job.req
-        try:
-            self.engine.ctl
-        except EngineError:
-            raise ApiError(400, "this model has no tokenizer with chat control tokens",
-                           code="chat_unsupported") from None
         spec = self._gen_spec(req)
-        conv = Conversation(self.engine, req.history)
-        try:
-            prompt = conv.render(spec)
-        except ChatError as e:
-            code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
-            raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
-        conv.seq = self.cache.take(prompt)
+        conv, _ = self._conversation(req, spec)
         try:
             res, reasoning, stops = self._chat_turn(job, conv, spec)
             tail = stops.flush()
@@ -393,18 +400,8 @@ class Backend:
         req = job.req
         spec = self._gen_spec(req).with_(spec=0)
         if req.kind == "chat":
-            try:
-                ends = tuple(self.engine.ctl.end_ids)
-            except EngineError:
-                raise ApiError(400, "this model has no tokenizer with chat control tokens",
-                               code="chat_unsupported") from None
-            conv = Conversation(self.engine, req.history)
-            try:
-                prompt = conv.render(spec)
-            except ChatError as e:
-                code = "context_length_exceeded" if "exceeds the limit" in str(e) else None
-                raise ApiError(400, f"messages: {e}", param="messages", code=code) from None
-            conv.seq = seq = self.cache.take(prompt)
+            conv, ends = self._conversation(req, spec)
+            seq = conv.seq
             try:
                 n, reuse, _, sampler, parser = conv.begin(spec)
             except LimitError as e:
