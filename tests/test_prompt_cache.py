@@ -233,8 +233,9 @@ def test_k3_serve_continues_a_request_resent_after_a_disconnect(demo):
     import json
     import time as clock
     from urllib.parse import urlparse
+    # a prompt pass of a few seconds: the client leaves during it however slow the machine
     msgs = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": " ".join(f"word{i}" for i in range(300))}]
+            {"role": "user", "content": " ".join(f"word{i}" for i in range(1500))}]
     body = {"model": "demo", "messages": msgs, "max_tokens": 8, "stream": True}
     with serve(demo, "--tok", demo, "--gen", "8", "--accept-any-model",
                "--sse-keepalive", "0.2") as s:

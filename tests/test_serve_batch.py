@@ -67,11 +67,13 @@ def test_a_client_leaving_mid_stream_leaves_the_batch(demo):
     import http.client
     import json
     from urllib.parse import urlparse
-    with serve(demo, "--tok", demo, "--accept-any-model", "--gen", "64",
+    # 2,000 tokens of a model that never closes its replies: the client leaves mid-stream
+    # however slow the machine is
+    with serve(demo, "--tok", demo, "--accept-any-model", "--gen", "2000",
                "--parallel", "2") as s:
         u = urlparse(s.url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        body = {"model": "demo", "max_tokens": 64, "stream": True,
+        body = {"model": "demo", "max_tokens": 2000, "stream": True,
                 "messages": [{"role": "user", "content": "Tell me a long story"}]}
         conn.request("POST", "/v1/chat/completions", json.dumps(body),
                      {"Content-Type": "application/json"})
