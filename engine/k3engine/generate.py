@@ -346,7 +346,8 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
     (a joining run's whole prompt, the others' last token) in ONE pass
     (Model.forward_batch: a streamed layer bound once, the union of the rows' experts read
     once), then each run samples its own next id with its own sampler.  `runs` may grow
-    between steps (a run joins at the next step) and a run may `leave()`.  Each run's ids
+    between steps (a run joins at the next step; a finished one may be taken out) and a run
+    may `leave()`.  Each run's ids
     equal the same prompt decoded alone (tests/test_batch.py).  Yields per step a TokenOut
     per run (`row`: its index in `runs`), then StepDone; returns the BatchSummary.  A run's
     summary counts its share of each step's reads.

@@ -110,6 +110,10 @@ class BatchingEngineThread(EngineThread):
                             if s.job.cancel:
                                 s.run.leave()
                         self._close_finished()
+                        # finished runs leave the list (their sequences are back in the
+                        # prompt cache; a batch that never empties would hold them all)
+                        runs[:] = [r for r in runs if not r.finished]
+                        slot_of = {id(r): slot_of[id(r)] for r in runs}
                         before = len(runs)
                         self._admit(runs)                  # joins at this step boundary
                         for run in runs[before:]:
