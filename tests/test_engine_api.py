@@ -387,3 +387,22 @@ def test_exit_codes_live_only_in_errors():
     offenders = [str(p) for p in list(ENGINE.rglob("*.py")) + list(APP.rglob("*.py"))
                  if p.name != "errors.py" and pat.search(p.read_text())]
     assert offenders == []
+
+
+def test_a_forked_sequence_goes_its_own_way(tiny):
+    """Sequence.fork: a copy of the state and ids; the original and the copy continue with
+    different ids, each equal to that prompt run from scratch, and neither disturbs the
+    other."""
+    r = open_engine(load_spec_from(tiny, incremental=True), gen=4)
+    try:
+        base = r.sequence()
+        collect(r.batch([5, 17, 99, 123, 7], GenSpec(gen=1), seq=base))
+        copy = base.fork()
+        a = collect(r.batch([40, 41], GenSpec(gen=4), seq=base))[1].ids
+        b = collect(r.batch([90], GenSpec(gen=4), seq=copy))[1].ids
+        want_a = collect(r.batch(base.ids[:len(base.ids) - 4], GenSpec(gen=4)))[1].ids
+        want_b = collect(r.batch(copy.ids[:len(copy.ids) - 4], GenSpec(gen=4)))[1].ids
+    finally:
+        r.close()
+    print(f"[gate] fork: original {a} vs from scratch {want_a}; copy {b} vs {want_b}")
+    assert a == want_a and b == want_b and a != b
