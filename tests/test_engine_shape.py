@@ -318,3 +318,34 @@ def test_server_adapter_posts_progress_reuse_and_the_stop_that_matched(demo):
     assert 0 < again.reused < again.prompt_ids
     if done is not None:
         assert done.finish == "stop" and done.ext["stop"] == word
+
+
+def test_speculation_that_runs_past_an_end_id_keeps_the_next_turn_s_reuse():
+    """On the trained demo (its replies close): a sweep whose accepted drafts reach the end
+    id stops there, so the state holds exactly the reply and the next turn reuses it as
+    plain decoding does (it used to run past the end id and reuse nothing)."""
+    from k3engine.tools.demo import shipped_dir
+    model = shipped_dir()
+    runs = {}
+    for width in (0, 4):
+        eng = open_engine(load_spec_from(model, tok_dir=model, incremental=True, spec=width),
+                          gen=64)
+        try:
+            conv = Conversation(eng, History([Message("user", "Hello!")]))
+            out = []
+            for follow in ("What is 3 plus 4?", None):
+                res = None
+                for ev in conv.turn(GenSpec(gen=64, thinking=False, spec=width)):
+                    if isinstance(ev, TurnEnded):
+                        res = ev.result
+                out.append(res)
+                if follow:
+                    conv.add_user(follow)
+        finally:
+            eng.close()
+        runs[width] = out
+    (p1, p2), (s1, s2) = runs[0], runs[4]
+    print(f"[gate] trained demo, --spec 4: turn 2 reused {s2.reused} vs plain {p2.reused}; "
+          f"ids equal {[s1.ids, s2.ids] == [p1.ids, p2.ids]}; sweeps {s1.spec.rounds + s2.spec.rounds}")
+    assert p1.end_id is not None and p2.reused > 0
+    assert [s1.ids, s2.ids] == [p1.ids, p2.ids] and s2.reused == p2.reused

@@ -238,7 +238,7 @@ def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
             if speculate and g > 0 and left > 1 and width.ready():
                 before_d, before_a = res.spec.drafted, res.spec.accepted
                 emitted, logits = spec_step(lm.model, seq.ids, seq.state, min(width.n, left - 1),
-                                            res.spec, engine.proposer(seq))
+                                            res.spec, engine.proposer(seq), stops)
                 width.update(res.spec.drafted - before_d, res.spec.accepted - before_a)
                 res.spec.width = width.n
             elif engine.incremental and g == 0 and not seq.pending and seq.logits is not None:

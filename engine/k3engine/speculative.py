@@ -112,10 +112,14 @@ class SpecWidth:
 
 
 def spec_step(model: Model, seq: list[int], state: SequenceState, cap: int,
-              counters: SpecCounters, proposer=None) -> tuple[list[int], object]:
+              counters: SpecCounters, proposer=None, stops=frozenset()
+              ) -> tuple[list[int], object]:
     """One decode step with drafts; returns (emitted ids, logits of the last fed position).
     seq[state.n_cached:] is the one pending token.  `proposer` drafts (n-gram when None)
-    and is told how many of its drafts were kept."""
+    and is told how many of its drafts were kept.  An accepted draft that is a stop id ends
+    the sweep there: the state keeps nothing after it (trap: a sweep that ran past an end
+    id left the state ahead of the ids, and the next chat turn could reuse nothing --
+    test_engine_shape.py::test_speculation_in_a_chat_turn_gives_the_greedy_ids)."""
     proposer = proposer or NgramProposer()
     base = state.n_cached
     cap = min(cap, MAX_DRAFT, state.capacity - base - 1)
@@ -131,7 +135,7 @@ def spec_step(model: Model, seq: list[int], state: SequenceState, cap: int,
         logits = model.forward(seq[base:] + d, state, all_logits=True)
         a = [greedy(row) for row in logits]
         m = 0
-        while m < len(d) and a[m] == d[m]:
+        while m < len(d) and a[m] == d[m] and d[m] not in stops:
             m += 1
         counters.accepted += m
         proposer.settle(d, m)
