@@ -154,3 +154,29 @@ def test_a_reply_cut_by_kill_9_is_kept_and_continues(demo, tmp_path):
         os.close(master)
     print(f"[cli] kill -9 mid-reply: {len(kept['ids'])} ids kept beside the history, "
           f"/continue went on")
+
+
+def test_ctrl_c_mid_reply_keeps_it_for_continue(demo, tmp_path):
+    """Ctrl-C while a reply streams at a terminal: the reply stops at the next safe point,
+    stays as an incomplete reply (/continue goes on), and the REPL and its history go on."""
+    p, master = _repl(demo, tmp_path / "h.jsonl", "--gen", "4000")
+    buf = bytearray()
+    try:
+        read_until(master, b"user> ", buf)
+        os.write(master, b"Tell me a long story\n")
+        time.sleep(1.0)                                  # streaming by now
+        os.kill(p.pid, signal.SIGINT)
+        said = read_until(master, b"user> ", buf)
+        assert b"stopped before its end" in said, said[-400:]
+        os.write(master, b"/continue\n")
+        time.sleep(0.5)
+        os.kill(p.pid, signal.SIGINT)                    # stop the continuation too
+        said = read_until(master, b"user> ", buf)
+        assert b"Traceback" not in said
+        os.write(master, b"/exit\n")
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    print("[cli] chat at a terminal: Ctrl-C mid-reply kept it, /continue went on, /exit -> 0")
