@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -69,6 +70,18 @@ def test_repl_streams_text_and_continues_at_a_terminal(demo):
     print("[cli] chat at a terminal: streamed, /continue, /exit -> 0")
 
 
+@contextmanager
+def repl(demo, history, *args):
+    """`k3 --chat` on a pseudo-terminal: (process, its terminal); killed if still running."""
+    p, master = _repl(demo, history, *args)
+    try:
+        yield p, master
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+
+
 def _repl(demo, history, *args):
     master, slave = pty.openpty()
     p = subprocess.Popen([sys.executable, "-m", "k3engine", demo, "--chat", "--tok", demo,
@@ -80,9 +93,8 @@ def _repl(demo, history, *args):
 
 
 def test_ctrl_c_at_the_prompt_leaves_cleanly_and_help_lists_continue(demo, tmp_path):
-    p, master = _repl(demo, tmp_path / "h.jsonl", "--gen", "3")
-    buf = bytearray()
-    try:
+    with repl(demo, tmp_path / "h.jsonl", "--gen", "3") as (p, master):
+        buf = bytearray()
         read_until(master, b"user> ", buf)
         os.write(master, b"/help\n")
         helped = read_until(master, b"user> ", buf)
@@ -91,10 +103,6 @@ def test_ctrl_c_at_the_prompt_leaves_cleanly_and_help_lists_continue(demo, tmp_p
         assert p.wait(timeout=60) == 0
         rest = bytes(buf) + _drain(master)
         assert b"Traceback" not in rest
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(master)
     print("[cli] chat at a terminal: /help lists /continue, Ctrl-C at the prompt -> 0")
 
 
@@ -118,9 +126,8 @@ def test_a_reply_cut_by_kill_9_is_kept_and_continues(demo, tmp_path):
     /continue goes on from it."""
     history = tmp_path / "h.jsonl"
     partial = tmp_path / ".h.jsonl.partial.json"
-    p, master = _repl(demo, history, "--gen", "4000")
-    buf = bytearray()
-    try:
+    with repl(demo, history, "--gen", "4000") as (p, master):
+        buf = bytearray()
         read_until(master, b"user> ", buf)
         os.write(master, b"Tell me a long story\n")
         end = time.monotonic() + 240
@@ -131,16 +138,11 @@ def test_a_reply_cut_by_kill_9_is_kept_and_continues(demo, tmp_path):
         assert partial.exists(), "no partial reply was saved while streaming"
         os.kill(p.pid, signal.SIGKILL)
         p.wait(60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(master)
     kept = json.loads(partial.read_text())
     assert 0 < len(kept["ids"]) < 4000, "killed mid-reply"
     assert os.stat(partial).st_mode & 0o777 == 0o600
-    p, master = _repl(demo, history, "--gen", "3")
-    buf = bytearray()
-    try:
+    with repl(demo, history, "--gen", "3") as (p, master):
+        buf = bytearray()
         said = read_until(master, b"user> ", buf)
         assert b"is kept" in said, said[-400:]
         os.write(master, b"/continue\n")
@@ -148,10 +150,6 @@ def test_a_reply_cut_by_kill_9_is_kept_and_continues(demo, tmp_path):
         assert b"[3 tokens" in out, out[-400:]
         os.write(master, b"/exit\n")
         assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(master)
     print(f"[cli] kill -9 mid-reply: {len(kept['ids'])} ids kept beside the history, "
           f"/continue went on")
 
@@ -159,9 +157,8 @@ def test_a_reply_cut_by_kill_9_is_kept_and_continues(demo, tmp_path):
 def test_ctrl_c_mid_reply_keeps_it_for_continue(demo, tmp_path):
     """Ctrl-C while a reply streams at a terminal: the reply stops at the next safe point,
     stays as an incomplete reply (/continue goes on), and the REPL and its history go on."""
-    p, master = _repl(demo, tmp_path / "h.jsonl", "--gen", "4000")
-    buf = bytearray()
-    try:
+    with repl(demo, tmp_path / "h.jsonl", "--gen", "4000") as (p, master):
+        buf = bytearray()
         read_until(master, b"user> ", buf)
         os.write(master, b"Tell me a long story\n")
         time.sleep(1.0)                                  # streaming by now
@@ -175,8 +172,4 @@ def test_ctrl_c_mid_reply_keeps_it_for_continue(demo, tmp_path):
         assert b"Traceback" not in said
         os.write(master, b"/exit\n")
         assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(master)
     print("[cli] chat at a terminal: Ctrl-C mid-reply kept it, /continue went on, /exit -> 0")

@@ -170,25 +170,33 @@ def test_import_a_file_from_elsewhere(qtbot, window, tmp_path):
     assert "is blank" in b.args[0] and window.sidebar.titles() == ["elsewhere"]
 
 
-def test_an_incomplete_reply_survives_a_restart(qtbot, store, tmp_path, demo_model):
-    """Kept in the sidecar: shown again after a restart (marked, still continuable: its
-    ids are known), and a new message answers it as it was."""
+def cut_then_restart(qtbot, store, data, demo_model, text: str, limit: int | None = None):
+    """Load, send `text` until the limit cuts the reply (kept in the sidecar), close, and
+    start again on the same data folder; returns (the cut turn, the new window)."""
     from k3studio.window import MainWindow
-    data = str(tmp_path / "data")
     win = MainWindow(store=store, data_dir=data)
     qtbot.addWidget(win)
     win.show()
     load(qtbot, win, *demo_model)
-    t = send(qtbot, win, "Cut me short")                  # the demo hits the limit
+    if limit is not None:
+        win.chat.limit.setValue(limit)
+    t = send(qtbot, win, text)
     assert t["end_id"] is None and win.chat.pending["continuable"]
     qtbot.waitUntil(lambda: bool(win.library.meta and win.library.meta.incomplete),
                     timeout=TIMEOUT)
     win.close()
-
     win2 = MainWindow(store=store, data_dir=data)
     qtbot.addWidget(win2)
     with qtbot.waitSignal(win2.host.loaded, timeout=TIMEOUT):
         win2.show()
+    return t, win2
+
+
+def test_an_incomplete_reply_survives_a_restart(qtbot, store, tmp_path, demo_model):
+    """Kept in the sidecar: shown again after a restart (marked, still continuable: its
+    ids are known), and a new message answers it as it was."""
+    t, win2 = cut_then_restart(qtbot, store, str(tmp_path / "data"), demo_model,
+                               "Cut me short")                  # the demo hits the limit
     qtbot.waitUntil(lambda: win2.chat.pending is not None, timeout=TIMEOUT)
     p = win2.chat.pending
     assert p["ids"] == t["ids"] and p["continuable"]
@@ -210,22 +218,9 @@ def test_continue_after_a_restart_gives_the_uninterrupted_ids(qtbot, store, tmp_
     """A reply cut by the limit, the app closed (or killed) and started again: Continue
     resumes it by one pass over the transcript and the reply so far, and the whole reply
     equals the same turn answered at once with the larger limit (greedy)."""
-    from k3studio.window import MainWindow
-    data = str(tmp_path / "data")
-    win = MainWindow(store=store, data_dir=data)
-    qtbot.addWidget(win)
-    win.show()
-    load(qtbot, win, *demo_model)
-    win.chat.limit.setValue(6)
-    t = send(qtbot, win, "Tell me about K3 Studio")
-    assert t["end_id"] is None and len(t["ids"]) == 6
-    qtbot.waitUntil(lambda: bool(win.library.meta and win.library.meta.incomplete),
-                    timeout=TIMEOUT)
-    win.close()
-    win2 = MainWindow(store=store, data_dir=data)
-    qtbot.addWidget(win2)
-    with qtbot.waitSignal(win2.host.loaded, timeout=TIMEOUT):
-        win2.show()
+    t, win2 = cut_then_restart(qtbot, store, str(tmp_path / "data"), demo_model,
+                               "Tell me about K3 Studio", limit=6)
+    assert len(t["ids"]) == 6
     qtbot.waitUntil(lambda: win2.chat.continue_btn.isEnabled(), timeout=TIMEOUT)
     win2.chat.limit.setValue(6)
     with qtbot.waitSignal(win2.host.turnFinished, timeout=TIMEOUT) as blocker:
