@@ -311,11 +311,10 @@ class BatchRun:
     end_ids: tuple = ()
     summary: TurnSummary | None = None
     finished: bool = False
-    _left: bool = False
 
     def leave(self) -> None:
         """Out of the batch from the next step on (a stop string, a client gone)."""
-        self._left = self.finished = True
+        self.finished = True
         if self.summary is not None and self.summary.end_id is None:
             self.summary.interrupted = True
 
@@ -352,18 +351,18 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
     per run (`row`: its index in `runs`), then StepDone; returns the BatchSummary.  A run's
     summary counts its share of each step's reads.
     Greedy and sampled runs alike; speculation is not batched."""
-    from .experts import ExpertLoadError
     lm = engine.lm
     agg = BatchSummary()
     window = engine.turn_window()
+    stops: dict[int, frozenset] = {}          # per run, made when it joins
     g = 0
     while True:
         for r in runs:
             if r.summary is None:                              # joins now
                 r.summary = TurnSummary([], len(r.seq.pending))
                 r.parser = r.parser or TextStream(engine.tok)
-            if r._left or (r.summary.ids and len(r.summary.ids) >= r.spec.gen):
-                r.finished = True
+            if id(r) not in stops:
+                stops[id(r)] = frozenset(r.spec.stop_ids) | frozenset(r.end_ids)
         active = [r for r in runs if not r.finished and r.spec.gen > 0]
         if not active:
             break
@@ -396,7 +395,7 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
             res.ids.append(tok)
             r.seq.ids.append(tok)
             emitted.append(tok)
-            if tok in set(r.spec.stop_ids) | set(r.end_ids):
+            if tok in stops[id(r)]:
                 res.end_id, r.finished = tok, True
             elif len(res.ids) >= r.spec.gen:
                 r.finished = True
@@ -409,9 +408,10 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None):
             r.summary.trunk_bytes += tel.trunk_bytes // len(active)
             r.summary.expert_bytes += tel.expert_bytes // len(active)
             r.summary.table_bytes += tel.model_table_bytes // len(active)
+        row = {id(r): i for i, r in enumerate(runs)}
         for r, tok in zip(active, emitted):   # the step's tokens, then the step is done
             phase, text = r.parser.push(tok)
-            yield E.TokenOut(tok, text, phase, row=runs.index(r))
+            yield E.TokenOut(tok, text, phase, row=row[id(r)])
         yield E.StepDone(g, tuple(emitted), seconds, tel)
         yield from engine.trunk_notices()
         g += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .chat import reuse_positions
 from .errors import StateUnusable
 from .state import SequenceState, grown, restore, snapshot
 
@@ -79,7 +80,7 @@ class Sequence:
         if not self.usable:
             return 0
         n = self.position
-        if 0 < n < len(prompt) and prompt[:n] == self.ids[:n]:
+        if reuse_positions(self.ids[:n], prompt):
             return n
         if self.logits is not None and n == len(prompt) and prompt == self.ids[:n]:
             return n
@@ -113,14 +114,14 @@ class Sequence:
             self.state = grown(self.state, capacity)
 
     # -- feeding (generate.decode) -------------------------------------------------------
-    def feed(self, n: int, cancel=None, on_layer=None, all_logits: bool = False):
-        """Run the next `n` pending ids through the model; the logits of the last (or of
-        every) position.  A pass that fails or is stopped part-way poisons the state
-        (Model.forward), and nothing reuses it afterwards."""
+    def feed(self, n: int, cancel=None, on_layer=None):
+        """Run the next `n` pending ids through the model; the logits of the last position.
+        A pass that fails or is stopped part-way poisons the state (Model.forward), and
+        nothing reuses it afterwards."""
         p = self.position
         self.logits = None
-        return self._model.forward(self.ids[p:p + n], self.state, all_logits=all_logits,
-                                   cancel=cancel, on_layer=on_layer)
+        return self._model.forward(self.ids[p:p + n], self.state, cancel=cancel,
+                                   on_layer=on_layer)
 
     def recompute(self, cancel=None):
         """The reference's default decode: the whole sequence from a fresh state."""

@@ -26,7 +26,7 @@ from ..chat import ChatError
 from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
 from ..events import TokenOut, TurnEnded
-from ..generate import Cancel, GenSpec, TextStream, Turn, TurnSummary
+from ..generate import BatchRun, Cancel, GenSpec, TextStream, Turn, TurnSummary
 from ..prompt_cache import PromptCache
 from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
 from .stops import StopMatcher
@@ -369,19 +369,23 @@ class Backend:
         finally:
             self.cache.give_back(seq)
 
-    def _completion_turn(self, job: Job, spec: GenSpec, seq, ids: list[int]) -> str:
-        req = job.req
-        reuse = seq.prepare(ids, req.gen + 1)
+    def _completion_start(self, job: Job, spec: GenSpec, seq, ids: list[int]):
+        """A completion's sequence prepared and Started posted: (positions reused, end ids,
+        sampler, text parser)."""
+        reuse = seq.prepare(ids, job.req.gen + 1)
         job.start(Started(len(ids), reuse))
         ends = tuple(self.engine.ctl.end_ids) if _has_ctl(self.engine) else ()
-        # the text a client sees leaves every added (control) id out; the ids stay counted
-        hidden = set(getattr(self.tok, "added", None) or ()) | set(ends)
-        stops = StopMatcher(req.stops)
         sampler = spec.sampling.sampler()
         sampler.new_turn(1)
+        # the text a client sees leaves every added (control) id out; the ids stay counted
+        hidden = set(getattr(self.tok, "added", None) or ()) | set(ends)
+        return reuse, ends, sampler, TextStream(self.tok, hidden)
+
+    def _completion_turn(self, job: Job, spec: GenSpec, seq, ids: list[int]) -> str:
+        reuse, ends, sampler, parser = self._completion_start(job, spec, seq, ids)
+        stops = StopMatcher(job.req.stops)
         turn = Turn(self.engine.generate(seq, spec, sampler, job.cancel, stop_in_pass=True,
-                                         end_ids=ends, reused=reuse,
-                                         parser=TextStream(self.tok, hidden)))
+                                         end_ids=ends, reused=reuse, parser=parser))
         slot = Slot(job, spec, stops, seq)
         for ev in turn:
             if isinstance(ev, TokenOut):
@@ -396,7 +400,6 @@ class Backend:
         """Start a request for the batch: its refusals (ApiError, before Started), its
         sequence from the prompt cache, prepared; Started posted.  Greedy or sampled, no
         speculation (a batch step is already one pass for several sequences)."""
-        from ..generate import BatchRun
         req = job.req
         spec = self._gen_spec(req).with_(spec=0)
         if req.kind == "chat":
@@ -407,16 +410,11 @@ class Backend:
             except LimitError as e:
                 self.cache.give_back(seq)
                 raise limit_error(e) from None
+            job.start(Started(n, reuse))
         else:
             ids = self._completion_ids(req)
-            conv, seq = None, self.cache.take(ids)
-            n, reuse = len(ids), seq.prepare(ids, req.gen + 1)
-            ends = tuple(self.engine.ctl.end_ids) if _has_ctl(self.engine) else ()
-            sampler = spec.sampling.sampler()
-            sampler.new_turn(1)
-            parser = TextStream(self.tok, set(getattr(self.tok, "added", None) or ()) |
-                                set(ends))
-        job.start(Started(n, reuse))
+            conv, seq, n = None, self.cache.take(ids), len(ids)
+            reuse, ends, sampler, parser = self._completion_start(job, spec, seq, ids)
         run = BatchRun(seq, spec, sampler, parser, end_ids=ends,
                        summary=TurnSummary([], n, reused=reuse))
         return Slot(job, spec, StopMatcher(req.stops), seq, conv, run)
