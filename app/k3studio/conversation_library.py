@@ -11,7 +11,6 @@ not the one loaded, selects and loads that model (`wantsModel`).
 from __future__ import annotations
 
 import os
-import time
 
 from PySide6.QtCore import QObject, Signal
 
@@ -41,8 +40,7 @@ class ConversationLibrary(QObject):
         # the reply being generated, saved as an incomplete reply as its first tokens come
         # and then about once a second, so a crash (kill -9) loses at most that much of it;
         # the next start shows it, and Continue resumes it (issue 47)
-        self._draft: dict | None = None
-        self._draft_saved = 0.0
+        self._draft = None               # conversation.ReplyDraft while a turn streams
         host.conversation.connect(self._snapshot)
         host.pendingChanged.connect(self._pending)
         host.turnStarted.connect(self._turn_started)
@@ -139,30 +137,21 @@ class ConversationLibrary(QObject):
             self._write(self.host.messages, force=True)
 
     # -- the reply being generated (crash safety) ----------------------------------------
-    DRAFT_EVERY_S = 1.0
-
     def _turn_started(self, info: dict) -> None:
+        from k3engine.conversation import ReplyDraft
         prior = info.get("prior") or {}
-        self._draft = dict(content=prior.get("content") or "",
-                           reasoning=prior.get("reasoning") or ("" if info.get("thinking")
-                                                                else None),
-                           ids=list(prior.get("ids") or ()), why="stopped")
-        self._draft_saved = 0.0           # the first tokens are saved at once
+        self._draft = ReplyDraft(prior.get("ids") or (), prior.get("content") or "",
+                                 prior.get("reasoning") or ("" if info.get("thinking")
+                                                            else None))
 
     def _streamed(self, records: list) -> None:
         d = self._draft
         if d is None:
             return
         for r in records:
-            if r.get("id", -1) >= 0:
-                d["ids"].append(int(r["id"]))
-            if r.get("phase") == "response":
-                d["content"] += r.get("text_delta") or ""
-            elif r.get("phase") == "thinking" and d["reasoning"] is not None:
-                d["reasoning"] += r.get("text_delta") or ""
-        if d["ids"] and time.monotonic() - self._draft_saved >= self.DRAFT_EVERY_S:
-            self._draft_saved = time.monotonic()
-            self._pending(dict(d))
+            d.push(r.get("id", -1), r.get("phase"), r.get("text_delta") or "")
+        if d.due():
+            self._pending(d.as_dict())
 
     def _turn_finished(self, _info) -> None:
         self._draft = None               # the engine's own pending (or none) follows it

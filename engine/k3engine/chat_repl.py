@@ -20,7 +20,7 @@ import time
 
 from .chat import HELP_LINES, USER_PROMPT, ChatError, History, HistoryLock, apply_system
 from .console import Printer
-from .conversation import Conversation
+from .conversation import Conversation, ReplyDraft
 from .engine import Cancel, GenSpec, LoadSpec, chat_controls, open_engine
 from .errors import (EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE,
                      EngineError)
@@ -290,7 +290,6 @@ class PartialFile:
     transcript and the reply so far).  The history file itself keeps the reference's
     format: an unanswered question, as a crash always left it."""
 
-    EVERY_S = 1.0
     LIMIT = 16 << 20
 
     def __init__(self, history_path: str | None):
@@ -318,23 +317,16 @@ class PartialFile:
         conv.pending = pending
         return bool(ids)
 
-    def start(self, prior) -> dict | None:
+    def start(self, prior) -> ReplyDraft | None:
         if self.path is None:
             return None
-        return dict(ids=list(prior.ids) if prior else [],
-                    content=prior.content if prior else "",
-                    reasoning=prior.reasoning if prior else "", saved=0.0)
+        return ReplyDraft(prior.ids, prior.content, prior.reasoning or "") if prior \
+            else ReplyDraft()
 
-    def stream(self, d: dict, ev) -> None:
-        if ev.id >= 0:
-            d["ids"].append(ev.id)
-        if ev.phase == "response":
-            d["content"] += ev.text
-        elif ev.phase == "thinking":
-            d["reasoning"] = (d["reasoning"] or "") + ev.text
-        if d["ids"] and time.monotonic() - d["saved"] >= self.EVERY_S:
-            d["saved"] = time.monotonic()
-            self._write({k: v for k, v in d.items() if k != "saved"})
+    def stream(self, d: ReplyDraft, ev) -> None:
+        d.push(ev.id, ev.phase, ev.text)
+        if d.due():
+            self._write(d.as_dict())
 
     def settle(self, pending) -> None:
         """After the turn: the incomplete reply kept (or the file gone: the reply closed,

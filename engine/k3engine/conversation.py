@@ -13,6 +13,7 @@ TurnEnded) that returns the TurnSummary; a reply that closes is parsed and joins
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from . import events as E
@@ -20,7 +21,7 @@ from .chat import (ASSISTANT, ChatError, ChatOptions, History, Message, ReplyStr
                    encode_prompt, parse_reply, render_segments)
 from .generate import Cancel, GenSpec, Sampling, Turn, TurnSummary
 
-__all__ = ["Conversation", "PendingReply"]
+__all__ = ["Conversation", "PendingReply", "ReplyDraft"]
 
 
 @dataclass
@@ -39,6 +40,38 @@ class PendingReply:
     def as_dict(self) -> dict:
         return dict(ids=list(self.ids), content=self.content, reasoning=self.reasoning,
                     why=self.why, continuable=self.continuable)
+
+
+class ReplyDraft:
+    """The reply being written, for a crash copy: the ids and the text of each phase as
+    they stream, and when the copy is due (as the first tokens come, then about once a
+    second) -- what the app's library and the REPL's partial file save, so a kill -9 loses
+    at most that much of a reply (issue 47)."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, ids=(), content: str = "", reasoning: str | None = ""):
+        self.ids, self.content, self.reasoning = list(ids), content, reasoning
+        self._saved = 0.0
+
+    def push(self, tok_id: int, phase: str, text: str) -> None:
+        if tok_id >= 0:
+            self.ids.append(int(tok_id))
+        if phase == "response":
+            self.content += text
+        elif phase == "thinking" and self.reasoning is not None:
+            self.reasoning += text
+
+    def due(self) -> bool:
+        """True (and the clock reset) when a copy should be written now."""
+        if not self.ids or time.monotonic() - self._saved < self.EVERY_S:
+            return False
+        self._saved = time.monotonic()
+        return True
+
+    def as_dict(self) -> dict:
+        return dict(ids=list(self.ids), content=self.content, reasoning=self.reasoning,
+                    why="stopped")
 
 
 class Conversation:
