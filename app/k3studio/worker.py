@@ -454,25 +454,22 @@ class EngineWorker(QObject):
 
 def turn_info(res, spec: RunSpec, eng, tail: str = "") -> dict:
     """A finished turn for the panels: the engine's TurnSummary as plain values (its
-    figures(), the same the REPL and the server show) and what the panels label it with."""
-    lm, the_plan = eng.lm, eng.plan
+    figures(), the same the REPL and the server show), the engine's session figures, and
+    what the panels label it with."""
     n = res.new_ids
     return dict(
-        res.figures(), failed=False, n=n, ids=list(res.ids), prompt_ids=res.prompt_positions,
-        reused=res.reused, continued=res.continued, read_bytes=res.bytes_read,
-        peak_measured=eng.peak_measured, first_token_seconds=res.first_token_seconds,
+        res.figures(), **eng.session_figures(), failed=False, n=n, ids=list(res.ids),
+        prompt_ids=res.prompt_positions, reused=res.reused, continued=res.continued,
+        read_bytes=res.bytes_read, peak_measured=eng.peak_measured,
+        first_token_seconds=res.first_token_seconds,
         s_per_token=res.seconds / n if n else 0.0,
-        decode_s_per_token=res.decode_seconds / (n - 1) if n > 1 else 0.0,
+        decode_s_per_token=res.decode_s_per_token or 0.0,
         tokens_per_s=res.decode_tokens_per_s,
         prefill_positions_per_s=res.prefill_positions_per_s,
         end_id=res.end_id, end_name=res.end_name, interrupted=res.interrupted,
         reasoning=res.reasoning, content=res.content, tail=tail, gen=spec.gen,
-        thinking=spec.thinking, plan_total=the_plan.total_bytes,
-        available=the_plan.available_bytes,
-        retention=lm.experts.total.retention / 100.0,
-        true_resident_hit=lm.experts.total.true_hit_rate / 100.0,
-        expert_bytes_read=lm.experts.total.bytes_read,
-        trunk_bytes_read=lm.trunk.stored_bytes_read if lm.trunk else 0)
+        thinking=spec.thinking, plan_total=eng.plan.total_bytes,
+        available=eng.plan.available_bytes)
 
 
 # --------------------------------------------------------------------------- GUI side

@@ -462,6 +462,14 @@ class Engine:
             res.end_name = self.tok.added.get(res.end_id, str(res.end_id)) \
                 if hasattr(self.tok, "added") else str(res.end_id)
 
+    def session_figures(self) -> dict:
+        """Whole-session figures beside a turn's (the app's panels): the expert cache's
+        retention and true resident hit rate, expert and trunk bytes read so far."""
+        t, tr = self.lm.experts.total, self.lm.trunk
+        return dict(retention=t.retention / 100.0, true_resident_hit=t.true_hit_rate / 100.0,
+                    expert_bytes_read=t.bytes_read,
+                    trunk_bytes_read=tr.stored_bytes_read if tr else 0)
+
     @property
     def peak_measured(self) -> str:
         """How a turn's peak RSS is measured ('VmHWM' or 'samples', telemetry.PeakWindow)."""

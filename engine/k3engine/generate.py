@@ -134,6 +134,12 @@ class TurnSummary:
         return max(self.seconds - self.first_token_seconds, 0.0)
 
     @property
+    def decode_s_per_token(self) -> float | None:
+        """Seconds per token after the first (None with fewer than two)."""
+        n = self.new_ids
+        return self.decode_seconds / (n - 1) if n > 1 else None
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first, per second of their steps (the first pays the prefill)."""
         n = self.new_ids

@@ -474,7 +474,7 @@ def limit_error(e: LimitError) -> ApiError:
 def usage_ext(res: TurnSummary, note: str | None = None) -> dict:
     """The `k3` extension of a response's usage: the turn summary's figures (the same
     the app's stats line and the REPL's report show, rounded for the wire) and the ids."""
-    n = res.new_ids
     figs = {k: round(v, 6) if isinstance(v, float) else v for k, v in res.figures().items()}
-    return {**figs, "s_per_token": round(res.decode_seconds / (n - 1), 6) if n > 1 else None,
+    per = res.decode_s_per_token
+    return {**figs, "s_per_token": round(per, 6) if per is not None else None,
             "ids": [int(i) for i in res.ids], **({"note": note} if note else {})}
