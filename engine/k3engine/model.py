@@ -236,15 +236,19 @@ class AttnResStack:
 
 def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeights,
                   seqs: list[tuple[slice, KDAState | MLAState, int]], experts: ExpertSource,
-                  cfg: ModelConfig, router=route, moe_chunk: int = PREFILL_CHUNK) -> np.ndarray:
+                  cfg: ModelConfig, router=route, moe_chunk: int = PREFILL_CHUNK,
+                  tap: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """One layer over the rows of one or more sequences; h_TE is consumed (updated in place
     as the running sum).  `seqs`: each sequence's rows, its state of this layer and its past
     positions.  Attention runs per sequence on its own rows and state; everything else is
     row by row (each row bit-identical to a one-row call, the token-blocked kernels'
     guarantee), so the weights -- a streamed layer, the union of the rows' experts -- are
-    read once for all the sequences of a step."""
+    read once for all the sequences of a step.  `tap(a)` sees the layer's input aggregate
+    (the previous layer's output as this layer reads it: a block drafter's feature)."""
     run = h_TE                                                    # the block's running sum
     a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
+    if tap is not None:
+        tap(a)
     if cfg.is_boundary(L):
         stack.push(run)                                           # push the block sum, then
         run = None                                                # clear it
@@ -290,23 +294,26 @@ class Model:
         return SequenceState(self.cfg, capacity, self.n_layers, shared_recurrent)
 
     def forward(self, ids, state: SequenceState, all_logits: bool = False, cancel=None,
-                on_layer=None) -> np.ndarray:
+                on_layer=None, capture: dict | None = None) -> np.ndarray:
         """Run the new ids through the model, advancing `state`.  Returns the logits of
         the last position [V], or of every position [T, V] with all_logits.
 
         `cancel` (truthy when a stop was asked) is a safe point between layers: the pass
         raises Stopped.  A pass that raises for any reason leaves `state` poisoned (some
         layers advanced, others not), and a poisoned state is refused here.
-        `on_layer(L, T)` is called after each layer (prefill progress)."""
-        return self.forward_batch([(ids, state)], all_logits, cancel, on_layer)[0]
+        `on_layer(L, T)` is called after each layer (prefill progress).
+        `capture`: {layer id: None} to fill with that layer's output [T, E] as the next
+        layer reads it (the Block AttnRes aggregate; after the last layer the final one,
+        before the norm) -- the target features a block drafter reads (drafter.py)."""
+        return self.forward_batch([(ids, state)], all_logits, cancel, on_layer, capture)[0]
 
     def forward_batch(self, items, all_logits: bool = False, cancel=None,
-                      on_layer=None) -> list[np.ndarray]:
+                      on_layer=None, capture: dict | None = None) -> list[np.ndarray]:
         """`forward` for several sequences in one pass: `items` is (new ids, state) per
         sequence, each at its own position and length.  Every layer is bound once and the
         routed experts of all the rows are read once per layer; each sequence's logits are
         bit-identical to its own forward (tests/test_batch.py).  A pass that fails poisons
-        every state it carried."""
+        every state it carried.  `capture` (see forward) holds all the rows, in item order."""
         for _, state in items:
             if state.poisoned:
                 raise StateUnusable(f"sequence state is unusable: {state.poisoned}")
@@ -332,9 +339,12 @@ class Model:
                         state.layers[L].reset()                   # the one shared slot
                     seqs.append((slice(starts[b], starts[b + 1]), state.layers[L], pasts[b]))
                 lw = self.weights.layer(L)
+                tap = None
+                if capture is not None and L - 1 in capture:     # a copy: h is updated in place
+                    tap = (lambda a, k=L - 1: capture.__setitem__(k, a.copy()))
                 try:
                     h = decoder_layer(L, h, stack, lw, seqs, self.experts, cfg, self.router,
-                                      self.moe_chunk)
+                                      self.moe_chunk, tap)
                 finally:
                     self.weights.release(L)
                 self.layers_completed = L + 1
@@ -351,6 +361,8 @@ class Model:
         for n, past, (_, state) in zip(lengths, pasts, items):
             state.n_cached = past + n
         o = stack.aggregate(h, tables.phi_out, cfg.rms_eps)       # one more before the norm
+        if capture is not None and self.n_layers - 1 in capture:
+            capture[self.n_layers - 1] = o.copy()
         rows = o if all_logits else o[starts[1:] - 1]             # each sequence's last row
         logits = tables.project(rmsnorm(np.ascontiguousarray(rows), tables.final_norm,
                                         cfg.rms_eps))
