@@ -446,16 +446,22 @@ class Engine:
         return trunk, t.bytes_read, tables, t.requests, t.hits
 
     def turn_window(self):
-        """Open a turn's figures: counters now, this turn's peak from here."""
+        """Open the decode loop's figures: counters now, the peak from here."""
         self._trunk_mark = self._io_counters()
         if self._peak is not None:
             self._peak.reset()
         return self._turn_counters()
 
+    def counters(self):
+        """(trunk, expert, table bytes, expert requests, hits) so far: a run's window."""
+        return self._turn_counters()
+
     def close_window(self, window, res: TurnSummary) -> None:
-        """The turn's figures: counter deltas since turn_window, and its peak RSS."""
-        (res.trunk_bytes, res.expert_bytes, res.table_bytes, res.expert_requests,
-         res.expert_hits) = (now - then for now, then in zip(self._turn_counters(), window))
+        """`res`'s figures at its end: counter deltas since `window` (None: keep the
+        shares the loop gave it), the peak RSS since turn_window, the end id's name."""
+        if window is not None:
+            (res.trunk_bytes, res.expert_bytes, res.table_bytes, res.expert_requests,
+             res.expert_hits) = (now - then for now, then in zip(self._turn_counters(), window))
         res.peak_rss_bytes = self._peak.sample() if self._peak is not None \
             else peak_rss_bytes()
         if res.end_id is not None and self.tok is not None:

@@ -24,7 +24,7 @@ from .model import Stopped
 from .speculative import MAX_DRAFT, SpecCounters, SpecWidth, spec_step
 
 __all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream", "Turn",
-           "BatchRun", "BatchSummary", "decode_many"]
+           "Run", "BatchRun", "BatchSummary", "decode_many", "JOIN_CHUNK"]
 
 
 class Cancel:
@@ -205,111 +205,18 @@ def _hard(cancel):
     return getattr(cancel, "hard", cancel)
 
 
-def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
-           parser=None, stop_in_pass: bool = False, fork_at: int = 0, reused: int = 0,
-           prompt_positions: int | None = None, prior: list[int] | None = None,
-           end_ids=()):
-    """Generate on `seq` (whose pending ids are fed first) up to `spec.gen` ids, yielding
-    StepDone and TokenOut events; returns the TurnSummary.  `sampler` picks each id
-    (greedy when it does not sample).  `parser` turns ids into (phase, text): a chat
-    reply's ReplyStream, else plain text.  `end_ids` end the turn like stop ids.
-    `fork_at` (a position inside the pending prompt): split the prompt pass there and keep
-    a fork snapshot (an edit of the message that starts there reuses everything before).
-    `prior`: ids of an incomplete reply this turn continues (counted in the summary's ids).
-    `stop_in_pass` honours `cancel` between the layers of the prompt pass too."""
-    lm = engine.lm
-    gen = spec.gen
-    parser = parser or TextStream(engine.tok)
-    out = list(prior or ())
-    base = len(out)
-    stops = set(spec.stop_ids) | set(end_ids)
-    res = TurnSummary([], len(seq.ids) if prompt_positions is None else prompt_positions,
-                      reused=reused, continued=base)
-    width = SpecWidth(min(spec.spec, engine.spec_max, MAX_DRAFT) or 1, spec.spec_auto)
-    speculate = engine.incremental and spec.spec > 0 and engine.spec_max > 0 and \
-        not sampler.sampling
-    window = engine.turn_window()
-    progress = engine.prefill_progress(len(seq.pending))
-    g = 0
-    hit = None
-    while len(out) - base < gen or (engine.incremental and g == 0):
-        if cancel:
-            res.interrupted = True
-            break
-        lm.experts.reset_step()
-        t0 = time.monotonic()
-        left = gen - (len(out) - base)
-        emitted: list[int] = []
-        try:
-            if speculate and g > 0 and left > 1 and width.ready():
-                before_d, before_a = res.spec.drafted, res.spec.accepted
-                emitted, logits = spec_step(lm.model, seq.ids, seq.state, min(width.n, left - 1),
-                                            res.spec, engine.proposer(seq), stops)
-                width.update(res.spec.drafted - before_d, res.spec.accepted - before_a)
-                res.spec.width = width.n
-            elif engine.incremental and g == 0 and not seq.pending and seq.logits is not None:
-                logits = seq.logits           # a pass completed for a requester that left
-            elif engine.incremental:
-                stop = _hard(cancel) if stop_in_pass and g == 0 else None
-                on_layer = progress if g == 0 else None
-                if g == 0 and 0 < fork_at - seq.position < len(seq.pending):
-                    seq.feed(fork_at - seq.position, stop, on_layer)
-                    seq.keep_fork()
-                logits = seq.feed(len(seq.pending), stop, on_layer)
-                if g == 0 and stop_in_pass and cancel:   # asked during the pass: keep it
-                    seq.logits = logits
-                    res.interrupted = True
-                    res.layers_completed = lm.model.layers_completed
-                    break
-            else:
-                logits = seq.recompute(_hard(cancel) if stop_in_pass else None)
-        except ExpertLoadError as e:          # never emit a token computed without an expert
-            res.expert_drop, res.expert_error = str(e), e
-            res.layers_completed = lm.model.layers_completed
-            break
-        except Stopped:
-            res.interrupted = True
-            res.layers_completed = lm.model.layers_completed
-            break
-        if not emitted and left > 0:
-            emitted = [sampler.sample(logits)]
-        hit = next((n for n, i in enumerate(emitted) if i in stops), None)
-        if hit is not None:                   # a sweep that ran past a stop id is cut there
-            emitted = emitted[:hit + 1]
-            res.end_id = emitted[-1]
-        seconds = time.monotonic() - t0
-        res.steps += 1
-        res.seconds += seconds
-        if g == 0:
-            res.first_token_seconds = seconds
-        res.layers_completed = lm.model.layers_completed
-        seq.ids += emitted
-        out += emitted
-        if g == 0:
-            res.first_logits = logits
-        yield E.StepDone(g, tuple(emitted), seconds, engine.measure_step(seconds),
-                         logits if g == 0 else None)
-        yield from engine.trunk_notices()
-        for i in emitted:
-            phase, text = parser.push(i)
-            yield E.TokenOut(i, text, phase)
-        g += 1
-        if hit is not None:
-            break
-    tail = parser.flush()
-    if tail:
-        yield E.TokenOut(-1, tail, parser.phase)
-    res.ids = out
-    engine.close_window(window, res)
-    return res
+# A prompt that joins while other runs are decoding is fed this many positions a step, so
+# the others' next tokens wait for a chunk, not for the whole prompt; the chunk rides on
+# the trunk pass the others' rows need anyway.  Alone, a prompt goes in one pass (a
+# streamed trunk would otherwise be read once per chunk).
+JOIN_CHUNK = 64
 
-
-# ---- several sequences per pass ---------------------------------------------------------
 
 @dataclass(eq=False)
-class BatchRun:
-    """One sequence of a batch (decode_many): its Sequence (the prompt pending), GenSpec and
-    sampler; `summary` is filled in as it runs.  `leave()` drops it at the next step."""
+class Run:
+    """One sequence of the decode loop: its Sequence (the prompt pending), GenSpec and
+    sampler, and how this turn goes (see `decode`); `summary` is filled in as it runs.
+    `leave()` drops it at the next step."""
     seq: object
     spec: GenSpec
     sampler: object
@@ -317,17 +224,82 @@ class BatchRun:
     end_ids: tuple = ()
     summary: TurnSummary | None = None
     finished: bool = False
+    cancel: object = None               # this run's stop request
+    stop_in_pass: bool = False          # ... honoured between the layers of a prompt pass
+    fork_at: int = 0                    # a fork point inside the pending prompt
+    prior: list | None = None           # an incomplete reply this turn continues
+    reused: int = 0
+    prompt_positions: int | None = None
 
     def leave(self) -> None:
-        """Out of the batch from the next step on (a stop string, a client gone)."""
-        self.finished = True
+        """Out of the loop from the next step on (a stop string, a client gone); its
+        figures are closed now, its parser's held-back text dropped."""
+        if self.finished:
+            return
         if self.summary is not None and self.summary.end_id is None:
             self.summary.interrupted = True
+        if hasattr(self, "_engine"):
+            self._finish(self._engine)
+        self.finished = True
+
+    # -- the loop's own bookkeeping ---------------------------------------------------
+    def _join(self, engine) -> None:
+        self._engine = engine
+        seq = self.seq
+        if self.summary is None:
+            n = len(seq.ids) if self.prompt_positions is None else self.prompt_positions
+            self.summary = TurnSummary([], n, reused=self.reused)
+        self.summary.ids = list(self.prior or ())
+        self.summary.continued = len(self.summary.ids)
+        self.parser = self.parser or TextStream(engine.tok)
+        self._stops = frozenset(self.spec.stop_ids) | frozenset(self.end_ids)
+        self._width = SpecWidth(min(self.spec.spec, engine.spec_max, MAX_DRAFT) or 1,
+                                self.spec.spec_auto)
+        self._speculate = engine.incremental and self.spec.spec > 0 and \
+            engine.spec_max > 0 and not self.sampler.sampling
+        self._g = 0                     # steps that ended with the prompt taken in
+        self._alone = True              # every step so far carried only this run:
+        self._window = engine.counters()    # then its figures are its own, exactly
+
+    @property
+    def _left(self) -> int:
+        return self.spec.gen - self.summary.new_ids
+
+    def _wants_step(self, engine) -> bool:
+        return self._left > 0 or (engine.incremental and self._g == 0)
+
+    def _finish(self, engine) -> str:
+        """The run is over: its figures (its own window when it ran alone, else the
+        shares of the steps it was in); returns its parser's held-back text."""
+        self.finished = True
+        self.summary.layers_completed = engine.lm.model.layers_completed
+        engine.close_window(self._window if self._alone else None, self.summary)
+        return self.parser.flush()
+
+
+def decode(engine, seq, spec: GenSpec, sampler, cancel: Cancel | None = None, *,
+           parser=None, stop_in_pass: bool = False, fork_at: int = 0, reused: int = 0,
+           prompt_positions: int | None = None, prior: list[int] | None = None,
+           end_ids=()):
+    """Generate on `seq` (whose pending ids are fed first) up to `spec.gen` ids, yielding
+    StepDone and TokenOut events; returns the TurnSummary: the one loop (decode_many)
+    with one run.  `sampler` picks each id (greedy when it does not sample).  `parser`
+    turns ids into (phase, text): a chat reply's ReplyStream, else plain text.  `end_ids`
+    end the turn like stop ids.  `fork_at` (a position inside the pending prompt): split
+    the prompt pass there and keep a fork snapshot (an edit of the message that starts
+    there reuses everything before).  `prior`: ids of an incomplete reply this turn
+    continues (counted in the summary's ids).  `stop_in_pass` honours `cancel` between
+    the layers of the prompt pass too."""
+    run = Run(seq, spec, sampler, parser, tuple(end_ids), cancel=cancel,
+              stop_in_pass=stop_in_pass, fork_at=fork_at, prior=prior, reused=reused,
+              prompt_positions=prompt_positions)
+    yield from decode_many(engine, [run])
+    return run.summary
 
 
 @dataclass
 class BatchSummary:
-    """A batch's shared figures: every step read the trunk and the experts once for all."""
+    """The loop's shared figures: every step read the trunk and the experts once for all."""
     steps: int = 0
     seconds: float = 0.0
     tokens: int = 0
@@ -346,89 +318,187 @@ class BatchSummary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def decode_many(engine, runs: list, cancel: Cancel | None = None):
-    """Decode several sequences together: each step feeds every active run's pending ids
-    (a joining run's whole prompt, the others' last token) in ONE pass
-    (Model.forward_batch: a streamed layer bound once, the union of the rows' experts read
-    once), then each run samples its own next id with its own sampler.  `runs` may grow
-    between steps (a run joins at the next step; a finished one may be taken out) and a run
-    may `leave()`.  Each run's ids
-    equal the same prompt decoded alone (tests/test_batch.py).  Yields per step a TokenOut
-    per run (`row`: its index in `runs`), then StepDone; returns the BatchSummary.  A run's
-    summary counts its share of each step's reads.
-    Greedy and sampled runs alike; speculation is not batched."""
+def decode_many(engine, runs: list, cancel: Cancel | None = None, between=None):
+    """THE decode loop (SYSTEM §6.4, §9.3): one or several Runs, each step ONE pass for
+    every active run's rows (Model.forward_batch: a streamed layer bound once, the union
+    of the rows' experts read once), then each run samples its own next id with its own
+    sampler, stops and limit.  Each run's ids equal the same run decoded alone
+    (tests/test_batch.py); a run alone in a step gets everything a single turn has
+    (speculation, a fork point, a stop between the layers of its prompt pass, a kept
+    pass's logits, the reference's full recompute).  `runs` may grow and runs may
+    `leave()` at step boundaries: `between()` is called at each (the server admits and
+    closes requests there); a joining prompt shares steps with the others' decode rows
+    JOIN_CHUNK positions at a time.  `cancel` stops every run.  Yields per step StepDone,
+    the trunk's notices, then the step's TokenOuts (`row`: the run's index in `runs`; a
+    finished run's held-back text as id -1); returns the BatchSummary.  A failed step
+    fails the runs in it."""
     lm = engine.lm
     agg = BatchSummary()
     window = engine.turn_window()
-    stops: dict[int, frozenset] = {}          # per run, made when it joins
     g = 0
     while True:
+        if g and between is not None:
+            between()
         for r in runs:
-            if r.summary is None:                              # joins now
-                r.summary = TurnSummary([], len(r.seq.pending))
-                r.parser = r.parser or TextStream(engine.tok)
-            if id(r) not in stops:
-                stops[id(r)] = frozenset(r.spec.stop_ids) | frozenset(r.end_ids)
-        active = [r for r in runs if not r.finished and r.spec.gen > 0]
+            if not hasattr(r, "_g"):
+                r._join(engine)
+        out: list = []                        # (run, ids emitted, finished now)
+        for r in runs:                        # a stop request: every run's, or its own
+            if not r.finished and (cancel or r.cancel):
+                r.summary.interrupted = True
+                out.append((r, [], True))
+            elif not r.finished and not r._wants_step(engine):
+                out.append((r, [], True))     # nothing left to do (gen reached, gen 0)
+        ending = {id(r) for r, _, _ in out}
+        active = [r for r in runs if not r.finished and id(r) not in ending]
         if not active:
+            yield from _tokens(engine, runs, out)
             break
-        if cancel:
+        alone = len(active) == 1
+        if not alone:
+            if not engine.incremental:
+                raise ValueError("several runs at once need incremental decode")
             for r in active:
-                r.summary.interrupted = r.finished = True
-            break
+                r._alone = False
         lm.experts.reset_step()
         t0 = time.monotonic()
-        fed = [r for r in active if r.seq.pending]   # the rest: a pass kept for a resend
         try:
-            got = lm.model.forward_batch([(r.seq.pending, r.seq.state) for r in fed]) \
-                if fed else []
+            results = _step(engine, active, alone)
         except ExpertLoadError as e:          # never emit a token computed without an expert
             for r in active:
                 r.summary.expert_drop, r.summary.expert_error = str(e), e
-                r.finished = True
+                out.append((r, [], True))
+            yield from _tokens(engine, runs, out)
             break
-        by_run = dict(zip(map(id, fed), got))
-        logits = [by_run.get(id(r), r.seq.logits) for r in active]
+        except Stopped:                       # only a run alone stops inside a pass
+            active[0].summary.interrupted = True
+            out.append((active[0], [], True))
+            yield from _tokens(engine, runs, out)
+            break
         seconds = time.monotonic() - t0
-        emitted = []
-        for r, lg in zip(active, logits):
+        emitted_all: list[int] = []
+        first, kept = None, False
+        for r, logits in zip(active, results):
             res = r.summary
-            tok = r.sampler.sample(lg)
-            if res.steps == 0:
-                res.first_token_seconds, res.first_logits = seconds, lg
+            res.layers_completed = lm.model.layers_completed
+            if r._g == 0 and r.stop_in_pass and r.cancel and logits is not None:
+                r.seq.logits = logits         # asked during the pass: keep it for a resend
+                res.interrupted = kept = True
+                out.append((r, [], True))
+                continue
             res.steps += 1
             res.seconds += seconds
-            res.ids.append(tok)
-            r.seq.ids.append(tok)
-            emitted.append(tok)
-            if tok in stops[id(r)]:
-                res.end_id, r.finished = tok, True
-            elif len(res.ids) >= r.spec.gen:
-                r.finished = True
+            if logits is None:                # a prompt chunk: no token yet
+                continue
+            if isinstance(logits, tuple):     # a speculative sweep: its ids and logits
+                emitted, logits = logits
+            else:
+                emitted = [r.sampler.sample(logits)] if r._left > 0 else []
+            hit = next((n for n, i in enumerate(emitted) if i in r._stops), None)
+            if hit is not None:               # a sweep that ran past a stop id is cut there
+                emitted = emitted[:hit + 1]
+                res.end_id = emitted[-1]
+            if r._g == 0:
+                res.first_token_seconds, res.first_logits = res.seconds, logits
+                first = logits if alone else None
+            r._g += 1
+            r.seq.ids += emitted
+            res.ids += emitted
+            emitted_all += emitted
+            out.append((r, emitted, hit is not None or r._left <= 0))
+        if alone and kept:                    # stopped in its prompt pass: not a step
+            yield from _tokens(engine, runs, out)
+            break
         agg.steps += 1
         agg.seconds += seconds
-        agg.tokens += len(emitted)
+        agg.tokens += len(emitted_all)
         agg.sizes.append(len(active))
         tel = engine.measure_step(seconds)
         for r in active:                      # each run's share of the step's reads
-            r.summary.trunk_bytes += tel.trunk_bytes // len(active)
-            r.summary.expert_bytes += tel.expert_bytes // len(active)
-            r.summary.table_bytes += tel.model_table_bytes // len(active)
-        row = {id(r): i for i, r in enumerate(runs)}
-        for r, tok in zip(active, emitted):   # the step's tokens, then the step is done
-            phase, text = r.parser.push(tok)
-            yield E.TokenOut(tok, text, phase, row=row[id(r)])
-        yield E.StepDone(g, tuple(emitted), seconds, tel)
+            res, n = r.summary, len(active)
+            res.trunk_bytes += tel.trunk_bytes // n
+            res.expert_bytes += tel.expert_bytes // n
+            res.table_bytes += tel.model_table_bytes // n
+            res.expert_requests += tel.expert_requests // n
+            res.expert_hits += tel.expert_hits // n
+        yield E.StepDone(g, tuple(emitted_all), seconds, tel, first)
         yield from engine.trunk_notices()
+        yield from _tokens(engine, runs, out)
         g += 1
     scratch = TurnSummary([], 0)
     engine.close_window(window, scratch)
-    for r in runs:
-        if r.summary is not None:
-            r.summary.layers_completed = lm.model.layers_completed
-            r.summary.peak_rss_bytes = scratch.peak_rss_bytes
     agg.trunk_bytes, agg.expert_bytes, agg.table_bytes = (scratch.trunk_bytes,
                                                           scratch.expert_bytes,
                                                           scratch.table_bytes)
     agg.peak_rss_bytes = scratch.peak_rss_bytes
     return agg
+
+
+def _step(engine, active: list, alone: bool) -> list:
+    """One step's passes: per active run, its logits (None: a prompt chunk that is not
+    the last), or (ids, logits) of a speculative sweep."""
+    from .sequence import feed_together
+    lm = engine.lm
+    if alone:
+        r = active[0]
+        seq = r.seq
+        if r._speculate and r._g > 0 and r._left > 1 and r._width.ready():
+            res = r.summary
+            before_d, before_a = res.spec.drafted, res.spec.accepted
+            emitted, logits = spec_step(lm.model, seq.ids, seq.state,
+                                        min(r._width.n, r._left - 1), res.spec,
+                                        engine.proposer(seq), r._stops)
+            r._width.update(res.spec.drafted - before_d, res.spec.accepted - before_a)
+            res.spec.width = r._width.n
+            return [(emitted, logits)]
+        if engine.incremental and r._g == 0 and not seq.pending and seq.logits is not None:
+            return [seq.logits]               # a pass completed for a requester that left
+        stop = _hard(r.cancel) if r.stop_in_pass and r._g == 0 else None
+        if not engine.incremental:
+            return [seq.recompute(stop)]
+        on_layer = engine.prefill_progress(len(seq.pending)) if r._g == 0 else None
+        if r._g == 0 and 0 < r.fork_at - seq.position < len(seq.pending):
+            seq.feed(r.fork_at - seq.position, stop, on_layer)
+            seq.keep_fork()
+        return [seq.feed(len(seq.pending), stop, on_layer)]
+    # several runs: one pass; a prompt goes JOIN_CHUNK positions a step, cut at its fork
+    # point (a stop request waits for the step boundary: the pass carries other states)
+    fed, chunks = [], []
+    for r in active:
+        seq = r.seq
+        n = len(seq.pending)
+        if n == 0:                            # a kept pass's logits
+            continue
+        if r._g == 0:
+            n = min(n, JOIN_CHUNK)
+            if 0 < r.fork_at - seq.position < n:
+                n = r.fork_at - seq.position
+        fed.append(r)
+        chunks.append((seq, n))
+    got = dict(zip(map(id, fed), feed_together(chunks))) if chunks else {}
+    out = []
+    for r in active:
+        seq = r.seq
+        if id(r) not in got:
+            out.append(seq.logits)
+            continue
+        if r._g == 0 and r.fork_at == seq.position and seq.pending:
+            seq.keep_fork()                   # the chunk ended at the fork point
+        out.append(got[id(r)] if not seq.pending else None)
+    return out
+
+
+def _tokens(engine, runs: list, out: list):
+    """The TokenOuts of a step, and the end of the runs that finished in it."""
+    row = {id(r): i for i, r in enumerate(runs)}
+    for r, ids, done in out:
+        for i in ids:
+            phase, text = r.parser.push(i)
+            yield E.TokenOut(i, text, phase, row=row[id(r)])
+        if done:
+            tail = r._finish(engine)
+            if tail:
+                yield E.TokenOut(-1, tail, r.parser.phase, row=row[id(r)])
+
+
+BatchRun = Run          # the name the batch file, the server and the benches use

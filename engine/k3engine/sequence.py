@@ -18,7 +18,7 @@ from .chat import reuse_positions
 from .errors import StateUnusable
 from .state import SequenceState, grown, restore, snapshot
 
-__all__ = ["Sequence", "FORK_SNAPSHOT_BYTES"]
+__all__ = ["Sequence", "FORK_SNAPSHOT_BYTES", "feed_together"]
 
 # Recurrent-state snapshots kept for forks (an edited earlier message): at most this many
 # bytes in all, newest first.  One snapshot is the KDA state (626 MB on the released model,
@@ -118,10 +118,7 @@ class Sequence:
         """Run the next `n` pending ids through the model; the logits of the last position.
         A pass that fails or is stopped part-way poisons the state (Model.forward), and
         nothing reuses it afterwards."""
-        p = self.position
-        self.logits = None
-        return self._model.forward(self.ids[p:p + n], self.state, cancel=cancel,
-                                   on_layer=on_layer)
+        return feed_together([(self, n)], cancel, on_layer)[0]
 
     def recompute(self, cancel=None):
         """The reference's default decode: the whole sequence from a fresh state."""
@@ -158,3 +155,17 @@ class Sequence:
         if not self.usable:
             raise StateUnusable(f"{path}: not written: {self.poisoned or 'no state'}")
         return save_state(path, self.state, self.ids)
+
+
+def feed_together(items, cancel=None, on_layer=None) -> list:
+    """Feed several sequences in ONE pass (Model.forward_batch): `items` is (sequence, n)
+    -- the next n pending ids of each.  Each gets the logits of its last fed position, bit
+    for bit what it would get alone; a pass that fails poisons every state it carried."""
+    model = items[0][0]._model
+    fed = []
+    for seq, n in items:
+        p = seq.position
+        seq.logits = None
+        fed.append((seq.ids[p:p + n], seq.state))
+    return model.forward_batch(fed, cancel=cancel, on_layer=on_layer)
+

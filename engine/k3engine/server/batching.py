@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ..events import StepDone, TokenOut
+from ..events import TokenOut
 from ..generate import decode_many
 from .engine import ApiError, EngineThread, Fail, engine_error
 
@@ -100,24 +100,28 @@ class BatchingEngineThread(EngineThread):
             if not runs:
                 continue
             slot_of = {id(s.run): s for s in self._slots}
+
+            def between() -> None:
+                """A step boundary: runs of clients that left go, finished requests are
+                answered (their last tokens were relayed after the step), waiting ones
+                join."""
+                for s in self._slots:                      # clients that left, shutdown
+                    if s.job.cancel:
+                        s.run.leave()
+                self._close_finished()
+                # finished runs leave the list (their sequences are back in the prompt
+                # cache; a batch that never empties would hold them all)
+                runs[:] = [r for r in runs if not r.finished]
+                before = len(runs)
+                self._admit(runs)
+                for run in runs[before:]:
+                    slot_of[id(run)] = next(s for s in self._slots if s.run is run)
+
             try:
-                for ev in decode_many(engine, runs):
+                for ev in decode_many(engine, runs, between=between):
                     if isinstance(ev, TokenOut):
                         run = runs[ev.row]
                         self.backend.relay(slot_of[id(run)], ev, run.leave)
-                    elif isinstance(ev, StepDone):
-                        for s in self._slots:              # clients that left, shutdown
-                            if s.job.cancel:
-                                s.run.leave()
-                        self._close_finished()
-                        # finished runs leave the list (their sequences are back in the
-                        # prompt cache; a batch that never empties would hold them all)
-                        runs[:] = [r for r in runs if not r.finished]
-                        slot_of = {id(r): slot_of[id(r)] for r in runs}
-                        before = len(runs)
-                        self._admit(runs)                  # joins at this step boundary
-                        for run in runs[before:]:
-                            slot_of[id(run)] = next(s for s in self._slots if s.run is run)
             except BaseException as e:  # noqa: BLE001 - a failed step fails its requests
                 err = engine_error(e)
                 for s in list(self._slots):
