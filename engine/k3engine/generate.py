@@ -271,6 +271,8 @@ class Run:
     def _finish(self, engine) -> str:
         """The run is over: its figures (its own window when it ran alone, else the
         shares of the steps it was in); returns its parser's held-back text."""
+        if self.finished:                     # it left (leave) during its last step
+            return ""
         self.finished = True
         self.summary.layers_completed = engine.lm.model.layers_completed
         engine.close_window(self._window if self._alone else None, self.summary)
