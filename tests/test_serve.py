@@ -29,7 +29,7 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(demo):
-    with serve(demo, "--api-key", KEY, "--queue", "1", "--gen", str(GEN_CEILING),
+    with serve(demo, "--api-key", KEY, "--queue", "1", "--parallel", "1", "--gen", str(GEN_CEILING),
                "--max-body-bytes", "200000", "--max-messages", "64") as s:
         yield s
 

@@ -155,14 +155,16 @@ def chat_controls(tok):
 
 def open_engine(spec: LoadSpec, sink: E.Sink | None = None, tok=None, *,
                 prompt: Prompt | None = None, gen: int = MAX_GEN,
-                stop_ids: Seq[int] = (), load_state: str | None = None) -> "Engine":
+                stop_ids: Seq[int] = (), load_state: str | None = None,
+                plan_only: bool = False) -> "Engine":
     """Threads, config, tokenizer, the first request's prompt, limits, index, plan
     (refusals), then the model, in the order the reference reports them; each stage is an
     event to `sink`.  The plan's KV cache is sized for the first request: `prompt` (a
     batch run's; `engine.prompt_ids` after this), `gen` ids and a resumed `load_state`
     (a chat or a server sizes for `gen` alone and checks each turn, check_limits).  `tok`
     is a tokenizer the caller already loaded from spec.tok_dir (the chat REPL needs it
-    before the model).  Raises an EngineError (errors.describe gives its exit code)."""
+    before the model).  Raises an EngineError (errors.describe gives its exit code).
+    `plan_only`: stop after the plan and return it (nothing is loaded)."""
     sink = sink or (lambda ev: None)
     threads = spec.threads or default_threads()
     set_threads(threads)
@@ -210,6 +212,9 @@ def open_engine(spec: LoadSpec, sink: E.Sink | None = None, tok=None, *,
                        setup.manifest.total_bytes() if setup.manifest else 0))
         if the_plan.refusals:
             raise PlanRefused(the_plan)
+        if plan_only:
+            setup.ck.close()
+            return the_plan
         engine = Engine(spec, cfg, nl, tok, setup, the_plan, positions, sink, threads,
                         available)
         engine.prompt_ids, engine.n_prior = ids, n_prior

@@ -22,6 +22,20 @@ class BatchingEngineThread(EngineThread):
         self.parallel = parallel
         self._slots: list = []                  # the requests in the batch, joined in order
         super().__init__(backend, queue)
+        engine = backend.engine
+        engine.sink = self._progress(engine.sink)
+
+    def _progress(self, sink):
+        """Prefill progress (per layer, from a prompt pass that runs alone) goes to the
+        request whose prompt it is; a prompt that shares steps reports at its end."""
+        def on_event(ev) -> None:
+            prefilling = [s for s in self._slots if s.run.summary is not None
+                          and not s.run.summary.steps]
+            if len(prefilling) == 1:
+                self.backend._progress_to(prefilling[0].job, sink)(ev)
+            else:
+                sink(ev)
+        return on_event
 
     def submit(self, job) -> None:
         from .engine import QueueFull

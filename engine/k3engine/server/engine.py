@@ -398,25 +398,27 @@ class Backend:
     # -- batched (server/batching.py: several requests share each step) ---------------
     def open_slot(self, job: Job) -> Slot:
         """Start a request for the batch: its refusals (ApiError, before Started), its
-        sequence from the prompt cache, prepared; Started posted.  Greedy or sampled, no
-        speculation (a batch step is already one pass for several sequences)."""
+        sequence from the prompt cache, prepared; Started posted.  Alone in a step it
+        is decoded as a single request is (speculation, a stop inside its prompt pass, the
+        pass kept for a resend); beside others, plainly, stopping at step boundaries."""
         req = job.req
-        spec = self._gen_spec(req).with_(spec=0)
+        spec = self._gen_spec(req)
         if req.kind == "chat":
             conv, ends = self._conversation(req, spec)
             seq = conv.seq
             try:
-                n, reuse, _, sampler, parser = conv.begin(spec)
+                n, reuse, fork_at, sampler, parser = conv.begin(spec)
             except LimitError as e:
                 self.cache.give_back(seq)
                 raise limit_error(e) from None
             job.start(Started(n, reuse))
         else:
             ids = self._completion_ids(req)
-            conv, seq, n = None, self.cache.take(ids), len(ids)
+            conv, seq, n, fork_at = None, self.cache.take(ids), len(ids), 0
             reuse, ends, sampler, parser = self._completion_start(job, spec, seq, ids)
         run = BatchRun(seq, spec, sampler, parser, end_ids=ends,
-                       summary=TurnSummary([], n, reused=reuse))
+                       summary=TurnSummary([], n, reused=reuse), cancel=job.cancel,
+                       stop_in_pass=True, fork_at=fork_at)
         return Slot(job, spec, StopMatcher(req.stops), seq, conv, run)
 
     def close_slot(self, slot: Slot) -> str:

@@ -22,8 +22,9 @@ from ..engine import MAX_GEN, MAX_PROMPT
 USAGE_NOTE = """\
 endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
 (OpenAI-compatible), POST /v1/messages (Anthropic Messages); streamed as server-sent events
-with "stream": true.  One generation at a time; up to --queue requests wait, more get 429
-with Retry-After.  Timeouts and limits: docs/serving.md.
+with "stream": true.  Up to --parallel requests decode together (continuous batching: one
+trunk pass a step for all of them); up to --queue more wait, beyond that 429 with
+Retry-After.  Timeouts and limits: docs/serving.md.
 exit codes: 0 stopped cleanly, 1 the model could not be loaded, 2 bad options or plan."""
 
 
@@ -33,6 +34,8 @@ class _Memory(argparse.Action):
     def __call__(self, parser, ns, value, option_string=None):
         ns.memory.append((option_string, True if self.nargs == 0 else value))
 
+
+AUTO_PARALLEL = 4        # DESIGN: serve's default is what the plan allows, at most 4
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3 serve", epilog=USAGE_NOTE,
@@ -62,10 +65,11 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for the engine (default 4)")
     p.add_argument("--gen", type=int, default=MAX_GEN, metavar="N",
                    help=f"max_tokens ceiling and default (1..{MAX_GEN})")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="requests decoded together (continuous batching): each step reads "
                         "the trunk once for all of them; the plan counts N sequences of "
-                        "--gen positions (default 1)")
+                        f"--gen positions (default: as many as the plan allows, up to "
+                        f"{AUTO_PARALLEL})")
     p.add_argument("--spec", type=int, default=0, metavar="N",
                    help="n-gram speculative decoding of greedy requests, up to N (<= 8) "
                         "drafts per sweep: same ids as plain greedy, fewer trunk passes")
@@ -125,7 +129,7 @@ def check_options(a) -> str | None:
         return "--queue must be >= 0"
     if not 0 <= a.spec <= 8:
         return "--spec must be in 0..8"
-    if not 1 <= a.parallel <= 64:
+    if a.parallel is not None and not 1 <= a.parallel <= 64:
         return "--parallel must be in 1..64"
     for flag, v in (("--prompt-cache-gb", a.prompt_cache_gb),
                     ("--prompt-cache-disk-gb", a.prompt_cache_disk_gb)):
@@ -181,12 +185,18 @@ def main(argv: list[str]) -> int:
     from .engine import Backend, EngineThread
     from .protocol import Limits, ModelNames
     try:
-        spec = load_spec_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
-                              config_path=a.config, trunk_ring=a.trunk_ring,
-                              threads=a.threads, incremental=True, spec=a.spec,
-                              cache_policy=a.cache_policy, sequences=a.parallel)
-        # the plan's KV cache: --parallel sequences of up to --gen + 1 positions each
-        eng = open_engine(spec, Printer(Events()), gen=a.parallel * (a.gen + 1) - 1)
+        def opened(n: int, sink, plan_only: bool = False):
+            spec = load_spec_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
+                                  config_path=a.config, trunk_ring=a.trunk_ring,
+                                  threads=a.threads, incremental=True, spec=a.spec,
+                                  cache_policy=a.cache_policy, sequences=n)
+            # the plan's KV cache: n sequences of up to --gen + 1 positions each
+            return open_engine(spec, sink, gen=n * (a.gen + 1) - 1, plan_only=plan_only)
+        if a.parallel is None:
+            a.parallel = plan_parallel(lambda n: opened(n, None, True), AUTO_PARALLEL)
+            print(f"k3 serve: {a.parallel} parallel slot(s), as many as the plan allows "
+                  f"(up to {AUTO_PARALLEL}; --parallel N sets it)", flush=True)
+        eng = opened(a.parallel, Printer(Events()))
     except Exception as e:
         d = describe(e)
         if d is None:
@@ -221,6 +231,20 @@ def main(argv: list[str]) -> int:
     engine.close()                         # cancels a running generation at a safe point
     backend.close()
     return code
+
+
+def plan_parallel(plan_n, most: int) -> int:
+    """The most slots (≤ `most`) whose sequences the memory plan admits (`plan_n(n)` plans
+    without loading, or raises PlanRefused); 1 when fewer than two are admitted (the
+    refusal, if any, is then the one reported for one)."""
+    from ..errors import PlanRefused
+    for n in range(most, 1, -1):
+        try:
+            plan_n(n)
+            return n
+        except PlanRefused:
+            continue
+    return 1
 
 
 def tokenizer_facts(tok) -> dict:
