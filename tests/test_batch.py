@@ -157,18 +157,14 @@ def _demo_engine(demo, where: str, gen: int):
                                       if where == "streamed" else None), gen=gen)
 
 
-@pytest.mark.parametrize("where,threads", [("resident", 1), ("streamed", 1),
-                                           ("resident", 2), ("streamed", 2)])
-def test_random_joins_and_leaves_with_prompts_up_to_two_thousand(demo, where, threads):
-    """Eight sequences, prompts of 1 to 2,000 positions, joining at random steps (a long
-    prompt that joins running decodes is fed JOIN_CHUNK positions a step beside their
-    rows), two leaving at random steps, greedy and seeded: every sequence's ids and
-    first-step logits equal the same prompt run alone."""
-    from k3engine.generate import JOIN_CHUNK
-    rng = np.random.default_rng({"resident": 1, "streamed": 2}[where] * 10 + threads)
-    lengths = [1, 2000, 37, 700, 5, 1200, 64, 300]
+def random_scenario(seed: int, vocab: int, lengths=(1, 2000, 37, 700, 5, 1200, 64, 300)):
+    """Eight prompts of the given lengths in a random order, random gens, every third run
+    seeded-sampled, joins at random steps, two random leavers (tests and
+    benchmarks/gate_batch.py)."""
+    rng = np.random.default_rng(seed)
+    lengths = list(lengths)
     rng.shuffle(lengths)
-    ps = [[int(i) for i in rng.integers(0, 4000, n)] for n in lengths]
+    ps = [[int(i) for i in rng.integers(0, vocab, n)] for n in lengths]
     gens = [int(g) for g in rng.integers(3, 9, len(ps))]
     samplings = [Sampling(seed=int(rng.integers(1, 99)), temperature=0.8) if b % 3 == 1
                  else Sampling() for b in range(len(ps))]
@@ -176,26 +172,44 @@ def test_random_joins_and_leaves_with_prompts_up_to_two_thousand(demo, where, th
     leavers = rng.choice(len(ps), 2, replace=False)
     leave_at = [int(rng.integers(join_at[b] + 2, join_at[b] + 5)) if b in leavers else None
                 for b in range(len(ps))]
-    K.set_num_threads(threads)
-    eng = _demo_engine(demo, where, max(gens))
-    try:
-        want = [alone(eng.lm, p, g, s) for p, g, s in zip(ps, gens, samplings)]
-        got = together(eng.lm, ps, gens, samplings, join_at=join_at, leave_at=leave_at)
-    finally:
-        eng.close()
-        K.set_num_threads(1)
+    return ps, gens, samplings, join_at, leave_at
+
+
+def check_scenario(lm, label: str, scenario) -> None:
+    """Every sequence's ids and first-step logits in the batch equal it run alone."""
+    from k3engine.generate import JOIN_CHUNK
+    ps, gens, samplings, join_at, leave_at = scenario
+    want = [alone(lm, p, g, s) for p, g, s in zip(ps, gens, samplings)]
+    got = together(lm, ps, gens, samplings, join_at=join_at, leave_at=leave_at)
     for b in range(len(ps)):
         w = want[b][0]
         n = len(got[b].ids)
-        print(f"[gate] demo {where}, {threads} thread(s), sequence {b}: prompt {lengths[b]}, "
-              f"joins at step {join_at[b]}, leaves {leave_at[b]}, "
+        print(f"[gate] {label}, sequence {b}: prompt {len(ps[b])}, joins at step "
+              f"{join_at[b]}, leaves {leave_at[b]}, "
               f"{'sampled' if samplings[b].seed else 'greedy'}, {got[b].steps} steps: "
-              f"{got[b].ids} vs alone {w[:n]}")
+              f"{got[b].ids} vs alone {w[:n]}", flush=True)
         assert got[b].ids == (w[:n] if leave_at[b] is not None else w), b
         if n:
             assert np.array_equal(got[b].first_logits.view(np.uint32),
                                   want[b][1].view(np.uint32)), b
-        if join_at[b] > 0 and lengths[b] > JOIN_CHUNK and leave_at[b] is None:
+        if join_at[b] > 0 and len(ps[b]) > JOIN_CHUNK and leave_at[b] is None:
             # alone it takes one step a token; joining running decodes, its prompt took
             # several chunk steps (until the others ended and the rest went in one pass)
             assert got[b].steps > len(w), "a long joining prompt is fed a chunk a step"
+
+
+@pytest.mark.parametrize("where,threads", [("resident", 1), ("streamed", 1),
+                                           ("resident", 2), ("streamed", 2)])
+def test_random_joins_and_leaves_with_prompts_up_to_two_thousand(demo, where, threads):
+    """Eight sequences, prompts of 1 to 2,000 positions, joining at random steps (a long
+    prompt that joins running decodes is fed JOIN_CHUNK positions a step beside their
+    rows), two leaving at random steps, greedy and seeded: every sequence's ids and
+    first-step logits equal the same prompt run alone."""
+    scenario = random_scenario({"resident": 1, "streamed": 2}[where] * 10 + threads, 4000)
+    K.set_num_threads(threads)
+    eng = _demo_engine(demo, where, max(scenario[1]))
+    try:
+        check_scenario(eng.lm, f"demo {where}, {threads} thread(s)", scenario)
+    finally:
+        eng.close()
+        K.set_num_threads(1)
