@@ -230,6 +230,7 @@ class Run:
     prior: list | None = None           # an incomplete reply this turn continues
     reused: int = 0
     prompt_positions: int | None = None
+    _engine: object = field(default=None, init=False, repr=False)   # set when it joins
 
     def leave(self) -> None:
         """Out of the loop from the next step on (a stop string, a client gone); its
@@ -238,7 +239,7 @@ class Run:
             return
         if self.summary is not None and self.summary.end_id is None:
             self.summary.interrupted = True
-        if hasattr(self, "_engine"):
+        if self._engine is not None:
             self._finish(self._engine)
         self.finished = True
 
@@ -342,7 +343,7 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None, between=None):
         if g and between is not None:
             between()
         for r in runs:
-            if not hasattr(r, "_g"):
+            if r._engine is None:
                 r._join(engine)
         out: list = []                        # (run, ids emitted, finished now)
         for r in runs:                        # a stop request: every run's, or its own
