@@ -161,8 +161,9 @@ def test_ctrl_c_mid_reply_keeps_it_for_continue(demo, tmp_path):
         buf = bytearray()
         read_until(master, b"user> ", buf)
         os.write(master, b"Tell me a long story\n")
-        time.sleep(1.0)                                  # streaming by now
-        os.kill(p.pid, signal.SIGINT)
+        read_until(master, b"XTML prompt:", buf)         # the turn started; then its
+        read_until(master, b"\x1b[2m", buf)              # thinking streams (dimmed): not a
+        os.kill(p.pid, signal.SIGINT)                    # fixed sleep (slow under load)
         said = read_until(master, b"user> ", buf)
         assert b"stopped before its end" in said, said[-400:]
         os.write(master, b"/continue\n")

@@ -42,10 +42,12 @@ def _interactive() -> bool:
 
 def _read_line() -> str | None:
     """The next input line; None at end of input or Ctrl-C at the prompt (a clean exit:
-    the history was saved when its last message was accepted)."""
-    sys.stdout.write(USER_PROMPT)
-    sys.stdout.flush()
+    the history was saved when its last message was accepted).  The prompt is written
+    inside the try: a Ctrl-C that lands just after it is flushed, before the read, is
+    the same Ctrl-C at the prompt (test_chat_repl_tty.py, a race that showed under load)."""
     try:
+        sys.stdout.write(USER_PROMPT)
+        sys.stdout.flush()
         line = sys.stdin.readline()
     except KeyboardInterrupt:
         sys.stdout.write("\n")
