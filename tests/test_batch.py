@@ -130,10 +130,14 @@ def test_cli_batch_file(tiny, tmp_path):
     ps = prompts(256, [4, 11, 2])
     f = tmp_path / "batch.jsonl"
     f.write_text("".join(json.dumps({"ids": p, "gen": 5}) + "\n" for p in ps))
-    out = tmp_path / "out.json"
-    p = k3(tiny, "--batch", f, "--out", out)
+    out, ev = tmp_path / "out.json", tmp_path / "events.jsonl"
+    p = k3(tiny, "--batch", f, "--out", out, "--events", ev)
     assert p.returncode == 0, p.stderr
     got = json.loads(out.read_text())
+    steps = [json.loads(line) for line in ev.read_text().splitlines()]
+    sizes = [e.get("sequences", 1) for e in steps if e["ev"] == "step"]
+    assert sizes and sizes[0] == 3 and sizes == got["batch_sizes"], (sizes, got["batch_sizes"])
+    assert all(s["decode_tokens_per_second"] > 0 for s in got["sequences"])
     singles = []
     for q in ps:
         o1 = tmp_path / "one.json"

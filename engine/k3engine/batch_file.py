@@ -126,13 +126,14 @@ def run_batch(o, load, base: GenSpec, printer, events, write_output, interrupts)
             res = r.summary
             text = tok.decode(res.ids) if tok is not None and res.ids else None
             print(f"sequence {b}: {len(ids)} prompt ids, {len(res.ids)} generated "
-                  f"(first after {res.first_token_seconds:.2f} s): "
-                  f"{','.join(map(str, res.ids))}")
+                  f"(first after {res.first_token_seconds:.2f} s, then "
+                  f"{res.decode_tokens_per_s:.2f} tokens/s): {','.join(map(str, res.ids))}")
             seqs.append(dict(prompt_ids=ids, generated_ids=res.ids, full_ids=ids + res.ids,
                              stopped_at=res.end_id if res.end_id is not None else -1,
                              interrupted=res.interrupted, expert_drop=res.expert_drop,
                              wall_seconds=round(res.seconds, 4),
                              first_token_seconds=round(res.first_token_seconds, 4),
+                             decode_tokens_per_second=round(res.decode_tokens_per_s, 4),
                              generated_text=None if text is None else
                              text.decode("utf-8", errors="replace")))
         per_tok = agg.bytes_read / agg.tokens if agg.tokens else 0

@@ -206,11 +206,13 @@ class StepDone(Event):
     seconds: float
     telemetry: StepTelemetry
     logits: Any = field(default=None, compare=False)   # step 0 only (--dump-logits)
+    sequences: int = 1                 # the sequences the step's pass carried (a batch)
 
     def json(self):
         t = self.telemetry
+        batch = {"sequences": self.sequences} if self.sequences > 1 else {}  # beyond §7.5
         return [("step", dict(step=self.step, ids=list(self.ids), seconds=self.seconds,
-                              **{k: getattr(t, k) for k in t.EVENT_KEYS}))]
+                              **{k: getattr(t, k) for k in t.EVENT_KEYS}, **batch))]
 
 
 @dataclass(frozen=True)

@@ -424,7 +424,7 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None, between=None):
             res.table_bytes += tel.model_table_bytes // n
             res.expert_requests += tel.expert_requests // n
             res.expert_hits += tel.expert_hits // n
-        yield E.StepDone(g, tuple(emitted_all), seconds, tel, first)
+        yield E.StepDone(g, tuple(emitted_all), seconds, tel, first, len(active))
         yield from engine.trunk_notices()
         yield from _tokens(engine, runs, out)
         g += 1
