@@ -28,6 +28,7 @@ class BatchingEngineThread(EngineThread):
         with self._cv:
             if self._closing:
                 raise QueueFull(5)
+            job.no = next(self._numbers)
             if len(self._slots) >= self.parallel and len(self._waiting) >= self.capacity:
                 self.counts["refused_busy"] += 1
                 raise QueueFull(self._retry_after())
@@ -68,10 +69,13 @@ class BatchingEngineThread(EngineThread):
                 self._count("failed", job)
                 continue
             with self._cv:
+                taken = {s.index for s in self._slots}
+                slot.index = min(set(range(self.parallel)) - taken)   # lowest free slot
                 self._slots.append(slot)
             runs.append(slot.run)
 
     def _count(self, outcome: str, job) -> None:
+        self.steps.leave(job.no)
         with self._cv:
             self.counts[outcome] += 1
             self._recent.append(time.monotonic() - getattr(job, "t0", time.monotonic()))
@@ -100,12 +104,16 @@ class BatchingEngineThread(EngineThread):
             if not runs:
                 continue
             slot_of = {id(s.run): s for s in self._slots}
+            stepped: list = []                             # the slots given a token
             try:
                 for ev in decode_many(engine, runs):
                     if isinstance(ev, TokenOut):
                         run = runs[ev.row]
-                        self.backend.relay(slot_of[id(run)], ev, run.leave)
+                        stepped.append(slot_of[id(run)])
+                        self.backend.relay(stepped[-1], ev, run.leave)
                     elif isinstance(ev, StepDone):
+                        self.backend.record_step(ev, stepped)
+                        stepped = []
                         for s in self._slots:              # clients that left, shutdown
                             if s.job.cancel:
                                 s.run.leave()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
 import signal
 import socket
@@ -18,6 +17,7 @@ import sys
 from ..errors import EXIT_OK, EXIT_USAGE, describe
 from ..experts import POLICIES
 from ..engine import MAX_GEN, MAX_PROMPT
+from .loopback import is_loopback
 
 USAGE_NOTE = """\
 endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
@@ -105,15 +105,6 @@ def parser() -> argparse.ArgumentParser:
                         "keys, query strings or content)")
     p.set_defaults(memory=[])
     return p
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False                     # a name: it may resolve anywhere
 
 
 def check_options(a) -> str | None:
