@@ -38,9 +38,10 @@ def test_the_log_gives_each_request_its_decode_rate_and_stays_bounded():
     # after its first, in 0.25 s
     assert last["slots"] == [{"slot": 0, "request": 7, "tokens": 3, "tokens_per_s": 2.667},
                              {"slot": 1, "request": 8, "tokens": 2, "tokens_per_s": 4.0}]
-    assert [s["request"] for s in log.slots()] == [7, 8]
+    assert log.slots([(7, 0), (8, 1), (9, 2)]) == last["slots"] + [
+        {"slot": 2, "request": 9, "tokens": 0, "tokens_per_s": 0.0}]  # 9: in its prompt pass
     log.leave(7)
-    assert [s["request"] for s in log.slots()] == [8]
+    assert log.slots([(7, 0)])[0]["tokens"] == 0          # its figures are gone
     for _ in range(5):                                 # the ring keeps the newest 4
         log.record(0.1, TEL, [(8, 1, 1)])
     got = log.since(1)

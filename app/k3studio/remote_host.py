@@ -119,9 +119,15 @@ class RemoteHost(QObject):
             None, History([Message("system", system_prompt)] if system_prompt else []))))
 
     def open_conversation(self, path: str, extra: dict | None = None) -> None:
-        from k3engine.chat import History
-        self._guard("open conversation",
-                    lambda: setattr(self, "conv", Conversation(None, History.load(path))))
+        """As EngineHost: the sidecar's incomplete reply is shown and answerable (never
+        continued: the server keeps no state for it)."""
+        from .conversations import restored
+
+        def change():
+            history, marks, pending = restored(path, extra, continuable=False)
+            self.conv = Conversation(None, history, incomplete=marks)
+            self.conv.pending = pending
+        self._guard("open conversation", change)
 
     def save_conversation(self, path: str) -> None:
         self._guard("save conversation", lambda: self.history.save(path))

@@ -39,7 +39,8 @@ class BatchingEngineThread(EngineThread):
         out = super().status()
         with self._cv:
             out.update(busy=bool(self._slots), slots=self.parallel,
-                       slots_busy=len(self._slots))
+                       slots_busy=len(self._slots), slot_figures=self.steps.slots(
+                           [(s.job.no, s.index) for s in self._slots]))
         return out
 
     def close(self) -> None:

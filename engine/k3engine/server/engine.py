@@ -144,7 +144,8 @@ class EngineThread:
         with self._cv:
             return {"busy": self._running is not None, "queued": len(self._waiting),
                     "queue_capacity": self.capacity, **self.counts, "last": dict(self.last),
-                    "slot_figures": self.steps.slots(),
+                    "slot_figures": self.steps.slots(
+                        [(self._running.no, 0)] if self._running is not None else []),
                     **({"prompt_cache": self.backend.cache.sizes()}
                        if hasattr(self.backend, "cache") else {})}
 

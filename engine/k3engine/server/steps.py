@@ -71,11 +71,12 @@ class StepLog:
         with self._lock:
             self._running.pop(request, None)
 
-    def slots(self) -> list[dict]:
-        """The running requests' figures (for /health), by slot."""
+    def slots(self, held: list[tuple[int, int]]) -> list[dict]:
+        """The figures of the requests holding a slot (for /health), by slot: `held` is
+        (request number, slot) of each; one still in its prompt pass shows 0 tokens."""
         with self._lock:
-            return sorted((r.figures(q) for q, r in self._running.items()),
-                          key=lambda d: d["slot"])
+            return sorted((self._running.get(q, _Running(slot)).figures(q)
+                           for q, slot in held), key=lambda d: d["slot"])
 
     def since(self, n: int) -> dict:
         """The steps numbered `n` and later that are still kept; `next` is the `since` of
