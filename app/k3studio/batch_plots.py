@@ -6,8 +6,9 @@ Two plots: tokens/s in all (a mean over the last few steps, so a join's prompt s
 not hide the trend) with each slot's own decode rate beside it, one line per slot (the
 window's conversation is one of them); and the batch size of each step.  pyqtgraph's
 scrolling pattern as on the other pages: preallocated columns, curves made once and only
-given `setData` per poll; the slot lines enter the legend when their slot is first busy;
-the newest WINDOW steps are kept.
+given `setData` per poll; the newest WINDOW steps are kept.  The key to the lines is the
+summary above them (each slot's rate in its line's colour): a legend inside a plot ~300 px
+wide covered the lines and lost its last entries.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
@@ -25,6 +27,7 @@ from .plots_panel import TITLE_SIZE, Series, _pen
 MAX_SLOTS = 8                 # lines made up front; a server with more shows the first 8
 WINDOW = 2048                 # steps kept on the plot
 MEAN_STEPS = 8                # the aggregate rate: tokens over the last few steps' seconds
+IDLE_S = 0.5                  # a longer pause between steps: the engine was idle
 SLOT_COLORS = ("#2f6fe0", "#e08a1b", "#2e8b57", "#c0392b", "#7b3fb5", "#0e9aa7",
                "#b5651d", "#d63384")
 EMPTY = ("Not serving. Serve this model (Setup) to see the rates of every conversation "
@@ -39,8 +42,9 @@ class BatchPlots(QWidget):
         self.series = Series(("t", "all", "batch", *(f"s{i}" for i in range(MAX_SLOTS))),
                              WINDOW)
         self._recent: deque = deque(maxlen=MEAN_STEPS)    # (tokens, seconds) of the last steps
-        self._seen: set[int] = set()                       # slots in the legend
+        self._seen: set[int] = set()                       # slots busy at some step
         self.summary = QLabel(EMPTY)
+        self.summary.setTextFormat(Qt.RichText)
         self.summary.setObjectName("hint")
         self.summary.setWordWrap(True)
         self.view = pg.GraphicsLayoutWidget()
@@ -59,16 +63,16 @@ class BatchPlots(QWidget):
                 p.getAxis(ax).enableAutoSIPrefix(False)
             return p
 
-        self.p_rate = plot(0, "Tokens/s: all and per conversation", "tokens/s")
-        self.legend = self.p_rate.addLegend(offset=(-4, 4), labelTextSize="8pt",
-                                            colCount=3)
-        self.c_all = self.p_rate.plot(name="all", pen=_pen(self.fg, 2.5))
+        self.p_rate = plot(0, "Tokens/s: all, per slot", "tokens/s")
+        self.c_all = self.p_rate.plot(pen=_pen(self.fg, 2.5), connect="finite")
         self.c_slot = [self.p_rate.plot(pen=_pen(c, 1.5), connect="finite")
                        for c in SLOT_COLORS]
         self.p_batch = plot(1, "Batch size per step", "slots")
+        self.p_batch.getAxis("left").setTickSpacing(1, 1)        # whole slots only
         self.c_batch = self.p_batch.plot(pen=_pen("#5b6478", 1.5), stepMode="right")
+        self.plot_items = (self.p_rate, self.p_batch)
         self.view.ci.layout.setRowStretchFactor(0, 3)
-        self.view.ci.layout.setRowStretchFactor(1, 2)
+        self.view.ci.layout.setRowStretchFactor(1, 3)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.summary)
@@ -80,8 +84,6 @@ class BatchPlots(QWidget):
         self.slots = max(1, int(slots))
         self.series.clear()
         self._recent.clear()
-        for i in sorted(self._seen):
-            self.legend.removeItem(self.c_slot[i])
         self._seen.clear()
         self.summary.setText(f"Serving with {self.slots} slot{'s' * (self.slots > 1)}: "
                              f"the plots fill as they generate." if serving else EMPTY)
@@ -91,38 +93,42 @@ class BatchPlots(QWidget):
         """Records from GET /k3/steps, in order: one row each, one redraw."""
         s = self.series
         for st in steps:
+            if s.n and st["t"] - s.view("t")[-1] > max(IDLE_S, 5 * st["seconds"]):
+                # the engine was idle: the lines break and the batch drops to 0, instead
+                # of a straight line across the gap
+                self._append({"t": s.view("t")[-1] + 1e-3, "batch": 0, "all": np.nan})
+                self._recent.clear()
             self._recent.append((st["tokens"], st["seconds"]))
             secs = sum(x for _, x in self._recent)
             row = {"t": st["t"], "batch": st["batch"],
                    "all": sum(n for n, _ in self._recent) / secs if secs > 0 else 0.0}
-            row.update({f"s{i}": np.nan for i in range(MAX_SLOTS)})
             for x in st["slots"]:
                 if x["slot"] < MAX_SLOTS:
                     row[f"s{x['slot']}"] = x["tokens_per_s"] or np.nan
-            if s.n == s.capacity:
-                s.keep_last(WINDOW // 2)
-            s.append(row)
+            self._append(row)
         if steps:
-            self._legend(steps)
+            self._seen.update(x["slot"] for st in steps for x in st["slots"]
+                              if x["slot"] < MAX_SLOTS)
             self._say(steps[-1])
         self._redraw()
 
-    def _legend(self, steps: list) -> None:
-        for st in steps:
-            for x in st["slots"]:
-                i = x["slot"]
-                if i < MAX_SLOTS and i not in self._seen:
-                    self._seen.add(i)
-                    self.legend.addItem(self.c_slot[i], f"slot {i + 1}")
+    def _append(self, row: dict) -> None:
+        s = self.series
+        if s.n == s.capacity:
+            s.keep_last(WINDOW // 2)
+        s.append({**{f"s{i}": np.nan for i in range(MAX_SLOTS)}, **row})
 
     def _say(self, last: dict) -> None:
-        rates = " · ".join(f"slot {x['slot'] + 1} {x['tokens_per_s']:.1f}"
-                           for x in sorted(last["slots"], key=lambda x: x["slot"]))
+        """The key and the latest figures: all (bold, the thick line's colour), then each
+        busy slot's rate in its line's colour."""
+        rates = "".join(
+            f" · <span style='color:{SLOT_COLORS[x['slot'] % MAX_SLOTS]}'>&#9632; slot "
+            f"{x['slot'] + 1} {x['tokens_per_s']:.1f}</span>"
+            for x in sorted(last["slots"], key=lambda x: x["slot"]))
         self.summary.setText(
-            f"{last['batch']} of {self.slots} slots busy · "
-            f"{self.series.view('all')[-1]:.1f} tokens/s in all"
-            + (f" ({rates})" if rates else "")
-            + f" · read {human(last['trunk_bytes'] + last['expert_bytes'])}/step")
+            f"{last['batch']} of {self.slots} slots busy · <b>all "
+            f"{self.series.view('all')[-1]:.1f} tokens/s</b>{rates} · read "
+            f"{human(last['trunk_bytes'] + last['expert_bytes'])}/step")
 
     def _redraw(self) -> None:
         s = self.series
@@ -149,9 +155,6 @@ class BatchPlots(QWidget):
                 p.getAxis(ax).setTextPen(fg)
             p.titleLabel.setAttr("color", fg)
             p.titleLabel.setText(p.titleLabel.text)
-        self.legend.setLabelTextColor(fg)
-        for _, label in self.legend.items:
-            label.setText(label.text)
         self.c_all.setPen(_pen(fg, 2.5))
 
     def point_counts(self) -> dict[str, int]:

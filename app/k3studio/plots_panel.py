@@ -285,12 +285,17 @@ class PlotsPanel(QWidget):
         if getattr(self, "dark", None) is not None:
             page.set_dark(self.dark, *chrome(self.dark))
 
-    def show_page(self, page, on: bool) -> None:
-        """Show (and open) or hide an added page."""
+    def show_page(self, page, on: bool, alone: bool = False) -> None:
+        """Show (and open) or hide an added page; `alone`: the per-token pages are hidden
+        meanwhile (nothing feeds them while the app's engine is released to its server)."""
         i = self.pages.indexOf(page)
         self.pages.setTabVisible(i, on)
-        if on:
-            self.pages.setCurrentIndex(i)
+        for name in PAGES:
+            self.pages.setTabVisible(self.pages.indexOf(self.views[name]),
+                                     not (on and alone))
+        self.pages.setCurrentIndex(i if on else 0)
+        if not on:
+            self._redraw()                       # the summary line of the per-token series
 
     def _set_empty(self, plots, empty: bool) -> None:
         for p in plots:

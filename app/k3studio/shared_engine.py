@@ -121,11 +121,14 @@ class SharedEngine(QObject):
 
     def _started(self, url: str) -> None:
         w, n = self.w, self.server.parallel
-        self._set("serving")
         name = os.path.basename(os.path.normpath(w.spec().model_dir))
         self.served.configure(url, "", name)
+        self.served.where = f"this machine's k3 serve, one of {n} slots"
         self.plots.reset(n)
-        w.plots.show_page(self.plots, True)
+        w.plots.show_page(self.plots, True, alone=True)
+        w.plots.summary.setText(f"Served by k3 serve: the Batch page shows every "
+                                f"conversation its {n} slot{'s' * (n > 1)} hold; the "
+                                f"per-token pages fill again when Serve is off.")
         self.feed.start(url)
         if self.moved:
             self._carry(self.served)
@@ -137,6 +140,7 @@ class SharedEngine(QObject):
                                  f"the model, {slots}" + ("; this window's chat is one of "
                                                           "them" if self.moved else "")
                                  + ". Switch Serve off (Backend, below) to have it here.")
+        self._set("serving")
 
     def _slots_known(self, n: int) -> None:
         if n != self.plots.slots:

@@ -99,11 +99,15 @@ def test_serving_shares_one_engine_with_the_window(qtbot, window, demo_model):
     window.chat.limit.setValue(2000)
     window.chat.input.setPlainText("Go on, at length")
     qtbot.waitUntil(lambda: window.chat.send_btn.isEnabled(), timeout=TIMEOUT)
+    pieces: list = []
+    window.backend.records.connect(lambda r: pieces.extend(r))
     with qtbot.waitSignal(window.backend.turnFinished, timeout=TIMEOUT) as stopped:
         window.chat.send_btn.click()
         health: dict = {}
 
-        def both_generating() -> bool:       # each slot past its first token
+        def both_generating() -> bool:       # each slot past its first token, and the
+            if len(pieces) < 2:              # window's text arriving
+                return False
             health.update(get(root + "/health"))
             return health["slots_busy"] == 2 and all(
                 f["tokens"] > 1 for f in health["slot_figures"])
