@@ -18,7 +18,7 @@ pytest.importorskip("fastapi", reason="k3 serve needs fastapi")
 
 from k3engine.server.steps import StepLog  # noqa: E402
 
-from serve_helpers import make_demo, serve  # noqa: E402
+from serve_helpers import make_demo, open_stream, serve  # noqa: E402
 
 TEL = SimpleNamespace(trunk_bytes=1000, expert_bytes=300)
 
@@ -105,21 +105,10 @@ def get(url: str) -> dict:
 
 
 def test_two_concurrent_requests_share_steps_and_each_has_its_rate(demo):
-    import http.client
-    from urllib.parse import urlparse
     from openai import OpenAI
     with serve(demo, "--tok", demo, "--accept-any-model", "--gen", "2000",
                "--parallel", "2") as s:
-        u = urlparse(s.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        body = {"model": "demo", "max_tokens": 2000, "stream": True,
-                "messages": [{"role": "user", "content": "Tell me a long story"}]}
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        seen = b""
-        while b"content" not in seen and b"reasoning" not in seen:
-            seen += r.read1(256)
+        conn, _ = open_stream(s)                     # the long one
         during = {}
 
         def other():

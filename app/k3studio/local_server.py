@@ -3,11 +3,11 @@
 It runs as its own process with the run's model, trunk, tokenizer and memory flags
 (runspec.model_flags) and `--parallel N`, on 127.0.0.1, so it is exactly the CLI's server.
 The app releases its own engine first and chats through this server as one of its N slots
-(shared_engine.py): one copy of the model, whoever asks.  The port is the
-one it had last time (kept in the settings, so other apps' configured URL stays right when
-the toggle is switched off and on); a free one the first time, or when that port is taken.
-The URL comes from the server's own `listening on` line.  Stop sends SIGTERM (uvicorn shuts down, the engine stops at a safe
-point); a process that does not end in 10 s is killed.  The QProcess is parented to the
+(shared_engine.py): one copy of the model, whoever asks.  The port is the one it had last
+time (kept in the settings, so other apps' configured URL stays right when the toggle is
+switched off and on); a free one the first time, or when that port is taken.  The URL
+comes from the server's own `listening on` line.  Stop sends SIGTERM (uvicorn shuts down,
+the engine stops at a safe point); a process that does not end in 10 s is killed.  The QProcess is parented to the
 window, and Qt kills a still-running child when it is destroyed.
 """
 from __future__ import annotations
@@ -83,8 +83,10 @@ class LocalServer(QObject):
                     self.port = int(port.group(1))
                 self.started.emit(self.url)
 
-    def _finished(self, code: int, _status) -> None:
+    def _finished(self, code: int, status) -> None:
         never_listened = not self.url
+        if status == QProcess.CrashExit:      # its own last line would be "listening on"
+            self._out.append("the server process was killed or crashed")
         self.proc, self.url = None, ""
         if never_listened and code != 0 and self._asked:
             self.port = 0                 # the remembered port is taken: any free one

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import threading
 
 SLOTS = 3
@@ -52,18 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="1280x800", help="window size WxH")
     ap.add_argument("--tag", default="", help="appended to the file name (e.g. -1920)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    out = os.path.abspath(args.out)
-    width, height = (int(v) for v in args.size.lower().split("x"))
-    os.makedirs(out, exist_ok=True)
-    if not os.environ.get("QT_QPA_PLATFORM"):
-        os.environ["QT_QPA_PLATFORM"] = "xcb" if os.environ.get("DISPLAY") else "offscreen"
-    tmp = tempfile.mkdtemp(prefix="k3studio-shots-")
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tmp, "tiktoken"))
+    from .screenshot import grabber, prepare, run_window
+    out, width, height, tmp = prepare(args.out, args.size, "k3studio-serving-")
 
     from PySide6.QtCore import QSettings, QTimer
 
     from .__main__ import make_app
-    from .screenshot import grabber, run_window
     app = make_app()
     from .window import SIDE, SIDE_TELEMETRY, TAB_CHAT, MainWindow
     store = QSettings(os.path.join(tmp, "settings.ini"), QSettings.IniFormat)

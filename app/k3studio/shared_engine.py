@@ -28,8 +28,9 @@ AUTO_MAX = 4                  # slots when the setting says auto, if the plan fi
 def slots_that_fit(figures, spec, available, baseline_bytes: int = 0,
                    total_memory: int = 0, most: int = AUTO_MAX) -> int:
     """The most slots, up to `most`, whose plan as `k3 serve --parallel N` makes it (N
-    sequences of --gen + 1 positions each) has no refusal; 1 when even two do not fit
-    (then other apps wait in the server's queue while the window's chat runs)."""
+    sequences of --gen + 1 positions each) has no refusal; 1 when even two do not fit or
+    the model's figures are not known (then other apps wait in the server's queue while
+    the window's chat runs)."""
     if figures is None:
         return 1
     from dataclasses import replace
@@ -174,7 +175,7 @@ class SharedEngine(QObject):
         self.moved = False
         if self.reload:
             self.reload = False
-            w.load_model()
+            w.setup.loadRequested.emit()          # as Load in Setup: the current settings
         elif not w.host.model_loaded:
             w._unloaded()                         # the labels of "no model here"
 

@@ -26,12 +26,15 @@ def serve(qtbot, win, on: bool) -> None:
                     timeout=TIMEOUT)
 
 
-def served_send(qtbot, win, text: str) -> dict:
+def long_turn(qtbot, win, text: str) -> list:
+    """Ready a 2,000-token turn (the caller presses Send); returns the list its streamed
+    records go to."""
+    win.chat.limit.setValue(2000)
     win.chat.input.setPlainText(text)
     qtbot.waitUntil(lambda: win.chat.send_btn.isEnabled(), timeout=TIMEOUT)
-    with qtbot.waitSignal(win.backend.turnFinished, timeout=TIMEOUT) as blocker:
-        win.chat.send_btn.click()
-    return blocker.args[0]
+    records: list = []
+    win.backend.records.connect(lambda r: records.extend(r))
+    return records
 
 
 def other_app(base_url: str, model: str, out: dict, first: threading.Event) -> None:
@@ -90,17 +93,13 @@ def test_serving_shares_one_engine_with_the_window(qtbot, window, demo_model):
     assert first.wait(300) and "error" not in out, out
     window.new_conversation()
     qtbot.waitUntil(lambda: window.backend.messages == [], timeout=TIMEOUT)
-    shared = served_send(qtbot, window, "Name a colour")
+    shared = send(qtbot, window, "Name a colour", via=window.backend)
     shared_ids = list(window.chat.pending["ids"])
     steps = get(root + "/k3/steps?since=0")["steps"]
     both = [s for s in steps if s["batch"] == 2]
     # a long turn of the window beside the other app's: /health shows both slots busy,
     # and Stop ends the window's alone
-    window.chat.limit.setValue(2000)
-    window.chat.input.setPlainText("Go on, at length")
-    qtbot.waitUntil(lambda: window.chat.send_btn.isEnabled(), timeout=TIMEOUT)
-    pieces: list = []
-    window.backend.records.connect(lambda r: pieces.extend(r))
+    pieces = long_turn(qtbot, window, "Go on, at length")
     with qtbot.waitSignal(window.backend.turnFinished, timeout=TIMEOUT) as stopped:
         window.chat.send_btn.click()
         health: dict = {}
@@ -175,11 +174,7 @@ def test_serve_waits_for_the_reply_in_progress_and_sizes_its_slots(qtbot, window
     assert slots_that_fit(figures, spec, int(need / ADMIT) + 1) == 2
     assert slots_that_fit(figures, spec, int(need / ADMIT) - 1) == 1
 
-    window.chat.limit.setValue(2000)
-    window.chat.input.setPlainText("Tell me everything")
-    qtbot.waitUntil(lambda: window.chat.send_btn.isEnabled(), timeout=TIMEOUT)
-    got: list = []
-    window.backend.records.connect(lambda r: got.extend(r))
+    got = long_turn(qtbot, window, "Tell me everything")
     with qtbot.waitSignal(window.backend.turnFinished, timeout=TIMEOUT) as stopped:
         window.chat.send_btn.click()
         qtbot.waitUntil(lambda: len(got) >= 3, timeout=TIMEOUT)
@@ -204,3 +199,23 @@ def test_serve_waits_for_the_reply_in_progress_and_sizes_its_slots(qtbot, window
     # back on this machine's engine: the reply's ids are known, so Continue works again
     qtbot.waitUntil(lambda: window.chat.pending is not None and
                     window.chat.pending["continuable"], timeout=TIMEOUT)
+
+
+def test_a_server_that_dies_gives_the_model_back_to_the_window(qtbot, window, demo_model):
+    """The server ends on its own (killed here): Serve switches off, the chat returns to
+    this machine's engine, which is loaded again, and the panel says what happened."""
+    load(qtbot, window, *demo_model)
+    window.backend_panel.slots.setValue(2)
+    serve(qtbot, window, True)
+    assert not window.host.model_loaded
+    with qtbot.waitSignal(window.host.loaded, timeout=TIMEOUT):
+        window.local_server.proc.kill()
+    print(f"[app-serve] after the server was killed: {window.backend_panel.serve_url.text()!r}")
+    assert window.shared.state == "off" and not window.backend_panel.serve.isChecked()
+    assert window.backend_panel.serve_url.text().startswith("k3 serve ended")
+    assert "killed or crashed" in window.backend_panel.serve_url.text()
+    assert window.backend.active is window.host and window.backend_panel.local.isEnabled()
+    qtbot.waitUntil(lambda: not window.host.busy, timeout=TIMEOUT)
+    window.chat.limit.setValue(4)
+    t = send(qtbot, window, "Still there?")
+    assert not t["failed"] and t["n"] == 4

@@ -22,7 +22,7 @@ from .loopback import is_loopback
 USAGE_NOTE = """\
 endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
 (OpenAI-compatible), POST /v1/messages (Anthropic Messages); streamed as server-sent events
-with "stream": true.  One generation at a time; up to --queue requests wait, more get 429
+with "stream": true.  GET /k3/steps?since=N (loopback only): the engine's recent steps.  One generation at a time; up to --queue requests wait, more get 429
 with Retry-After.  Timeouts and limits: docs/serving.md.
 exit codes: 0 stopped cleanly, 1 the model could not be loaded, 2 bad options or plan."""
 
