@@ -69,7 +69,6 @@ class SharedEngine(QObject):
         self.server.started.connect(self._started)
         self.server.stopped.connect(self._stopped)
         self.feed.steps.connect(self.plots.on_steps)
-        self.feed.slots.connect(self._slots_known)
         window.host.unloaded.connect(self._released)
         window.host.busyChanged.connect(self._maybe_idle)
         window.backend.turnFinished.connect(self._maybe_idle)
@@ -142,10 +141,6 @@ class SharedEngine(QObject):
                                                           "them" if self.moved else "")
                                  + ". Switch Serve off (Backend, below) to have it here.")
         self._set("serving")
-
-    def _slots_known(self, n: int) -> None:
-        if n != self.plots.slots:
-            self.plots.reset(n)
 
     # -- off -----------------------------------------------------------------------------
     def stop(self) -> None:

@@ -19,7 +19,6 @@ POLL_MS = 500
 
 class StepsFeed(QObject):
     steps = Signal(object)            # list of step records (server/steps.py), in order
-    slots = Signal(int)               # the server's slot count, from its first answer
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -64,7 +63,6 @@ class StepsFeed(QObject):
             steps, self.since = got["steps"], int(got["next"])
         except (ValueError, KeyError, TypeError):
             return
-        self.slots.emit(int(got.get("slots", 1)))
         if steps and self.timer.isActive():
             self.steps.emit(steps)
 
