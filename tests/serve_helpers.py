@@ -89,3 +89,22 @@ def serve(model_dir: str, *args: str, env: dict | None = None):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def open_stream(server: Server, prompt: str = "Tell me a long story", tokens: int = 2000):
+    """A streamed chat request of `tokens` tokens, read until its first text arrives:
+    (connection, response).  The random-weight demo never closes its replies, so the
+    request runs its tokens unless the caller closes the connection."""
+    import http.client
+    from urllib.parse import urlparse
+    u = urlparse(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"model": "demo", "max_tokens": tokens, "stream": True,
+            "messages": [{"role": "user", "content": prompt}]}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    seen = b""
+    while b"content" not in seen and b"reasoning" not in seen:
+        seen += r.read1(256)
+    return conn, r

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from serve_helpers import make_demo, serve
+from serve_helpers import make_demo, open_stream, serve
 
 PROMPTS = ["Tell me about the moon", "Name a colour", "Count to ten",
            "What is 3 plus 4?", "Hello!", "Write a haiku about the sea"]
@@ -64,23 +64,11 @@ def test_parallel_requests_equal_each_served_alone(demo):
 
 
 def test_a_client_leaving_mid_stream_leaves_the_batch(demo):
-    import http.client
-    import json
-    from urllib.parse import urlparse
     # 2,000 tokens of a model that never closes its replies: the client leaves mid-stream
     # however slow the machine is
     with serve(demo, "--tok", demo, "--accept-any-model", "--gen", "2000",
                "--parallel", "2") as s:
-        u = urlparse(s.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        body = {"model": "demo", "max_tokens": 2000, "stream": True,
-                "messages": [{"role": "user", "content": "Tell me a long story"}]}
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        seen = b""
-        while b"content" not in seen and b"reasoning" not in seen:
-            seen += r.read1(256)
+        conn, _ = open_stream(s)
         other = {}
         t = threading.Thread(target=lambda: other.setdefault(
             "ids", ask(s.base_url, "Name a colour", 8)))

@@ -9,7 +9,7 @@ import threading
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QGroupBox, QHBoxLayout, QLabel,
-                               QLineEdit, QPushButton, QRadioButton, QSizePolicy,
+                               QLineEdit, QPushButton, QRadioButton, QSizePolicy, QSpinBox,
                                QVBoxLayout)
 
 from .secrets_store import KeyStore
@@ -48,8 +48,16 @@ class BackendPanel(QGroupBox):
         self.setToolTip(where)
         self.serve = QCheckBox("Serve this model to other apps")
         self.serve.setToolTip("Runs k3 serve on 127.0.0.1 with the model, trunk and memory "
-                              "settings above: its own process, with its own copy of the "
-                              "model (unload it here first on a small machine)")
+                              "settings above, and the app releases its own engine: one copy "
+                              "of the model answers other apps and this window's chat (one "
+                              "of the server's slots)")
+        self.slots = QSpinBox()
+        self.slots.setRange(0, 64)
+        self.slots.setSpecialValueText("auto")
+        self.slots.setPrefix("slots ")
+        self.slots.setToolTip("Conversations the server decodes together (k3 serve "
+                              "--parallel), this window's among them; auto: the most the "
+                              "memory plan fits, up to 4.  Applies when Serve starts.")
         self.serve_url = QLineEdit()
         self.serve_url.setReadOnly(True)
         self.serve_url.setPlaceholderText("not serving")
@@ -68,6 +76,7 @@ class BackendPanel(QGroupBox):
         rows[2].addWidget(self.model, 1)
         rows[2].addWidget(self.state, 3)
         rows[3].addWidget(self.serve)
+        rows[3].addWidget(self.slots)
         rows[3].addWidget(self.serve_url, 1)
         rows[3].addWidget(copy)
         lay = QVBoxLayout(self)
@@ -76,12 +85,14 @@ class BackendPanel(QGroupBox):
             lay.addLayout(r)
         lay.addStretch(1)                   # the rows stay together when the tab is tall
         self.serve.toggled.connect(self.serveToggled)
+        self.slots.valueChanged.connect(lambda _v: self.changed.emit())
         self.connect_btn.clicked.connect(self.connect_remote)
         self.local.toggled.connect(self._choice)
         self.model.currentTextChanged.connect(self._model_chosen)
         self._listed.connect(self._on_listed)
         self._models_for = ""
         self._saved_model = ""
+        self._locked = False
         self._fields_enabled()
 
     # -- settings -------------------------------------------------------------------
@@ -91,16 +102,25 @@ class BackendPanel(QGroupBox):
         if s.remote_url:
             self.key.setText(self.keys.get(s.remote_url))
         (self.remote if s.backend == "remote" else self.local).setChecked(True)
+        self.slots.setValue(s.serve_slots)
         self._fields_enabled()
 
     def values(self) -> dict:
         return dict(backend="remote" if self.remote.isChecked() else "local",
                     remote_url=self.url.text().strip(),
-                    remote_model=self.model.currentText() or self._saved_model)
+                    remote_model=self.model.currentText() or self._saved_model,
+                    serve_slots=self.slots.value())
 
     # -- actions --------------------------------------------------------------------
+    def lock(self, locked: bool) -> None:
+        """While serving, the chat's backend and the slot count stay as they are."""
+        self._locked = locked
+        for w in (self.local, self.remote, self.slots):
+            w.setEnabled(not locked)
+        self._fields_enabled()
+
     def _fields_enabled(self) -> None:
-        on = self.remote.isChecked()
+        on = self.remote.isChecked() and not self._locked
         for w in (self.url, self.key, self.connect_btn, self.model):
             w.setEnabled(on)
 

@@ -26,11 +26,16 @@ class ChatBackend(QObject):
         self.local, self.remote = local, remote
         self.active = local
         for src in (local, remote):
-            for name in RELAYED:
-                getattr(src, name).connect(
-                    lambda *a, s=src, n=name: s is self.active and getattr(self, n).emit(*a))
+            self.add(src)
         for name in FORWARDED:
             setattr(self, name, lambda *a, n=name: getattr(self.active, n)(*a))
+
+    def add(self, src) -> None:
+        """Another host the chat may talk to (the local server's slot, shared_engine.py):
+        its observations are relayed while it is the active one."""
+        for name in RELAYED:
+            getattr(src, name).connect(
+                lambda *a, s=src, n=name: s is self.active and getattr(self, n).emit(*a))
 
     @property
     def busy(self) -> bool:
@@ -93,33 +98,11 @@ def attach(window) -> None:
         if backend.is_remote:
             remote_ready(remote.base_url, remote.api_key, remote.model)
 
-    import os
-    from .local_server import LocalServer
-    server = window.local_server = LocalServer(
-        window, os.path.join(window.data_dir, "prompt-cache"))
+    # Serve: one engine for the window and other apps (shared_engine.py)
+    from .shared_engine import SharedEngine
+    window.shared = SharedEngine(window, panel)
+    window.local_server = window.shared.server
 
-    def serve(on: bool) -> None:
-        if not on:
-            server.stop()
-            return
-        spec = window.spec()
-        if not spec.model_dir:
-            panel.serve.setChecked(False)
-            panel.serve_url.setText("choose a model above first")
-            return
-        panel.serve_url.setText("starting k3 serve …")
-        server.start(spec)
-
-    def served_stopped(code: int, tail: str) -> None:
-        panel.serve.blockSignals(True)
-        panel.serve.setChecked(False)
-        panel.serve.blockSignals(False)
-        panel.serve_url.setText("" if code == 0 else f"k3 serve ended ({code}): "
-                                f"{tail.splitlines()[-1] if tail else ''}")
-
-    panel.serveToggled.connect(serve)
-    server.started.connect(panel.serve_url.setText)
-    server.stopped.connect(served_stopped)
     panel.remoteReady.connect(remote_ready)
     window.host.loaded.connect(local_loaded)
     panel.useLocal.connect(use_local)

@@ -41,6 +41,7 @@ class ConversationLibrary(QObject):
         # and then about once a second, so a crash (kill -9) loses at most that much of it;
         # the next start shows it, and Continue resumes it (issue 47)
         self._draft = None               # conversation.ReplyDraft while a turn streams
+        self._paused = False             # carry_to: the chat is changing hosts
         host.conversation.connect(self._snapshot)
         host.pendingChanged.connect(self._pending)
         host.turnStarted.connect(self._turn_started)
@@ -70,9 +71,7 @@ class ConversationLibrary(QObject):
         self.current, self.meta = cid, meta
         self._saved = None
         self._opening = True
-        self.host.open_conversation(self.store.path(cid), dict(
-            incomplete=meta.incomplete,
-            incomplete_messages=meta.extra.get("incomplete_messages", [])))
+        self.host.open_conversation(self.store.path(cid), self._sidecar())
         self.switched.emit(cid)
         self.changed.emit(cid)
         want = (meta.model_dir, meta.trunk_dir, meta.tok_dir)
@@ -80,6 +79,27 @@ class ConversationLibrary(QObject):
                 and os.path.isfile(os.path.join(meta.model_dir, "config.json"))):
             self.wantsModel.emit(*want)
         return True
+
+    def _sidecar(self) -> dict:
+        """What a host opening the conversation needs from its meta file."""
+        return dict(incomplete=self.meta.incomplete,
+                    incomplete_messages=self.meta.extra.get("incomplete_messages", []))
+
+    def carry_to(self, host, switch, system_prompt: str = "") -> None:
+        """The same conversation on another host (the app's engine <-> its local server's
+        slot): `host` opens it as saved (or starts empty with `system_prompt` when nothing
+        was said), then `switch()` makes it the host the chat talks to.  Nothing is
+        written meanwhile: the host left behind still reports its own, older state as the
+        switch happens, and it must not overwrite the file."""
+        self._paused = True
+        try:
+            if self.current:
+                host.open_conversation(self.path, self._sidecar())
+            else:
+                host.new_conversation(system_prompt)
+            switch()
+        finally:
+            self._paused = False
 
     def import_file(self, path: str) -> str | None:
         """A §9.1 file from anywhere becomes a conversation of the folder (a copy)."""
@@ -124,7 +144,7 @@ class ConversationLibrary(QObject):
     def _pending(self, p: dict | None) -> None:
         """A stopped or limit-hit reply (or None once it is completed, answered or
         dropped): kept in the sidecar, never in the .jsonl (conversations.py)."""
-        if self._opening:
+        if self._opening or self._paused:
             return                       # the one just read from the sidecar
         inc = {k: v for k, v in p.items() if k != "continuable"} if p else None
         if self.meta is None and inc is None:
@@ -172,6 +192,8 @@ class ConversationLibrary(QObject):
 
     # -- saving -------------------------------------------------------------------------
     def _snapshot(self, msgs: list) -> None:
+        if self._paused:
+            return
         if self._opening:                # the transcript just read: nothing new to write
             self._opening = False
             self._saved = list(msgs)

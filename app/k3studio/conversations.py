@@ -121,6 +121,25 @@ def history_of(messages: list[dict]) -> History:
                    for m in messages)
 
 
+def restored(path: str, extra: dict | None, continuable: bool = True):
+    """A conversation file as a host opens it: (history, the indices of replies that were
+    cut short and then answered, the incomplete last reply or None).  `extra` is what the
+    sidecar holds ({"incomplete": ..., "incomplete_messages": [...]}); the reply's engine
+    state is gone, so it is continuable only when its ids are known and the host can
+    resume from them (`continuable`: this machine's engine, not a remote one)."""
+    from k3engine.conversation import PendingReply
+    history = History.load(path)
+    x = extra or {}
+    marks = {int(i) for i in x.get("incomplete_messages") or () if 0 <= int(i) < len(history)}
+    p = x.get("incomplete")
+    ids = [int(i) for i in (p.get("ids") or ()) if isinstance(i, int)] if p else []
+    pending = PendingReply(ids, 0, 0, p.get("content") or "", p.get("reasoning"),
+                           p.get("why") or "stopped",
+                           continuable=continuable and bool(ids) and min(ids) >= 0) \
+        if p and history.ends_with_user else None
+    return history, marks, pending
+
+
 def to_markdown(history: History, meta: Meta) -> str:
     """A readable export: the title, then each message under its speaker; reasoning is a
     quoted block, an incomplete reply is marked as such."""

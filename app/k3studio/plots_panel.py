@@ -68,8 +68,20 @@ class Series:
     def view(self, c: str) -> np.ndarray:
         return self.data[c][:self.n]
 
+    def keep_last(self, k: int) -> None:
+        """Drop all but the newest `k` rows (a scrolling window: once per k appends)."""
+        k = min(k, self.n)
+        for c in self.columns:
+            self.data[c][:k] = self.data[c][self.n - k:self.n]
+        self.n = k
+
     def clear(self) -> None:
         self.n = 0
+
+
+def chrome(dark: bool) -> tuple[str, str]:
+    """The plots' background and foreground for the theme."""
+    return ("#1e2128", "#c9cfdd") if dark else ("w", "#2b3245")
 
 
 def _pen(color, width=2, dash=False):
@@ -100,6 +112,7 @@ class PlotsPanel(QWidget):
         for name in PAGES:
             self.pages.addTab(self.views[name], name)
         self.view = self.pages
+        self.extra_pages: list = []     # pages others add (batch_plots, while serving)
         f = QFont()
         f.setPointSize(9)
 
@@ -243,7 +256,7 @@ class PlotsPanel(QWidget):
 
     def set_dark(self, dark: bool) -> None:
         """Plot chrome for the theme (the series colours carry meaning and stay)."""
-        bg, fg = ("#1e2128", "#c9cfdd") if dark else ("w", "#2b3245")
+        bg, fg = chrome(dark)
         for v in self.views.values():
             v.setBackground(bg)
         for p in self._token_plots + (self.p_heat, self.p_map):
@@ -260,6 +273,29 @@ class PlotsPanel(QWidget):
         self.c_spt.setPen(_pen(fg))
         self.c_spt.setSymbolBrush(fg)
         self.c_ret.setPen(_pen(fg))
+        for page in self.extra_pages:
+            page.set_dark(dark, bg, fg)
+        self.dark = dark
+
+    def add_page(self, page, title: str) -> None:
+        """Another page of plots (hidden until `show_page`); it follows the theme through
+        its `set_dark(dark, bg, fg)`."""
+        self.extra_pages.append(page)
+        self.pages.setTabVisible(self.pages.addTab(page, title), False)
+        if getattr(self, "dark", None) is not None:
+            page.set_dark(self.dark, *chrome(self.dark))
+
+    def show_page(self, page, on: bool, alone: bool = False) -> None:
+        """Show (and open) or hide an added page; `alone`: the per-token pages are hidden
+        meanwhile (nothing feeds them while the app's engine is released to its server)."""
+        i = self.pages.indexOf(page)
+        self.pages.setTabVisible(i, on)
+        for name in PAGES:
+            self.pages.setTabVisible(self.pages.indexOf(self.views[name]),
+                                     not (on and alone))
+        self.pages.setCurrentIndex(i if on else 0)
+        if not on:
+            self._redraw()                       # the summary line of the per-token series
 
     def _set_empty(self, plots, empty: bool) -> None:
         for p in plots:

@@ -69,6 +69,7 @@ class RemoteHost(QObject):
         self.messages: list[dict] = []
         self.base_url, self.api_key, self.model = "", "", ""
         self.busy = False
+        self.where = ""                  # the stats line's last words ("" = remote URL)
         self._endpoint: Endpoint | None = None     # the request in flight
         self._turn: dict | None = None
         self._post.connect(self._on_post)
@@ -119,9 +120,15 @@ class RemoteHost(QObject):
             None, History([Message("system", system_prompt)] if system_prompt else []))))
 
     def open_conversation(self, path: str, extra: dict | None = None) -> None:
-        from k3engine.chat import History
-        self._guard("open conversation",
-                    lambda: setattr(self, "conv", Conversation(None, History.load(path))))
+        """As EngineHost: the sidecar's incomplete reply is shown and answerable (never
+        continued: the server keeps no state for it)."""
+        from .conversations import restored
+
+        def change():
+            history, marks, pending = restored(path, extra, continuable=False)
+            self.conv = Conversation(None, history, incomplete=marks)
+            self.conv.pending = pending
+        self._guard("open conversation", change)
 
     def save_conversation(self, path: str) -> None:
         self._guard("save conversation", lambda: self.history.save(path))
@@ -246,7 +253,8 @@ class RemoteHost(QObject):
             end_id="stop" if closed else None, end_name="the server (stop)" if closed else None,
             interrupted=done.finish == "cancelled", reasoning=reasoning, content=content,
             tail="", gen=spec.gen, thinking=spec.thinking, finish=done.finish, remote=True)
-        info["stats"] = remote_stats(info, usage, self.base_url)
+        info["stats"] = remote_stats(info, usage, self.where or
+                                     f"remote {self.base_url}; {LOCAL_ONLY}")
         if not closed and turn["n"]:
             ids = done.extra.get("ids") or [-1] * n        # k3 serve says which ids
             self.conv.pending = PendingReply(list(ids), 0, 0, content, reasoning,
@@ -269,7 +277,7 @@ class RemoteHost(QObject):
         self.busyChanged.emit(busy)
 
 
-def remote_stats(info: dict, usage: dict, base_url: str) -> str:
+def remote_stats(info: dict, usage: dict, where: str) -> str:
     """The stats line under a remote reply: only what a remote run can tell."""
     n = info["n"]
     parts = [f"{n} token{'s' if n != 1 else ''}",
@@ -282,5 +290,5 @@ def remote_stats(info: dict, usage: dict, base_url: str) -> str:
     if reasoning is not None:
         parts.append(f"{reasoning} reasoning")
     parts.append(f"finish {info['finish']}")
-    parts.append(f"remote {base_url}; {LOCAL_ONLY}")
+    parts.append(where)
     return " · ".join(parts)

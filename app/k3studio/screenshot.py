@@ -101,6 +101,20 @@ def grabber(app, win, out: str, suffix: str, saved: list[str], only=None):
     return grab
 
 
+def prepare(out: str, size: str, prefix: str) -> tuple[str, int, int, str]:
+    """A screenshot run's set-up: the output folder (made), the window size from "WxH",
+    Qt's platform (X11 under a display, else offscreen) and a temporary folder for the
+    settings, data and tiktoken's cache, so a person's own are never touched."""
+    out = os.path.abspath(out)
+    width, height = (int(v) for v in size.lower().split("x"))
+    os.makedirs(out, exist_ok=True)
+    if not os.environ.get("QT_QPA_PLATFORM"):
+        os.environ["QT_QPA_PLATFORM"] = "xcb" if os.environ.get("DISPLAY") else "offscreen"
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tmp, "tiktoken"))
+    return out, width, height, tmp
+
+
 def run_window(app, win, start) -> None:
     """Call `start` once the event loop runs, give up after 10 minutes, then destroy the
     window while Python is alive (dispose)."""
@@ -121,15 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="appended to each file name (e.g. -1920)")
     ap.add_argument("--only", default="", help="comma-separated shot names to save")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    out = os.path.abspath(args.out)
-    width, height = (int(v) for v in args.size.lower().split("x"))
+    out, width, height, tmp = prepare(args.out, args.size, "k3studio-shots-")
     suffix = ("" if args.theme == "light" else "-dark") + args.tag
     only = {n for n in args.only.split(",") if n}
-    os.makedirs(out, exist_ok=True)
-    if not os.environ.get("QT_QPA_PLATFORM"):
-        os.environ["QT_QPA_PLATFORM"] = "xcb" if os.environ.get("DISPLAY") else "offscreen"
-    tmp = tempfile.mkdtemp(prefix="k3studio-shots-")
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tmp, "tiktoken"))
 
     from PySide6.QtCore import QSettings, QTimer
 

@@ -26,7 +26,6 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 
 WINDOW = 1000              # requests the session trace keeps for the shot
 PARTIAL_AT = 3             # shards in place; the next one is part-way
@@ -64,13 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", metavar="PATH",
                     help="keep the datapoint saved for the shot as PATH.json and PATH.md")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    out = os.path.abspath(args.out)
-    width, height = (int(v) for v in args.size.lower().split("x"))
-    os.makedirs(out, exist_ok=True)
-    if not os.environ.get("QT_QPA_PLATFORM"):
-        os.environ["QT_QPA_PLATFORM"] = "xcb" if os.environ.get("DISPLAY") else "offscreen"
-    tmp = tempfile.mkdtemp(prefix="k3studio-pieces-")
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(tmp, "tiktoken"))
+    from .screenshot import prepare
+    out, width, height, tmp = prepare(args.out, args.size, "k3studio-pieces-")
 
     from PySide6.QtCore import QSettings, QTimer
 

@@ -62,6 +62,7 @@ class StudioSettings:
     remote_url: str = ""
     remote_model: str = ""
     serve_port: int = 0               # the app's k3 serve port, kept across on/off (0: free)
+    serve_slots: int = 0              # its --parallel (0: the most the plan fits, up to 4)
     # window
     geometry: bytes = b""
     splitter: bytes = b""             # conversation list | chat | side panel (0 = collapsed)
@@ -120,7 +121,8 @@ def _number(kind: type, value: Any) -> int | float | None:
 RANGES: dict[str, tuple[float, float]] = {
     "trunk_gb": (0.0, 100000.0), "cache_gb": (0.0, 100000.0), "trunk_ring": (1, 8),
     "threads": (0, 4096), "gen": (1, 4096), "temperature": (0.01, 5.0), "top_p": (0.01, 1.0),
-    "top_k": (0, 100000), "seed": (0, 2**31 - 1), "tab": (0, 64)}
+    "top_k": (0, 100000), "seed": (0, 2**31 - 1), "tab": (0, 64),
+    "serve_slots": (0, 64)}
 CHOICES: dict[str, tuple[str, ...]] = {
     "cache_policy": ("lru", "s3fifo"), "theme": ("system", "light", "dark"),
     "backend": ("local", "remote"), "effort": ("low", "high", "max")}

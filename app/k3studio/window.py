@@ -342,6 +342,10 @@ class MainWindow(QMainWindow):
 
     # -- model lifecycle -------------------------------------------------------------
     def load_model(self) -> None:
+        if self.shared.serving:       # the server holds the model: a load would be a copy
+            self.statusBar().showMessage("The model is served to other apps (Setup, "
+                                         "Backend): switch Serve off to load it here.", 10000)
+            return
         self._collect()
         settings_mod.save(self.store, self.settings)
         spec = self.spec()

@@ -285,22 +285,9 @@ class EngineWorker(QObject):
         "incomplete_messages": [indices]}); the engine state of a reply from an earlier
         session (or a crash) is gone: it is shown, answerable, and continued by one pass
         over the transcript and the reply so far when its ids are known."""
-        from k3engine.chat import History
-        from k3engine.conversation import PendingReply
-
-        def change(_):
-            history = History.load(path)
-            x = extra or {}
-            incomplete = {int(i) for i in x.get("incomplete_messages") or ()
-                          if 0 <= int(i) < len(history)}
-            p = x.get("incomplete")
-            ids = [int(i) for i in (p.get("ids") or ()) if isinstance(i, int)] if p else []
-            pending = PendingReply(ids, 0, 0, p.get("content") or "", p.get("reasoning"),
-                                   p.get("why") or "stopped",
-                                   continuable=bool(ids) and min(ids) >= 0) \
-                if p and history.ends_with_user else None
-            self._fresh(history, incomplete, pending)
-        self._edit_conversation("open conversation", change)
+        from .conversations import restored
+        self._edit_conversation("open conversation",
+                                lambda _: self._fresh(*restored(path, extra)))
 
     @Slot(str)
     def save_conversation(self, path: str) -> None:

@@ -15,10 +15,11 @@ def load(qtbot, win, model: str, trunk: str = "", tok: str = "") -> dict:
     return blocker.args[0]
 
 
-def send(qtbot, win, text: str) -> dict:
-    """Type a message, press Send, wait for the turn to end; returns the turn summary."""
+def send(qtbot, win, text: str, via=None) -> dict:
+    """Type a message, press Send, wait for the turn to end; returns the turn summary.
+    `via`: the host whose turnFinished ends it (default: this machine's engine)."""
     win.chat.input.setPlainText(text)
     qtbot.waitUntil(lambda: win.chat.send_btn.isEnabled(), timeout=TIMEOUT)
-    with qtbot.waitSignal(win.host.turnFinished, timeout=TIMEOUT) as blocker:
+    with qtbot.waitSignal((via or win.host).turnFinished, timeout=TIMEOUT) as blocker:
         win.chat.send_btn.click()
     return blocker.args[0]

@@ -118,11 +118,18 @@ def test_the_conversation_owns_the_window(qtbot, window, size):
     assert sizes[CHAT] > max(sizes[LIST], sizes[SIDE]), sizes
     assert window.chat.scroll.height() >= 0.6 * size[1], window.chat.scroll.height()
     plots = window.plots
+    for page in plots.extra_pages:                       # the Batch page (while serving)
+        plots.show_page(page, True)
+    every = plots._token_plots + (plots.p_heat,) + tuple(
+        p for page in plots.extra_pages for p in page.plot_items)
+
+    def on(page, p) -> bool:
+        view = p.scene().views()[0]
+        return view is page or page.isAncestorOf(view)
     for page in range(plots.pages.count()):
         plots.pages.setCurrentIndex(page)
         QApplication.processEvents()
-        shown = [p for p in plots._token_plots + (plots.p_heat,)
-                 if p.scene() is plots.pages.currentWidget().scene()]
+        shown = [p for p in every if on(plots.pages.currentWidget(), p)]
         assert shown and all(p.vb.height() >= 120 for p in shown), \
             [(p.titleLabel.text, p.vb.height()) for p in shown]
 

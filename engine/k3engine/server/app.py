@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .engine import Delta, Done, EngineThread, Fail, Job, QueueFull, Started
+from .loopback import is_loopback
 from .messages import MessagesWire, parse_messages
 from .protocol import (KEEPALIVE, ApiError, ChatWire, CompletionWire, Limits, ModelNames,
                        Progress, parse_chat, parse_completion, parse_json,
@@ -123,6 +124,22 @@ def create_app(engine: EngineThread, models: ModelNames | str, api_key: str | No
         if not authorized(request):
             return {"status": "ok"}
         return {"status": "ok", "model": models.served, **engine.status()}
+
+    @app.get("/k3/steps")
+    async def steps(request: Request):
+        # the engine's recent steps (batch size, seconds, bytes, per-slot rates): for a
+        # monitor on this machine (K3 Studio's plots), never across the network
+        client = request.client.host if request.client else ""
+        if not is_loopback(client):
+            raise ApiError(403, "GET /k3/steps answers only on loopback (127.0.0.1, ::1)",
+                           type_="permission_error", code="loopback_only")
+        authorize(request)
+        raw = request.query_params.get("since", "0")
+        if not raw.isdigit() or len(raw) > 18:
+            raise ApiError(400, f"since must be a step number >= 0 (got {raw[:40]!r})",
+                           param="since")
+        return {"object": "k3.steps", "slots": getattr(engine, "parallel", 1),
+                **engine.steps.since(int(raw))}
 
     @app.get("/v1/models")
     async def list_models(request: Request):

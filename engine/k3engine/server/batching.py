@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ..events import TokenOut
+from ..events import StepDone, TokenOut
 from ..generate import decode_many
 from .engine import ApiError, EngineThread, Fail, engine_error
 
@@ -42,6 +42,7 @@ class BatchingEngineThread(EngineThread):
         with self._cv:
             if self._closing:
                 raise QueueFull(5)
+            job.no = next(self._numbers)
             if len(self._slots) >= self.parallel and len(self._waiting) >= self.capacity:
                 self.counts["refused_busy"] += 1
                 raise QueueFull(self._retry_after())
@@ -52,7 +53,8 @@ class BatchingEngineThread(EngineThread):
         out = super().status()
         with self._cv:
             out.update(busy=bool(self._slots), slots=self.parallel,
-                       slots_busy=len(self._slots))
+                       slots_busy=len(self._slots), slot_figures=self.steps.slots(
+                           [(s.job.no, s.index) for s in self._slots]))
         return out
 
     def close(self) -> None:
@@ -82,10 +84,13 @@ class BatchingEngineThread(EngineThread):
                 self._count("failed", job)
                 continue
             with self._cv:
+                taken = {s.index for s in self._slots}
+                slot.index = min(set(range(self.parallel)) - taken)   # lowest free slot
                 self._slots.append(slot)
             runs.append(slot.run)
 
     def _count(self, outcome: str, job) -> None:
+        self.steps.leave(job.no)
         with self._cv:
             self.counts[outcome] += 1
             self._recent.append(time.monotonic() - getattr(job, "t0", time.monotonic()))
@@ -114,11 +119,18 @@ class BatchingEngineThread(EngineThread):
             if not runs:
                 continue
             slot_of = {id(s.run): s for s in self._slots}
+            step: list = []            # the last StepDone, then a slot per token it gave
+
+            def record() -> None:
+                if step:
+                    self.backend.record_step(step[0], step[1:])
+                    step.clear()
 
             def between() -> None:
-                """A step boundary: runs of clients that left go, finished requests are
-                answered (their last tokens were relayed after the step), waiting ones
-                join."""
+                """A step boundary: the step just relayed is recorded, runs of clients
+                that left go, finished requests are answered (their last tokens were
+                relayed after the step), waiting ones join."""
+                record()
                 for s in self._slots:                      # clients that left, shutdown
                     if s.job.cancel:
                         s.run.leave()
@@ -135,7 +147,13 @@ class BatchingEngineThread(EngineThread):
                 for ev in decode_many(engine, runs, between=between):
                     if isinstance(ev, TokenOut):
                         run = runs[ev.row]
-                        self.backend.relay(slot_of[id(run)], ev, run.leave)
+                        slot = slot_of[id(run)]
+                        if ev.id >= 0:
+                            step.append(slot)
+                        self.backend.relay(slot, ev, run.leave)
+                    elif isinstance(ev, StepDone):
+                        step[:] = [ev]
+                record()
             except BaseException as e:  # noqa: BLE001 - a failed step fails its requests
                 err = engine_error(e)
                 for s in list(self._slots):

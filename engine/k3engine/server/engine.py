@@ -16,6 +16,7 @@ which is how a conversation continued request after request skips re-reading its
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -25,10 +26,11 @@ from typing import Callable
 from ..chat import ChatError
 from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
-from ..events import TokenOut, TurnEnded
+from ..events import StepDone, TokenOut, TurnEnded
 from ..generate import BatchRun, Cancel, GenSpec, TextStream, Turn, TurnSummary
 from ..prompt_cache import PromptCache
 from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
+from .steps import StepLog
 from .stops import StopMatcher
 
 
@@ -71,6 +73,7 @@ class Job:
     cancel: Cancel = field(default_factory=Cancel)
     submitted: float = field(default_factory=time.monotonic)
     started: Started | None = None
+    no: int = 0                            # its number, in the order submitted (/k3/steps)
 
     def start(self, item: Started) -> None:
         self.started = item
@@ -86,6 +89,7 @@ class Slot:
     seq: object                            # the Sequence it runs on
     conv: object = None                    # chat: its Conversation; None: a completion
     run: object = None                     # batched: its generate.BatchRun
+    index: int = 0                         # the slot it holds (0..parallel-1)
     reasoning: int = 0                     # reasoning ids streamed
     texts: dict = field(default_factory=lambda: {"thinking": "", "response": ""})
 
@@ -105,6 +109,9 @@ class EngineThread:
         self.counts = {"answered": 0, "cancelled": 0, "refused_busy": 0,
                        "refused_invalid": 0, "failed": 0}
         self.last: dict = {}
+        self._numbers = itertools.count(1)
+        # the backend records each step as it runs it (a backend that records none: empty)
+        self.steps: StepLog = getattr(backend, "steps", None) or StepLog()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +119,7 @@ class EngineThread:
         with self._cv:
             if self._closing:
                 raise QueueFull(5)
+            job.no = next(self._numbers)
             if len(self._waiting) >= self.capacity and \
                     (self._running is not None or self._waiting):
                 self.counts["refused_busy"] += 1
@@ -136,6 +144,8 @@ class EngineThread:
         with self._cv:
             return {"busy": self._running is not None, "queued": len(self._waiting),
                     "queue_capacity": self.capacity, **self.counts, "last": dict(self.last),
+                    "slot_figures": self.steps.slots(
+                        [(self._running.no, 0)] if self._running is not None else []),
                     **({"prompt_cache": self.backend.cache.sizes()}
                        if hasattr(self.backend, "cache") else {})}
 
@@ -182,6 +192,7 @@ class EngineThread:
             except BaseException as e:             # an engine failure, or a bug
                 job.post(Fail(engine_error(e)))
             finally:
+                self.steps.leave(job.no)
                 with self._cv:
                     self._running = None
                     self._recent.append(time.monotonic() - t0)
@@ -223,6 +234,7 @@ class Backend:
         # that message).  A request takes the one holding most of its prompt and gives it
         # back when done, so a failed one leaves nothing half advanced behind.
         self.cache = cache or PromptCache(engine)
+        self.steps = StepLog()             # recent steps and per-request rates (/k3/steps)
 
     def close(self) -> None:
         self.cache.kept.clear()
@@ -317,7 +329,16 @@ class Backend:
                 res = ev.result
             elif isinstance(ev, TokenOut):
                 self.relay(slot, ev, job.cancel.set)
+            elif isinstance(ev, StepDone):
+                self.record_step(ev, [slot] * len(ev.ids))
         return res, slot.reasoning, slot.stops
+
+    def record_step(self, ev: StepDone, slots: list) -> None:
+        """One engine step for /k3/steps: `slots` names a request once per token it got
+        in the step (a batch step gives each one; a speculative sweep may give several)."""
+        from collections import Counter
+        self.steps.record(ev.seconds, ev.telemetry,
+                          [(s.job.no, s.index, n) for s, n in Counter(slots).items()])
 
     def relay(self, slot: Slot, ev, stop) -> None:
         """One TokenOut of a request as its Deltas: reasoning and content apart (chat), the
@@ -390,6 +411,8 @@ class Backend:
         for ev in turn:
             if isinstance(ev, TokenOut):
                 self.relay(slot, ev, job.cancel.set)
+            elif isinstance(ev, StepDone):
+                self.record_step(ev, [slot] * len(ev.ids))
         tail = stops.flush()
         if tail:
             job.post(Delta("text", tail))

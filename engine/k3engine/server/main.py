@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
 import signal
 import socket
@@ -18,13 +17,15 @@ import sys
 from ..errors import EXIT_OK, EXIT_USAGE, describe
 from ..experts import POLICIES
 from ..engine import MAX_GEN, MAX_PROMPT
+from .loopback import is_loopback
 
 USAGE_NOTE = """\
 endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
 (OpenAI-compatible), POST /v1/messages (Anthropic Messages); streamed as server-sent events
-with "stream": true.  Up to --parallel requests decode together (continuous batching: one
-trunk pass a step for all of them); up to --queue more wait, beyond that 429 with
-Retry-After.  Timeouts and limits: docs/serving.md.
+with "stream": true.  GET /k3/steps?since=N (loopback only): the engine's recent steps.
+Up to --parallel requests decode together (continuous batching: one trunk pass a step for
+all of them); up to --queue more wait, beyond that 429 with Retry-After.  Timeouts and
+limits: docs/serving.md.
 exit codes: 0 stopped cleanly, 1 the model could not be loaded, 2 bad options or plan."""
 
 
@@ -109,15 +110,6 @@ def parser() -> argparse.ArgumentParser:
                         "keys, query strings or content)")
     p.set_defaults(memory=[])
     return p
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False                     # a name: it may resolve anywhere
 
 
 def check_options(a) -> str | None:
