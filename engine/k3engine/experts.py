@@ -852,6 +852,12 @@ class ExpertCache:
 
         self.policy = make_policy(policy, self.nslot)
         self.arena = AlignedBuffer(self.nslot * self.slot_bytes)
+        # the memory behind each slot: the arena's own part, until a lookahead read's side
+        # slot is swapped in for a miss it served (lookahead.py: no copy; the slot table,
+        # which is all the policy sees, is untouched)
+        self._mem: list[memoryview] = [self.arena.view[s * self.slot_bytes:
+                                                       (s + 1) * self.slot_bytes]
+                                       for s in range(self.nslot)]
         self._weights: list[ExpertWeights | None] = [None] * self.nslot
         self._serial: deque[int] = deque()        # slots handed out by expert(), newest last
         self._cv = threading.Condition()
@@ -1144,7 +1150,7 @@ class ExpertCache:
 
     def _views(self, slot: int, run: ExpertRun, pad: int) -> ExpertWeights:
         """Zero-copy, read-only NumPy views of the slot's six tensors."""
-        buf = self.arena.view[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        buf = self._mem[slot]
         arrs = {}
         for t in run.tensors:
             a = np.frombuffer(buf, np.uint8, t.nbytes, pad + t.offset).reshape(t.shape)
@@ -1182,8 +1188,7 @@ class ExpertCache:
             r.src = self.ahead.take(r.key)
             if r.src is not None:
                 return
-        buf = r.buf if not real else \
-            self.arena.view[r.slot * self.slot_bytes:(r.slot + 1) * self.slot_bytes]
+        buf = self._mem[r.slot] if real else r.buf
         try:
             if not run.contiguous:              # six buffered reads into the canonical layout
                 fd, r.kind, r.pad = self._plain(run.shard), "pieces", 0
@@ -1218,13 +1223,12 @@ class ExpertCache:
     def _collect(self, r: _Read) -> None:
         """Wait for r's reads (GIL released) and judge them: r.got is the payload byte
         count obtained, or -1 with r.error.  Never raises.  A real read that took a
-        lookahead read gets its bytes copied in; if that read failed it reads again
+        lookahead read gets its memory swapped in; if that read failed it reads again
         itself, so a failed lookahead read costs time, never the step."""
         if r.src is not None:
             src, r.src = r.src, None
             self._collect(src)
-            if not self.ahead.adopt(src, r, self.arena.view[r.slot * self.slot_bytes:
-                                                          (r.slot + 1) * self.slot_bytes]):
+            if not self.ahead.adopt(src, r):
                 self._start(r, asked=True)
                 self._collect(r)
             return
@@ -1297,6 +1301,7 @@ class ExpertCache:
             self._direct_fd.clear()
             self._plain_fd.clear()
         self._weights = [None] * self.nslot
+        self._mem = []
         try:
             self.arena.close()
         except BufferError:
