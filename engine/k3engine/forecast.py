@@ -364,6 +364,10 @@ class Forecast:
 TRUNK_CHUNK = 64 << 20           # the trunk reads a layer in parallel 64 MiB chunks (§2.5)
 DRAFT_BLOCK = 16                 # positions a block drafter's pass proposes and the target
                                  # verifies (DFlash's published drafters: "-b16")
+PUBLISHED_ACCEPTANCE = (2.5, 6.5)   # drafts accepted a pass by the published DFlash
+                                    # drafters: Kimi K2.7 on code, Kimi K3 (issue 48)
+ASSUMED_RECALL = 0.75            # lookahead's guess on K3: colibri measured 74-77 % recall
+                                 # (issue 48); mid measures 0.99, the demo 0.76-0.83
 
 
 @dataclass
