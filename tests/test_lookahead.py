@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import GOLDEN_SEED, make_tiny, with_threads
+from engine_helpers import make_tiny_and_trunk
 from k3engine import events as E
 from k3engine import lookahead as LA
 from k3engine.engine import GenSpec, load_spec_from, open_engine
@@ -21,16 +21,13 @@ from k3engine.tools.demo import ready_dir
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("la") / "tiny", GOLDEN_SEED)
+def tiny_both(tmp_path_factory):
+    return make_tiny_and_trunk(tmp_path_factory.mktemp("la"))
 
 
 @pytest.fixture(scope="module")
-def tiny_trunk(tiny, tmp_path_factory):
-    from k3engine.trunk import pack_trunk
-    d = tmp_path_factory.mktemp("la") / "trunk"
-    pack_trunk(tiny, str(d))
-    return str(d)
+def tiny(tiny_both):
+    return tiny_both[0]
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +104,8 @@ def _check_counters(name, steps, total, expert_bytes):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("which", ["tiny", "demo"])
-def test_lookahead_changes_no_id_and_no_decision(which, streamed, threads, tiny, tiny_trunk,
-                                                 demo):
-    model_dir, trunk = (tiny, tiny_trunk) if which == "tiny" else demo
+def test_lookahead_changes_no_id_and_no_decision(which, streamed, threads, tiny_both, demo):
+    model_dir, trunk = tiny_both if which == "tiny" else demo
     trunk = trunk if streamed else None
     off = _run(model_dir, trunk, CACHE_GB[which], False, threads)
     on = _run(model_dir, trunk, CACHE_GB[which], True, threads)

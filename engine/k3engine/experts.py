@@ -1026,8 +1026,20 @@ class ExpertCache:
         disk-offset order.  An expert that does not resolve is left to the serving path,
         which reports it."""
         reads: list[_Read] = []
+        for k, run in self._to_read(layer, group):
+            slot = self._reserve(k)
+            if slot < 0:
+                break
+            reads.append(_Read(k, run, slot))
+        reads.sort(key=lambda r: (r.run.shard, r.run.offset))
+        return reads
+
+    def _to_read(self, layer: int, experts: list[int]) -> Iterator[tuple[int, ExpertRun]]:
+        """Under the lock: (key, run) of each distinct expert in `experts` that a read would
+        make resident -- in range, neither resident nor in flight, resolvable and fitting a
+        slot (the rest is left to the serving path, which reports it)."""
         seen = set()
-        for e in group:
+        for e in experts:
             k = self.key(layer, e)
             if k in seen or not self._in_range(layer, e):
                 continue
@@ -1038,14 +1050,8 @@ class ExpertCache:
                 run = self._resolve(layer, e)
             except CheckpointError:
                 continue
-            if run.nbytes + 2 * ALIGN > self.slot_bytes:
-                continue
-            slot = self._reserve(k)
-            if slot < 0:
-                break
-            reads.append(_Read(k, run, slot))
-        reads.sort(key=lambda r: (r.run.shard, r.run.offset))
-        return reads
+            if run.nbytes + 2 * ALIGN <= self.slot_bytes:
+                yield k, run
 
     def _unhold(self, slots: list[int]) -> None:
         with self._cv:

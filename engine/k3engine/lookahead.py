@@ -43,8 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from .checkpoint import CheckpointError
-from .diskio import ALIGN, AlignedBuffer
+from .diskio import AlignedBuffer
 from .experts import ExpertCache, _Read
 from .model import AttnResStack, rmsnorm, route_chunk
 from .weights import LayerWeights, MoEWeights
@@ -104,20 +103,7 @@ class LookaheadReads:
             self._guess[layer] = set(experts)
         started: list[_Read] = []
         with c._cv:
-            seen = set()
-            for e in experts:
-                k = c.key(layer, e)
-                if k in seen or not c._in_range(layer, e):
-                    continue
-                seen.add(k)
-                if c.policy.lookup(k) >= 0 or c.policy.inflight(k):
-                    continue
-                try:
-                    run = c._resolve(layer, e)
-                except CheckpointError:
-                    continue                        # the real request reports it
-                if run.nbytes + 2 * ALIGN > self.slot_bytes:
-                    continue
+            for k, run in c._to_read(layer, experts):
                 with self._lock:
                     if not self._free:
                         break
