@@ -97,7 +97,7 @@ class LookaheadReads:
         neither resident nor in flight, as many as free side slots allow.  Returns how many
         were started.  Changes nothing the cache decides."""
         c = self.cache
-        with self._lock:
+        with c._cv, self._lock:                     # always the cache's lock first
             self._let_go(lambda k: True)            # an earlier layer's, never settled
             self._reap()
             self._guess[layer] = set(experts)
@@ -121,7 +121,7 @@ class LookaheadReads:
         """Layer `layer` has been served: count the guess's recall against the experts it
         routed to, and let go of its reads no request took (wasted)."""
         c = self.cache
-        with self._lock:
+        with c._cv, self._lock:
             guess = self._guess.pop(layer, None)
             n = c.n_experts
             self._let_go(lambda k: k // n == layer)
@@ -156,7 +156,7 @@ class LookaheadReads:
 
     # -- side slots -------------------------------------------------------------------
     def _let_go(self, which: Callable[[int], bool]) -> None:
-        """Under the lock: the untaken reads of keys `which` picks are wasted; their slots
+        """Under both locks (the cache's first, as everywhere): the untaken reads of keys `which` picks are wasted; their slots
         come back once their reads have landed (a reader may still be writing)."""
         gone = [k for k in self._entries if which(k)]
         if not gone:
@@ -182,7 +182,7 @@ class LookaheadReads:
 
     def close(self) -> None:
         """Wait for every read still out (their buffer must outlive them), then free it."""
-        with self._lock:
+        with self.cache._cv, self._lock:
             self._let_go(lambda k: True)
             for r in self._draining:
                 self.cache._collect(r)
