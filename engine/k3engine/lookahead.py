@@ -100,7 +100,7 @@ class LookaheadReads:
         with c._cv, self._lock:                     # always the cache's lock first
             self._let_go(lambda k: True)            # an earlier layer's, never settled
             self._reap()
-            self._guess[layer] = set(experts)
+            self._guess = {layer: set(experts)}     # an unsettled one is as stale
         started: list[_Read] = []
         with c._cv:
             for k, run in c._to_read(layer, experts):
