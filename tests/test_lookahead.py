@@ -1,7 +1,8 @@
 """Lookahead expert reads (k3engine.lookahead, issue 48 item 3): exact by construction.
 
 With and without lookahead, on the tiny model and the shipped demo, at a resident and a
-streamed trunk, 1 and 2 threads: the greedy ids are equal, and the cache makes the same
+streamed trunk, 1 and 2 threads, in a batch run, a pass of two sequences and a chat turn:
+the greedy ids are equal, and the cache makes the same
 decisions for the requests actually made -- every request's outcome (hit, or miss with the
 slot it reserved and the key it evicted) and every publish, in order.  The counters add up
 (useful <= predicted, useful + wasted = predicted, bytes = reads x expert bytes), a failed
@@ -240,3 +241,29 @@ def test_cli_reports_lookahead(tiny, tmp_path):
         else:
             assert o["lookahead_predicted"] == sum(s["lookahead_predicted"] for s in steps) > 0
             assert "lookahead    :" in p.stdout
+
+
+def test_a_chat_turn_with_and_without_lookahead(demo):
+    """A chat turn (Conversation: render, the decode loop) on the shipped demo at a streamed
+    budget: the ids, and the cache's decisions, are equal."""
+    from k3engine.chat import History, Message
+    from k3engine.conversation import Conversation
+    model_dir, trunk = demo
+    runs = {}
+    for on in (False, True):
+        eng = open_engine(load_spec_from(model_dir, [("--trunk-gb", 0.0), ("--cache-gb",
+                                                                           CACHE_GB["demo"])],
+                                         trunk_dir=trunk, tok_dir=model_dir, incremental=True,
+                                         lookahead=on), gen=8)
+        try:
+            log = _record(eng.lm.experts)
+            chat = Conversation(eng, History([Message("user", "Tell me about the river.")]))
+            turn = Turn(chat.turn(GenSpec(gen=8)))
+            list(turn)
+            runs[on] = (turn.summary.ids, log, eng.lm.experts.total.la_useful)
+        finally:
+            eng.close()
+    print(f"[gate] chat turn: ids off {runs[False][0]} / on {runs[True][0]}; decisions equal "
+          f"{runs[False][1] == runs[True][1]}; useful lookahead reads {runs[True][2]}")
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    assert runs[True][2] > 0

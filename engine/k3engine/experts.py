@@ -988,11 +988,12 @@ class ExpertCache:
         rate = c.bytes_read / 1e6 / c.read_seconds if c.read_seconds > 0 else 0.0
         lines.append(f"  read from disk: {c.bytes_read / 1e9:.2f} GB in {c.read_seconds:.2f} s "
                      f"({rate:.0f} MB/s while loading)")
-        if c.la_predicted or c.la_routed:                       # lookahead.py
-            lines.append(f"  lookahead    : {c.la_predicted} reads started from the guess, "
-                         f"{c.la_useful} taken by a miss, {c.la_wasted} wasted "
-                         f"({c.la_wasted_bytes / 1e6:.1f} of {c.la_bytes / 1e6:.1f} MB); "
-                         f"recall {100 * c.la_recall:.1f}%")
+        for w, x in ((label, c), ("run", self.total)):          # lookahead.py
+            if x.la_predicted or x.la_routed:
+                lines.append(f"  lookahead    : {w}: {x.la_predicted} reads started from the "
+                             f"guess, {x.la_useful} taken by a miss, {x.la_wasted} wasted "
+                             f"({x.la_wasted_bytes / 1e6:.1f} of {x.la_bytes / 1e6:.1f} MB); "
+                             f"recall {100 * x.la_recall:.1f}%")
         if c.pipelined:                                         # §4.5's report line
             lines.append(f"  async overlap : {c.pipelined} batches, final join wait "
                          f"{c.join_wait_s:.2f} s, next-expert waits {c.next_wait_s:.2f} s "
