@@ -74,8 +74,8 @@ memory
   --cache-gb X          routed-expert cache budget (default 64)
   --cache-policy NAME   expert replacement: lru (default, the reference's) or s3fifo
                         (more hits in large caches; same ids; also K3_CACHE_POLICY)
-  --no-lookahead        no expert reads started from a guess of the next layer's
-                        router (same ids either way; also K3_NOLOOKAHEAD=1)
+  --no-lookahead        no expert reads started from a guess of each layer's
+                        router input (same ids either way; also K3_NOLOOKAHEAD=1)
   --threads N           compute threads (default: OMP_NUM_THREADS, else physical cores)
   --list-presets        show the presets and exit
 generation
