@@ -22,7 +22,8 @@ import os
 import statistics
 import tempfile
 
-from bench_engine import BUDGETS, drop_caches, prompt_ids, run_once, vocab_of
+from bench_engine import (BUDGETS, device_bandwidth, drop_caches, prompt_ids, run_once,
+                          vocab_of)
 from bench_kernels import loadavg
 
 
@@ -54,8 +55,12 @@ def main() -> int:
     print(f"{name}, prompt {a.prompt}, gen {a.gen}, threads {a.threads}; A = "
           f"{a.base_engine} {side_env['A'] or ''}, B = the installed engine "
           f"{side_env['B'] or ''}; load average {loadavg()}", flush=True)
+    shard = sorted(f for f in os.listdir(a.model) if f.endswith(".safetensors"))[0]
+    rates = []                 # the device's QD16 rate (k3 devbw's code) before each pair
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.pairs):
+            drop_caches()
+            rates.append(device_bandwidth(os.path.join(a.model, shard), depths=(16,))[0][16])
             for side in ("A", "B"):
                 if side == "A" and a.base_engine != "-":
                     os.environ["PYTHONPATH"] = os.path.abspath(a.base_engine) + (
@@ -77,17 +82,25 @@ def main() -> int:
                             os.environ[k] = v
                 res[side].append(r)
                 print(f"  pair {i} {side}: steady {r['steady']:.3f} s (CPU {r['steady_cpu']:.3f})"
-                      f", ttft {r['ttft']:.2f} s, read {r['steady_read_gb']:.3f} GB a step, "
-                      f"load {loadavg()}", flush=True)
+                      f", ttft {r['ttft']:.2f} s, read {r['steady_read_gb']:.3f} GB a step "
+                      f"(floor {r['steady_read_gb'] * 1e3 / rates[-1]:.3f} s at "
+                      f"{rates[-1]:.0f} MB/s), lookahead recall {r['la_recall']:.3f} "
+                      f"useful {r['la_useful']}/{r['la_predicted']} wasted "
+                      f"{r['la_wasted_gb']:.4f} GB a step, load {loadavg()}", flush=True)
     med = {s: {k: statistics.median(r[k] for r in rs)
-               for k in ("steady", "steady_cpu", "ttft", "steady_read_gb")}
+               for k in ("steady", "steady_cpu", "ttft", "steady_read_gb", "la_recall",
+                         "la_wasted_gb")}
            for s, rs in res.items()}
+    rate = statistics.median(rates)
     same = len({tuple(r["ids"]) for rs in res.values() for r in rs}) == 1
     for s in ("A", "B"):
         m = med[s]
+        floor = m['steady_read_gb'] * 1e3 / rate
         print(f"{s}: steady decode step {m['steady']:.3f} s wall, {m['steady_cpu']:.3f} s CPU, "
-              f"{m['steady_read_gb']:.3f} GB read; ttft {m['ttft']:.2f} s "
-              f"({m['ttft'] / a.prompt:.4f} s/position)")
+              f"{m['steady_read_gb']:.3f} GB read (floor {floor:.3f} s at the median device "
+              f"rate {rate:.0f} MB/s: step = {m['steady'] / floor:.2f}x floor); ttft "
+              f"{m['ttft']:.2f} s ({m['ttft'] / a.prompt:.4f} s/position); lookahead recall "
+              f"{m['la_recall']:.3f}, wasted {m['la_wasted_gb']:.4f} GB a step")
     print(f"B/A: steady wall {med['B']['steady'] / med['A']['steady']:.3f}, CPU "
           f"{med['B']['steady_cpu'] / med['A']['steady_cpu']:.3f}, ttft "
           f"{med['B']['ttft'] / med['A']['ttft']:.3f}; ids identical across all runs: {same}")

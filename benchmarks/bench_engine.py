@@ -153,7 +153,13 @@ def run_once(model: str, args: list[str], gen: int, tmp: str, ids: str) -> dict:
                 ttft_expert_s=s0["expert_read_s"],
                 ttft_read_gb=(s0["trunk_bytes"] + s0["expert_bytes"]) / 1e9,
                 process_wall=wall,
-                peak=j["peak_rss_bytes"], plan=plan, io=float(io.group(1)) if io else 0.0)
+                peak=j["peak_rss_bytes"], plan=plan, io=float(io.group(1)) if io else 0.0,
+                # lookahead expert reads over the decode steps (0 with --no-lookahead)
+                la_recall=(sum(e["lookahead_recall"] * e["expert_requests"] for e in dec)
+                           / max(sum(e["expert_requests"] for e in dec), 1)),
+                la_predicted=sum(e["lookahead_predicted"] for e in dec),
+                la_useful=sum(e["lookahead_useful"] for e in dec),
+                la_wasted_gb=sum(e["lookahead_wasted_bytes"] for e in dec) / 1e9 / len(dec))
 
 
 PROFILE_GEN, PROFILE_SKIP = 16, 4     # profile steps PROFILE_SKIP..PROFILE_GEN-1 of a run

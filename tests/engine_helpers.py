@@ -18,6 +18,14 @@ def make_tiny(path, seed: int = GOLDEN_SEED, nested: bool = False) -> str:
     return str(path)
 
 
+def make_tiny_and_trunk(root, seed: int = GOLDEN_SEED) -> tuple[str, str]:
+    """The tiny model in root/tiny and its packed trunk in root/trunk."""
+    from k3engine.trunk import pack_trunk
+    model = make_tiny(root / "tiny", seed)
+    pack_trunk(model, str(root / "trunk"))
+    return model, str(root / "trunk")
+
+
 def golden_prompt(vocab: int = 256) -> list[int]:
     return [int(i) for i in np.random.default_rng(PROMPT_SEED).integers(0, vocab, N_PROMPT)]
 

@@ -44,11 +44,15 @@ def test_run_prints_ids_and_writes_out_json(tiny, tmp_path):
     line = out.read_text()
     assert line.endswith("}\n") and " " not in line
     j = json.loads(line)
+    # the reference's keys in its order (SYSTEM §6.7), then our extensions (readers ignore
+    # unknown keys): the lookahead reads' counters (lookahead.py)
     assert list(j) == ["prompt_ids", "generated_ids", "full_ids", "layers", "layers_requested",
                        "layers_completed", "expert_drops", "peak_rss_bytes", "wall_seconds",
                        "seconds_per_token", "expert_bytes_read", "trunk_bytes_read",
                        "embedding_bytes_read", "lm_head_bytes_read", "ultra_low_memory",
-                       "stopped_at", "interrupted", "generated_text"]
+                       "stopped_at", "interrupted", "generated_text", "lookahead_predicted",
+                       "lookahead_useful", "lookahead_wasted", "lookahead_bytes",
+                       "lookahead_wasted_bytes", "lookahead_recall"]
     assert j["generated_ids"] == want and j["full_ids"] == GOLDEN["prompt_ids"] + want
     assert j["layers"] == j["layers_completed"] == 13 and j["peak_rss_bytes"] > 0
     raw = np.fromfile(logits, dtype="<f4")

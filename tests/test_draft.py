@@ -377,7 +377,9 @@ def test_cli_hybrid_decode_report_and_out_keys(tiny, trunks, tmp_path):
     assert list(j)[18:] == ["spec_rounds", "spec_drafted", "spec_accepted", "draft_trunk",
                             "draft_trunk_gb", "draft_topk", "draft_cache_only", "draft_seconds",
                             "draft_forwards", "draft_trunk_bytes_read", "spec_auto",
-                            "spec_auto_final_width", "spec_auto_mean_width"]
+                            "spec_auto_final_width", "spec_auto_mean_width",
+                            "lookahead_predicted", "lookahead_useful", "lookahead_wasted",
+                            "lookahead_bytes", "lookahead_wasted_bytes", "lookahead_recall"]
     assert j["draft_trunk"] == trunks[1].trunk_dir and j["draft_topk"] == 2
     assert j["draft_trunk_gb"] == 0.0 and j["draft_cache_only"] is False
     # streamed through one slot: every draft forward re-reads the whole draft trunk

@@ -480,3 +480,67 @@ def test_a_batch_shares_the_trunk_pass():
     assert rates[-1] < 8 * rates[0]
     assert figs[4].as_json()["batch"] == 4 and "batch" not in one.as_json()
     assert any("batch of 4" in a for a in figs[4].assumptions)
+
+
+def test_block_drafting_is_a_batch_pass_shared_by_the_accepted_tokens():
+    """forecast(accept=A, block=N): one verification pass over N positions costs what a
+    step of N rows costs (the trunk once, the union of their experts: --batch's union), and
+    yields A + 1 tokens; more accepted drafts never cost more a token, and a pass that
+    accepts nothing is dearer than plain decoding."""
+    k3 = F.released_k3()
+    plain = F.forecast(k3, GIVEN, preset="laptop", prompt_len=16, gen=8)
+    batch = F.forecast(k3, GIVEN, preset="laptop", prompt_len=16, gen=8, batch=8)
+    blocks = {A: F.forecast(k3, GIVEN, preset="laptop", prompt_len=16, gen=8, accept=A,
+                            block=8).block for A in (0.0, 2.5, 6.5)}
+    print(f"[forecast] K3 laptop, block 8: s/token at A=0/2.5/6.5 "
+          f"{[blocks[A]['s_per_token'] for A in (0.0, 2.5, 6.5)]} (plain "
+          f"{plain.s_per_token:.3f}); GB a token "
+          f"{[round(blocks[A]['bytes_per_token'] / 1e9, 1) for A in (0.0, 2.5, 6.5)]}")
+    assert abs(blocks[2.5]["pass_s"] - batch.batch_step_s) < 1e-3
+    assert abs(blocks[2.5]["bytes_per_token"] * 3.5 - batch.batch_bytes_per_token * 8) < 1e3
+    s = [blocks[A]["s_per_token"] for A in (0.0, 2.5, 6.5)]
+    assert s == sorted(s, reverse=True)
+    assert blocks[0.0]["s_per_token"] > plain.s_per_token
+    assert blocks[6.5]["tokens_per_pass"] == 7.5 and blocks[6.5]["trunk_bytes_per_token"] \
+        == int(plain.trunk_bytes_per_token / 7.5)
+    assert not plain.block and "block_drafting" not in plain.as_json()
+
+
+def test_lookahead_reads_early_and_wastes_the_guess_it_got_wrong():
+    """forecast(lookahead_recall=R): R x the misses are read from the layer's start and
+    used, (1 - R) x read for nothing on the same device.  A perfect guess is never slower
+    than none; a useless one only adds reads; read-bound K3 at laptop gains little."""
+    k3 = F.released_k3()
+    la = {R: F.forecast(k3, GIVEN, preset="laptop", prompt_len=16, gen=8,
+                        lookahead_recall=R).lookahead for R in (0.0, 0.75, 1.0)}
+    plain = F.forecast(k3, GIVEN, preset="laptop", prompt_len=16, gen=8)
+    per = plain.expert_bytes_per_token
+    print(f"[forecast] K3 laptop lookahead s/token at recall 0/0.75/1: "
+          f"{[la[R]['s_per_token'] for R in (0.0, 0.75, 1.0)]} (without {plain.s_per_token:.3f}); "
+          f"wasted GB a token {[round(la[R]['wasted_bytes_per_token'] / 1e9, 2) for R in la]}")
+    for R, d in la.items():
+        assert abs(d["overlapped_bytes_per_token"] - R * per) <= 1
+        assert abs(d["wasted_bytes_per_token"] - (1 - R) * per) <= 1
+        assert d["bytes_read_per_token"] == int(plain.bytes_read_per_token
+                                                + (1 - R) * per) or \
+            abs(d["bytes_read_per_token"] - plain.bytes_read_per_token - (1 - R) * per) < 2
+    assert la[1.0]["s_per_token"] <= plain.s_per_token + 1e-3
+    assert la[0.0]["s_per_token"] >= plain.s_per_token - 1e-3
+    assert any("lookahead" in a for a in F.forecast(k3, GIVEN, preset="laptop",
+                                                    lookahead_recall=0.5).assumptions)
+
+
+def test_cli_prices_block_drafting_and_lookahead(tmp_path, monkeypatch, capsys):
+    _given_cache(tmp_path, monkeypatch)
+    assert k3_main(["forecast", "k3", "--preset", "laptop", "--accept", "2.5",
+                    "--lookahead-recall", "0.75", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["block_drafting"]["tokens_per_pass"] == 3.5 and d["block_drafting"]["block"] == 16
+    assert d["lookahead"]["recall"] == 0.75
+    assert k3_main(["forecast", "k3", "--preset", "laptop", "--accept", "6.5", "--block",
+                    "8"]) == 0
+    out = capsys.readouterr().out
+    assert "block drafting" in out and "7.5 tokens per" in out
+    for bad in (["--accept", "16"], ["--block", "8"], ["--lookahead-recall", "2"]):
+        with pytest.raises(SystemExit):
+            k3_main(["forecast", "k3", *bad])

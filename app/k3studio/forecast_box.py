@@ -181,8 +181,10 @@ class ForecastBox(QGroupBox):
         self.machine = m
         self.machineMeasured.emit(m)
 
-    def update_for(self, plan, trunk_ring: int) -> F.Forecast | None:
-        """Forecast the plan on the sliders (None without a model or machine figures)."""
+    def update_for(self, plan, trunk_ring: int, lookahead: bool = False) -> F.Forecast | None:
+        """Forecast the plan on the sliders (None without a model or machine figures), with
+        lookahead reads at an assumed recall when they are on, and block drafting at the
+        published drafters' acceptances."""
         self.forecast = None
         if self.proc is not None:
             return None                  # the measurement's progress stays on show
@@ -198,7 +200,9 @@ class ForecastBox(QGroupBox):
             self.shape, self.machine, trunk_gb=plan.trunk_gb, cache_gb=plan.cache_gb,
             trunk_ring=trunk_ring, streamed=plan.streamed, ultra=plan.ultra,
             prompt_len=PROMPT_LEN, gen=GEN, hits=self.hits, baseline_bytes=self.baseline_bytes,
-            trace_window=trace_window())      # the session trace the app's runs keep
+            trace_window=trace_window(),      # the session trace the app's runs keep
+            lookahead_recall=F.ASSUMED_RECALL if lookahead else None,
+            accept=F.PUBLISHED_ACCEPTANCE[0])
         small = fc.s_per_token < TOO_SMALL_S
         # its list of assumptions would only explain a figure not shown: the room goes to
         # the sentence
@@ -216,7 +220,25 @@ class ForecastBox(QGroupBox):
                 f"reads {human(fc.bytes_read_per_token)} per token (trunk "
                 f"{human(fc.trunk_bytes_per_token)} + experts "
                 f"{human(fc.expert_bytes_per_token)} at {100 * fc.hit_rate:.1f}% hit) · "
-                f"peak RSS ≈ {human(fc.peak_rss_bytes)}")
+                f"peak RSS ≈ {human(fc.peak_rss_bytes)}<br>" + extras_text(fc))
         self.assumptions.setText("Computed from: " + "; ".join(fc.assumptions))
         self.figures.setToolTip("\n".join(fc.assumptions))
         return fc
+
+
+def extras_text(fc: F.Forecast) -> str:
+    """The forecast's lookahead and block-drafting lines (one source for the Memory tab and
+    What-if): what they would change, labelled as a forecast."""
+    parts = []
+    la, bd = fc.lookahead, fc.block
+    if la:
+        parts.append(f"with lookahead reads (a guess naming {100 * la['recall']:.0f}% of a "
+                     f"layer's experts, assumed): {human_seconds(la['s_per_token'])}/token, "
+                     f"{human(la['wasted_bytes_per_token'])} a token read for nothing")
+    if bd:
+        rates = " / ".join(f"{human_seconds(bd['pass_s'] / (a + 1))}"
+                           for a in F.PUBLISHED_ACCEPTANCE)
+        parts.append(f"with a block drafter ({bd['block']}-position passes) accepting "
+                     f"{' / '.join(f'{a:g}' for a in F.PUBLISHED_ACCEPTANCE)} drafts a pass: "
+                     f"{rates}/token")
+    return ("<i>forecast:</i> " + " · ".join(parts)) if parts else ""

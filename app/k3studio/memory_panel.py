@@ -12,7 +12,7 @@ import os
 from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QGroupBox,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QGroupBox,
                                QHBoxLayout, QHeaderView, QLabel, QProgressBar, QPushButton,
                                QSlider, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
@@ -183,6 +183,14 @@ class MemoryPanel(QWidget):
             "up) and more below ~16 GB. The What-if tab's trace shows which suits a budget. "
             "Never changes the tokens.")
         form.addRow("Expert replacement", self.policy)
+        self.lookahead = QCheckBox("Start expert reads a layer early")
+        self.lookahead.setToolTip(
+            "Lookahead expert reads (--no-lookahead turns them off): at each layer's start "
+            "its router is applied to a guess of its input, and the guessed experts that are "
+            "not in the cache start reading while the layer's attention computes. A wrong "
+            "guess costs bytes, never bits: the tokens and the cache's choices are the same "
+            "either way. The plan holds one layer's experts more for the reads in flight.")
+        form.addRow("Lookahead", self.lookahead)
         self.threads = QSpinBox()
         self.threads.setRange(0, max(os.cpu_count() or 1, 1))
         from k3engine.threads import default_threads
@@ -262,6 +270,7 @@ class MemoryPanel(QWidget):
         self.cache.changed.connect(self._budget_moved)
         self.ring.valueChanged.connect(self._other_changed)
         self.policy.currentIndexChanged.connect(self._other_changed)
+        self.lookahead.toggled.connect(self._other_changed)
         self.threads.valueChanged.connect(self._other_changed)
         self.refresh_available()
 
@@ -276,6 +285,7 @@ class MemoryPanel(QWidget):
             self.ring.setValue(s.trunk_ring)
             i = self.policy.findData(s.cache_policy)
             self.policy.setCurrentIndex(max(i, 0))     # an unknown name: the reference's LRU
+            self.lookahead.setChecked(bool(s.lookahead))
             self.threads.setValue(s.threads)
         finally:
             self._quiet = False
@@ -284,7 +294,8 @@ class MemoryPanel(QWidget):
     def values(self) -> dict:
         return dict(preset=self.preset.currentData(), trunk_gb=self.trunk.value(),
                     cache_gb=self.cache.value(), trunk_ring=self.ring.value(),
-                    cache_policy=self.policy.currentData(), threads=self.threads.value())
+                    cache_policy=self.policy.currentData(), lookahead=self.lookahead.isChecked(),
+                    threads=self.threads.value())
 
     def set_figures(self, figures) -> None:
         """The model's sizes (None: no model chosen).  Slider ranges follow the model."""
@@ -395,7 +406,7 @@ class MemoryPanel(QWidget):
             self.trunk.set_value(p.trunk_gb)
             self.cache.set_value(p.cache_gb)
         self._show(p, spec)
-        self.forecast_box.update_for(p, int(spec.trunk_ring))
+        self.forecast_box.update_for(p, int(spec.trunk_ring), spec.lookahead)
         self.planUpdated.emit(p)
 
     def _show(self, p, spec: RunSpec) -> None:

@@ -30,6 +30,7 @@ class RunSpec:
     cache_gb: float = 1.0
     trunk_ring: int = 2
     cache_policy: str = "lru"         # expert replacement (--cache-policy)
+    lookahead: bool = True            # expert reads from a guess of the router (--no-lookahead)
     threads: int = 0                  # 0 = engine default
     gen: int = 256
     thinking: bool = True
@@ -68,7 +69,7 @@ class RunSpec:
             # the What-if tab replays this session's expert requests: the latest window of
             # them (a long session's trace would grow without bound), counted in the plan
             keep_trace=True, trace_window=trace_window(), cache_policy=self.cache_policy,
-            turn_peaks=True)
+            lookahead=self.lookahead, turn_peaks=True)
 
     def gen_spec(self) -> GenSpec:
         """What every turn asks with these settings."""
@@ -105,6 +106,8 @@ def model_flags(spec: RunSpec) -> list[str]:
         argv += ["--trunk-ring", str(spec.trunk_ring)]
     if spec.cache_policy != "lru":
         argv += ["--cache-policy", spec.cache_policy]
+    if not spec.lookahead:
+        argv.append("--no-lookahead")
     if spec.threads:
         argv += ["--threads", str(spec.threads)]
     return argv
@@ -136,7 +139,8 @@ def from_settings(s, history_path: str = "") -> RunSpec:
                    trunk_dir=os.path.expanduser(s.trunk_dir),
                    tok_dir=os.path.expanduser(s.tok_dir), preset=s.preset,
                    trunk_gb=s.trunk_gb, cache_gb=s.cache_gb, trunk_ring=s.trunk_ring,
-                   cache_policy=s.cache_policy, threads=s.threads, gen=s.gen,
+                   cache_policy=s.cache_policy, lookahead=s.lookahead, threads=s.threads,
+                   gen=s.gen,
                    thinking=s.thinking, effort=s.effort,
                    greedy=s.greedy, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                    seed=s.seed, system_prompt=s.system_prompt,

@@ -43,6 +43,7 @@ class StudioSettings:
     cache_gb: float = 1.0
     trunk_ring: int = 2
     cache_policy: str = "lru"         # expert replacement: "lru" (the reference's), "s3fifo"
+    lookahead: bool = True            # expert reads from a guess of the router (--no-lookahead)
     threads: int = 0                  # 0 = the engine's default (OMP_NUM_THREADS / cores)
     # chat
     gen: int = 256                    # generation limit per reply (--gen)

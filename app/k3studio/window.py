@@ -40,7 +40,7 @@ TAB_SETUP, TAB_MEMORY, TAB_CHAT = 0, 1, 2
 LIST, CHAT, SIDE = 0, 1, 2            # the chat tab's splitter: list | conversation | side
 SIDE_TELEMETRY, SIDE_SETTINGS = 0, 1
 MEMORY_FIELDS = ("model_dir", "trunk_dir", "tok_dir", "preset", "trunk_gb", "cache_gb",
-                 "trunk_ring", "cache_policy", "threads")
+                 "trunk_ring", "cache_policy", "lookahead", "threads")
 
 
 def cache_text(info: dict) -> str:

@@ -74,6 +74,8 @@ memory
   --cache-gb X          routed-expert cache budget (default 64)
   --cache-policy NAME   expert replacement: lru (default, the reference's) or s3fifo
                         (more hits in large caches; same ids; also K3_CACHE_POLICY)
+  --no-lookahead        no expert reads started from a guess of each layer's
+                        router input (same ids either way; also K3_NOLOOKAHEAD=1)
   --threads N           compute threads (default: OMP_NUM_THREADS, else physical cores)
   --list-presets        show the presets and exit
 generation
@@ -127,7 +129,7 @@ FLAGS = {
     "--prompt-file": ("prompt_file", True), "--tok": ("tok", True), "--config": ("config", True),
     "--preset": ("preset", True), "--trunk": ("trunk", True), "--trunk-gb": ("trunk_gb", True),
     "--trunk-ring": ("trunk_ring", True), "--cache-gb": ("cache_gb", True),
-    "--cache-policy": ("cache_policy", True),
+    "--cache-policy": ("cache_policy", True), "--no-lookahead": ("no_lookahead", False),
     "--threads": ("threads", True), "--gen": ("gen", True), "--incremental": ("incremental", False),
     "--stop-id": ("stop_id", True), "--save-state": ("save_state", True),
     "--load-state": ("load_state", True), "--layers": ("layers", True),
@@ -173,6 +175,7 @@ class Options:
     trunk_ring: str = "2"
     cache_gb: str | None = None
     cache_policy: str | None = None
+    no_lookahead: bool = False
     threads: str | None = None
     gen: str | None = None
     incremental: bool = False
@@ -371,7 +374,8 @@ def build_load(o: Options) -> LoadSpec:
         trunk_ring=int(o.trunk_ring), threads=int(o.threads) if o.threads is not None else 0,
         layers=None if o.layers is None else strict_int("--layers", o.layers, 1),
         incremental=o.incremental or o.chat, spec=int(o.spec), draft=draft,
-        keep_trace=bool(o.dump_cache_trace), cache_policy=o.cache_policy)
+        keep_trace=bool(o.dump_cache_trace), cache_policy=o.cache_policy,
+        lookahead=not o.no_lookahead)
 
 
 def build_gen(o: Options) -> GenSpec:
@@ -554,7 +558,7 @@ def finish(o: Options, eng: Engine, spec: GenSpec, seq: Sequence, res: TurnSumma
         print(line)
     tr = lm.trunk
     code = EXIT_OK
-    extra = eng.spec_keys(spec, res)
+    extra = {**eng.spec_keys(spec, res), **eng.lookahead_keys()}
     if write_output(o.out, out_line(values, extra), unwritten):
         print(f"wrote {o.out}")
     if o.dump_cache_trace:

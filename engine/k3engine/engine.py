@@ -23,6 +23,7 @@ from .generate import Cancel, GenSpec, Sampling, TurnSummary, decode
 from .ids import parse_ids, read_ids_file
 from .inputfile import InputFileError, read_regular_file
 from .loading import load_draft, load_model, open_model, read_config
+from .lookahead import enabled as lookahead_enabled
 from .memory import (AUTO, DEFAULT_DRAFT_TRUNK_GB, PRESETS, Budgets, PlanRequest,
                      available_memory, kv_check, plan_for, resolve_budgets)
 from .sequence import Sequence
@@ -79,6 +80,8 @@ class LoadSpec:
     keep_trace: bool = False          # keep every expert request (--dump-cache-trace)
     trace_window: int = 0             # ...only the latest N of them (the app's session trace)
     cache_policy: str | None = None   # "lru" / "s3fifo"; None: K3_CACHE_POLICY, else LRU
+    lookahead: bool = True            # expert reads from a guess of the router (lookahead.py;
+                                      # K3_NOLOOKAHEAD=1 turns it off whatever this says)
     turn_peaks: bool = False          # each turn's peak RSS on its own (the app; VmHWM reset)
     sequences: int = 1                # sequences held at once (a batch, serve --parallel)
     # the app's process baseline (SYSTEM §5.8) and a fixed availability for tests
@@ -99,7 +102,8 @@ class LoadSpec:
                            baseline_label=self.baseline_label, draft_sizes=draft_sizes,
                            draft_gb=self.draft.trunk_gb if self.draft else DEFAULT_DRAFT_TRUNK_GB,
                            spec=min(self.spec, MAX_DRAFT), keep_trace=self.keep_trace,
-                           trace_window=self.trace_window, sequences=self.sequences)
+                           trace_window=self.trace_window, sequences=self.sequences,
+                           lookahead=lookahead_enabled(self.lookahead))
 
 
 def load_spec_from(model_dir: str, memory: Iterable[tuple[str, object]] = (), **fields
@@ -314,7 +318,7 @@ class Engine:
         lm = load_model(setup, plan=the_plan, on_trunk_read=on_read,
                         cache_bytes=int(the_plan.expert_cache_bytes), ultra=the_plan.ultra,
                         keep_trace=spec.keep_trace, trace_window=spec.trace_window,
-                        cache_policy=spec.cache_policy)
+                        cache_policy=spec.cache_policy, lookahead=lookahead_enabled(spec.lookahead))
         self.lm = lm
         tr = lm.trunk
         one_slot = lm.ultra and not spec.incremental
@@ -434,7 +438,10 @@ class Engine:
             resident_experts=lm.experts.policy.resident, pinned_experts=lm.experts.policy.pinned,
             raw_hit_rate=ex.raw_hit_rate, retention_rate=ex.retention,
             io_trunk_share=t_s / seconds if seconds > 0 else 0.0,
-            io_expert_share=ex.load_seconds / seconds if seconds > 0 else 0.0)
+            io_expert_share=ex.load_seconds / seconds if seconds > 0 else 0.0,
+            lookahead_predicted=ex.la_predicted, lookahead_useful=ex.la_useful,
+            lookahead_wasted=ex.la_wasted, lookahead_bytes=ex.la_bytes,
+            lookahead_wasted_bytes=ex.la_wasted_bytes, lookahead_recall=ex.la_recall)
         self._trunk_mark = mark
         return tel
 
@@ -445,10 +452,11 @@ class Engine:
         return ((tr.stored_bytes_read, tr.read_seconds) if tr else (0, 0.0)) \
             + (self.tables_read()[0],)
 
-    def _turn_counters(self) -> tuple[int, int, int, int, int]:
+    def _turn_counters(self) -> tuple[int, ...]:
         t = self.lm.experts.total
         trunk, _, tables = self._io_counters()
-        return trunk, t.bytes_read, tables, t.requests, t.hits
+        return (trunk, t.bytes_read, tables, t.requests, t.hits, t.la_predicted, t.la_useful,
+                t.la_wasted_bytes)
 
     def turn_window(self):
         """Open the decode loop's figures: counters now, the peak from here."""
@@ -458,7 +466,7 @@ class Engine:
         return self._turn_counters()
 
     def counters(self):
-        """(trunk, expert, table bytes, expert requests, hits) so far: a run's window."""
+        """The counters a run's figures are deltas of (close_window): its window."""
         return self._turn_counters()
 
     def close_window(self, window, res: TurnSummary) -> None:
@@ -466,7 +474,9 @@ class Engine:
         shares the loop gave it), the peak RSS since turn_window, the end id's name."""
         if window is not None:
             (res.trunk_bytes, res.expert_bytes, res.table_bytes, res.expert_requests,
-             res.expert_hits) = (now - then for now, then in zip(self._turn_counters(), window))
+             res.expert_hits, res.lookahead_predicted, res.lookahead_useful,
+             res.lookahead_wasted_bytes) = (now - then for now, then in
+                                            zip(self._turn_counters(), window))
         res.peak_rss_bytes = self._peak.sample() if self._peak is not None \
             else peak_rss_bytes()
         if res.end_id is not None and self.tok is not None:
@@ -556,6 +566,18 @@ class Engine:
                     ultra_low_memory=lm.ultra,
                     stopped_at=res.end_id if res.end_id is not None else -1,
                     interrupted=res.interrupted, generated_text=text)
+
+    def lookahead_keys(self) -> dict:
+        """The SF extension keys of --out for lookahead expert reads (whole run), when they
+        ran: reads started, taken by a real miss, wasted, their bytes, the guess's recall."""
+        ahead = getattr(self.lm.experts, "ahead", None)
+        if ahead is None:
+            return {}
+        t = self.lm.experts.total
+        return dict(lookahead_predicted=t.la_predicted, lookahead_useful=t.la_useful,
+                    lookahead_wasted=t.la_wasted, lookahead_bytes=t.la_bytes,
+                    lookahead_wasted_bytes=t.la_wasted_bytes,
+                    lookahead_recall=round(t.la_recall, 4))
 
     def spec_keys(self, spec: GenSpec, res: TurnSummary) -> dict:
         """The SF extension keys of --out for speculative and hybrid decode (readers ignore

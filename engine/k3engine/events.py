@@ -191,12 +191,22 @@ class StepTelemetry:
     retention_rate: float = 0.0
     io_trunk_share: float = 0.0
     io_expert_share: float = 0.0
+    # lookahead expert reads this step (lookahead.py; 0 when off): started, taken by a
+    # real miss, wasted, their bytes, and the guess's recall of the routed experts (0-1)
+    lookahead_predicted: int = 0
+    lookahead_useful: int = 0
+    lookahead_wasted: int = 0
+    lookahead_bytes: int = 0
+    lookahead_wasted_bytes: int = 0
+    lookahead_recall: float = 0.0
 
     EVENT_KEYS = ("rss_bytes", "peak_rss_bytes", "trunk_bytes", "trunk_read_s", "trunk_hits",
                   "trunk_binds", "expert_requests", "expert_hits", "expert_misses",
                   "expert_evictions", "expert_prefetch_reads", "expert_bytes", "expert_read_s",
                   "model_table_bytes", "true_resident_hit", "io_share_step",
-                  "resident_experts", "pinned_experts")
+                  "resident_experts", "pinned_experts", "lookahead_predicted",
+                  "lookahead_useful", "lookahead_wasted", "lookahead_bytes",
+                  "lookahead_wasted_bytes", "lookahead_recall")
 
 
 @dataclass(frozen=True)

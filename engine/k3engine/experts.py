@@ -494,6 +494,19 @@ class CacheCounters:
     pipelined: int = 0           # groups whose reads ran behind compute (§4.5)
     next_wait_s: float = 0.0     # of load_seconds: waiting for the next expert's own read
     join_wait_s: float = 0.0     # ... and for the rest of a group at once (the final join)
+    # lookahead reads (lookahead.py): reads started for a guess of the next layer's experts
+    la_predicted: int = 0        # reads started (guessed experts that were not resident)
+    la_useful: int = 0           # ... whose bytes a real miss took instead of reading again
+    la_wasted: int = 0           # ... that no request took (or that failed)
+    la_bytes: int = 0            # bytes the started reads ask for (= useful + wasted bytes)
+    la_wasted_bytes: int = 0
+    la_routed: int = 0           # distinct experts the guessed layers actually routed to
+    la_recalled: int = 0         # ... of which the guess had named (recall = this / routed)
+
+    @property
+    def la_recall(self) -> float:
+        """Share of a guessed layer's routed experts the guess named (0-1)."""
+        return self.la_recalled / self.la_routed if self.la_routed else 0.0
 
     @property
     def requests(self) -> int:
@@ -642,6 +655,9 @@ class _Read:
     done: float = 0.0            # time.monotonic() when the read returned
     kind: str = ""               # "direct" | "plain" | "pieces": how the bytes are asked for
     jobs: list = field(default_factory=list)     # native read handles not yet collected
+    buf: memoryview | None = None    # where it lands: None = its arena slot; a lookahead
+                                     # read's own side slot otherwise (lookahead.py)
+    src: "_Read | None" = None       # the lookahead read this real read takes its bytes from
 
     @property
     def ok(self) -> bool:
@@ -724,8 +740,9 @@ class _Group:
         with c._cv:
             c._count(load_seconds=waited,
                      **{"join_wait_s" if join else "next_wait_s": waited})
-            if not self.pending:              # the last one: the reads' own wall time
-                c._count(read_seconds=max(x.done for x in self.reads) - self.issued)
+            if not self.pending:              # the last one: the reads' own wall time (a
+                # read a lookahead read served may have landed before the group began)
+                c._count(read_seconds=max(0.0, max(x.done for x in self.reads) - self.issued))
             if c._finish(r, "prefetch"):
                 self.fresh.add(r.key)
                 c.policy.protect(r.slot)
@@ -835,6 +852,12 @@ class ExpertCache:
 
         self.policy = make_policy(policy, self.nslot)
         self.arena = AlignedBuffer(self.nslot * self.slot_bytes)
+        # the memory behind each slot: the arena's own part, until a lookahead read's side
+        # slot is swapped in for a miss it served (lookahead.py: no copy; the slot table,
+        # which is all the policy sees, is untouched)
+        self._mem: list[memoryview] = [self.arena.view[s * self.slot_bytes:
+                                                       (s + 1) * self.slot_bytes]
+                                       for s in range(self.nslot)]
         self._weights: list[ExpertWeights | None] = [None] * self.nslot
         self._serial: deque[int] = deque()        # slots handed out by expert(), newest last
         self._cv = threading.Condition()
@@ -854,6 +877,9 @@ class ExpertCache:
         # miss; bounded, so a huge model's key space costs no more than a few slots' worth
         self._runs: OrderedDict[int, ExpertRun] = OrderedDict()
         self._runs_max = max(4 * self.nslot, 4096)
+        # lookahead reads (lookahead.LookaheadReads, set by whoever turns them on): bytes a
+        # real miss may take instead of reading again; never a decision of this cache
+        self.ahead = None
 
     def _resolve(self, layer: int, expert: int) -> ExpertRun:
         k = self.key(layer, expert)
@@ -886,6 +912,8 @@ class ExpertCache:
         finally:
             if g is not None:
                 g.close()
+            if self.ahead is not None:          # the layer's guess is judged and let go
+                self.ahead.settle(layer, experts)
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         """One request (§4.3).  The result stays protected until top-k more single gets
@@ -960,6 +988,12 @@ class ExpertCache:
         rate = c.bytes_read / 1e6 / c.read_seconds if c.read_seconds > 0 else 0.0
         lines.append(f"  read from disk: {c.bytes_read / 1e9:.2f} GB in {c.read_seconds:.2f} s "
                      f"({rate:.0f} MB/s while loading)")
+        for w, x in ((label, c), ("run", self.total)):          # lookahead.py
+            if x.la_predicted or x.la_routed:
+                lines.append(f"  lookahead    : {w}: {x.la_predicted} reads started from the "
+                             f"guess, {x.la_useful} taken by a miss, {x.la_wasted} wasted "
+                             f"({x.la_wasted_bytes / 1e6:.1f} of {x.la_bytes / 1e6:.1f} MB); "
+                             f"recall {100 * x.la_recall:.1f}%")
         if c.pipelined:                                         # §4.5's report line
             lines.append(f"  async overlap : {c.pipelined} batches, final join wait "
                          f"{c.join_wait_s:.2f} s, next-expert waits {c.next_wait_s:.2f} s "
@@ -993,8 +1027,20 @@ class ExpertCache:
         disk-offset order.  An expert that does not resolve is left to the serving path,
         which reports it."""
         reads: list[_Read] = []
+        for k, run in self._to_read(layer, group):
+            slot = self._reserve(k)
+            if slot < 0:
+                break
+            reads.append(_Read(k, run, slot))
+        reads.sort(key=lambda r: (r.run.shard, r.run.offset))
+        return reads
+
+    def _to_read(self, layer: int, experts: list[int]) -> Iterator[tuple[int, ExpertRun]]:
+        """Under the lock: (key, run) of each distinct expert in `experts` that a read would
+        make resident -- in range, neither resident nor in flight, resolvable and fitting a
+        slot (the rest is left to the serving path, which reports it)."""
         seen = set()
-        for e in group:
+        for e in experts:
             k = self.key(layer, e)
             if k in seen or not self._in_range(layer, e):
                 continue
@@ -1005,14 +1051,8 @@ class ExpertCache:
                 run = self._resolve(layer, e)
             except CheckpointError:
                 continue
-            if run.nbytes + 2 * ALIGN > self.slot_bytes:
-                continue
-            slot = self._reserve(k)
-            if slot < 0:
-                break
-            reads.append(_Read(k, run, slot))
-        reads.sort(key=lambda r: (r.run.shard, r.run.offset))
-        return reads
+            if run.nbytes + 2 * ALIGN <= self.slot_bytes:
+                yield k, run
 
     def _unhold(self, slots: list[int]) -> None:
         with self._cv:
@@ -1117,7 +1157,7 @@ class ExpertCache:
 
     def _views(self, slot: int, run: ExpertRun, pad: int) -> ExpertWeights:
         """Zero-copy, read-only NumPy views of the slot's six tensors."""
-        buf = self.arena.view[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        buf = self._mem[slot]
         arrs = {}
         for t in run.tensors:
             a = np.frombuffer(buf, np.uint8, t.nbytes, pad + t.offset).reshape(t.shape)
@@ -1134,12 +1174,28 @@ class ExpertCache:
         self._start(r)
         self._collect(r)
 
-    def _start(self, r: _Read) -> None:
+    def _start(self, r: _Read, fail: Callable[[int, int], bool] | None = None,
+               asked: bool = False) -> None:
         """Issue r's read on the native readers (r.jobs); a read that cannot even be
-        issued (the shard does not open) is finished here with r.error set."""
+        issued (the shard does not open) is finished here with r.error set.  A real read
+        (into its slot) whose expert a lookahead read already asked for takes that read
+        instead of issuing its own (r.src; _collect copies the bytes into the slot).
+        `fail`: the injected short reads of a lookahead read (the real reads' are
+        `fail_reads`, asked once per real attempt whatever serves it; `asked`: this attempt
+        already asked it, and reads itself)."""
         run = r.run
-        buf = self.arena.view[r.slot * self.slot_bytes:(r.slot + 1) * self.slot_bytes]
-        short = bool(self._fail_reads and self._fail_reads(run.layer, run.expert))
+        real = r.buf is None
+        if asked:
+            short = False
+        elif real:
+            short = bool(self._fail_reads and self._fail_reads(run.layer, run.expert))
+        else:
+            short = bool(fail and fail(run.layer, run.expert))
+        if real and not short and not asked and self.ahead is not None:
+            r.src = self.ahead.take(r.key)
+            if r.src is not None:
+                return
+        buf = self._mem[r.slot] if real else r.buf
         try:
             if not run.contiguous:              # six buffered reads into the canonical layout
                 fd, r.kind, r.pad = self._plain(run.shard), "pieces", 0
@@ -1169,11 +1225,20 @@ class ExpertCache:
 
     def _landed(self, r: _Read) -> bool:
         """Whether r's reads have all returned (collecting it would not wait)."""
-        return all(self._io.done(h) for h in r.jobs)
+        return all(self._io.done(h) for h in (r.src or r).jobs)
 
     def _collect(self, r: _Read) -> None:
         """Wait for r's reads (GIL released) and judge them: r.got is the payload byte
-        count obtained, or -1 with r.error.  Never raises."""
+        count obtained, or -1 with r.error.  Never raises.  A real read that took a
+        lookahead read gets its memory swapped in; if that read failed it reads again
+        itself, so a failed lookahead read costs time, never the step."""
+        if r.src is not None:
+            src, r.src = r.src, None
+            self._collect(src)
+            if not self.ahead.adopt(src, r):
+                self._start(r, asked=True)
+                self._collect(r)
+            return
         if not r.jobs:
             return                              # failed at issue: r.error says why
         got, err, _, r.done = self._io.wait_all(r.jobs)
@@ -1234,6 +1299,8 @@ class ExpertCache:
     def close(self) -> None:
         """Stop the I/O threads and close descriptors.  The arena is unmapped once no
         expert view refers to it any more."""
+        if self.ahead is not None:
+            self.ahead.close()                   # its reads land before their buffer goes
         self._io.close()                         # every queued read returns first
         with self._io_lock:
             for fd in list(self._direct_fd.values()) + list(self._plain_fd.values()):
@@ -1241,6 +1308,7 @@ class ExpertCache:
             self._direct_fd.clear()
             self._plain_fd.clear()
         self._weights = [None] * self.nslot
+        self._mem = []
         try:
             self.arena.close()
         except BufferError:

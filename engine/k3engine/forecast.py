@@ -28,6 +28,7 @@ import numpy as np
 
 from .diskio import align_up
 from .memory import ModelFigures, Plan, moe_chunk_for, plan
+from .units import human
 from .model import PREFILL_CHUNK
 from .trunk import IO_THREADS as TRUNK_IO_THREADS   # a layer's reads run on this many threads
 from .machine import (EXPERT_PROBE_TOKENS, MachineFigures, cache_file,  # noqa: F401
@@ -327,6 +328,8 @@ class Forecast:
     batch_step_s: float = 0.0       # one step of them all
     batch_tokens_per_s: float = 0.0  # generated tokens per second, all sequences
     batch_bytes_per_token: float = 0.0
+    lookahead: dict = field(default_factory=dict)   # forecast(lookahead_recall=...)
+    block: dict = field(default_factory=dict)       # forecast(accept=...): block drafting
 
     def as_json(self) -> dict:
         p = self.plan
@@ -349,6 +352,8 @@ class Forecast:
                 "batch_tokens_per_s": round(self.batch_tokens_per_s, 4),
                 "batch_bytes_per_token": int(self.batch_bytes_per_token)}
                if self.batch > 1 else {}),
+            **({"lookahead": self.lookahead} if self.lookahead else {}),
+            **({"block_drafting": self.block} if self.block else {}),
             "plan": {"preset": p.preset, "trunk_gb": p.trunk_gb, "cache_gb": p.cache_gb,
                      "streamed": p.streamed, "pinned_layers": tp.n_pinned if tp else p.layers,
                      "layers": p.layers, "ring_slots": tp.ring_slots if tp else 0,
@@ -357,6 +362,12 @@ class Forecast:
 
 
 TRUNK_CHUNK = 64 << 20           # the trunk reads a layer in parallel 64 MiB chunks (§2.5)
+DRAFT_BLOCK = 16                 # positions a block drafter's pass proposes and the target
+                                 # verifies (DFlash's published drafters: "-b16")
+PUBLISHED_ACCEPTANCE = (2.5, 6.5)   # drafts accepted a pass by the published DFlash
+                                    # drafters: Kimi K2.7 on code, Kimi K3 (issue 48)
+ASSUMED_RECALL = 0.75            # lookahead's guess on K3: colibri measured 74-77 % recall
+                                 # (issue 48); mid measures 0.99, the demo 0.76-0.83
 
 
 @dataclass
@@ -367,6 +378,8 @@ class _Costs:
     ring_read: list      # per layer seconds of a read through the ring (prefetchable)
     overlap: list = field(default_factory=list)   # per layer compute that runs while its
                                                   # expert reads are in flight (§4.5)
+    early: list = field(default_factory=list)     # per layer lookahead reads issued at its
+                                                  # start (device seconds; lookahead.py)
 
 
 def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
@@ -383,11 +396,15 @@ def _trunk_read_s(machine: MachineFigures, nbytes: int) -> float:
 def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
                  misses_per_layer: float, ring_layers: set, expert_tokens: float,
                  first_touch: set = frozenset(), attended: float | None = None,
-                 expert_runs: float | None = None, chunk: int = PREFILL_CHUNK) -> _Costs:
+                 expert_runs: float | None = None, chunk: int = PREFILL_CHUNK,
+                 recall: float | None = None) -> _Costs:
     """Seconds per layer for one engine step over `positions` new positions, attending to
     `attended` (query, key) position pairs in all (decode: the context length), with
     `expert_runs` expert invocations per MoE layer (decode: topk; a prefill: the union of
-    each chunk's experts, summed over its chunks of `chunk` positions)."""
+    each chunk's experts, summed over its chunks of `chunk` positions).  `recall`: lookahead
+    reads (lookahead.py) with a guess naming that share of the routed experts: the guess's
+    misses (as many as the real ones) are read at the layer's start, and only the real
+    misses it did not name are read after the router."""
     f = model.figures
     eb = f.expert_bytes
     attended = positions if attended is None else attended
@@ -395,7 +412,11 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
     chunks = -(-positions // chunk)
     bf16_rate = machine.bf16_rate(positions)
     mxfp4_rate = machine.mxfp4_rate(expert_tokens / max(runs, 1))
-    comp, eio, sync, ring, over = [], [], [], [], []
+    comp, eio, sync, ring, over, early = [], [], [], [], [], []
+
+    def read_s(n: float) -> float:
+        return machine.read_latency_s + n * eb / machine.read_rate(n) if n > 0 else 0.0
+
     for L in range(f.n_layers):
         # a matvec call costs its fixed part once and its bytes once per position
         c = (model.matvec_calls[L] * machine.bf16_call_s
@@ -415,9 +436,11 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
             # and the experts that hit (each served as soon as it is there)
             o = (positions * (model.overlap_bytes[L] if model.overlap_bytes else 0)
                  / bf16_rate + experts * max(runs - misses_per_layer, 0.0) / max(runs, 1))
-            if misses_per_layer > 0:
-                e = machine.read_latency_s + misses_per_layer * eb / machine.read_rate(
-                    misses_per_layer)
+            late = misses_per_layer if recall is None else misses_per_layer * (1.0 - recall)
+            e = read_s(late)
+            early.append(read_s(misses_per_layer) if recall is not None else 0.0)
+        else:
+            early.append(0.0)
         comp.append(c)
         eio.append(e)
         over.append(o)
@@ -426,7 +449,7 @@ def _layer_costs(model: ModelShape, machine: MachineFigures, positions: int,
         ring.append(read if L in ring_layers else 0.0)
         if L in ring_layers or L in first_touch:
             comp[-1] += machine.bind_s or BIND_CALLS * machine.call_seconds
-    return _Costs(comp, eio, sync, ring, over)
+    return _Costs(comp, eio, sync, ring, over, early)
 
 
 def _step_seconds(c: _Costs, ring_slots: int) -> tuple[float, float, float]:
@@ -466,6 +489,7 @@ def _step_seconds(c: _Costs, ring_slots: int) -> tuple[float, float, float]:
         io += end - t
         return end
 
+    early = c.early or [0.0] * n
     for L in range(n):
         t = shared_read(t, c.sync_read[L])
         if c.ring_read[L] > 0:
@@ -481,8 +505,11 @@ def _step_seconds(c: _Costs, ring_slots: int) -> tuple[float, float, float]:
                     start = max(t, dev_free)
                     dev_free = ready[u] = start + c.ring_read[u]
                     io += c.ring_read[u]
+        # lookahead reads start with the layer and share the device with everything after;
+        # the layer ends when its compute, its late reads and its early reads are done
+        landed = shared_read(t, early[L])
         t += c.compute[L]
-        t = shared_read(t, c.expert_io[L])
+        t = max(shared_read(t, c.expert_io[L]), landed)
     return t, sum(c.compute), io
 
 
@@ -505,10 +532,15 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
              gen: int = 8, hits: HitModel | None = None, available_bytes=0,
              ultra: bool = False, expert_overlap: bool = True,
              baseline_bytes: int | None = None, trace_window: int = 0,
-             batch: int = 1) -> Forecast:
+             batch: int = 1, lookahead_recall: float | None = None,
+             accept: float | None = None, block: int = DRAFT_BLOCK) -> Forecast:
     """The forecast of an incremental run of `gen` tokens after a `prompt_len` prompt.
     `batch` > 1 also prices a step of `batch` sequences decoded together
     (generate.decode_many): the trunk read once, the union of their experts read once.
+    `lookahead_recall` also prices lookahead expert reads (lookahead.py) whose guess names
+    that share of a layer's routed experts: bytes read early (overlapped) and wasted.
+    `accept` also prices block drafting: a verification pass over `block` positions (the
+    trunk once, the union of their experts) yields `accept` accepted drafts + 1 tokens.
     `expert_overlap` models the async per-expert pipeline of SYSTEM §4.5 (expert reads
     behind compute), which this engine runs; False models K3_NO_EXPERT_PIPELINE=1.
     `baseline_bytes` replaces the measured interpreter baseline (the app's holds Qt);
@@ -543,7 +575,7 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         if not expert_overlap:
             return c
         return _Costs(c.compute, [max(0.0, e - a) for a, e in zip(c.overlap, c.expert_io)],
-                      c.sync_read, c.ring_read, c.overlap)
+                      c.sync_read, c.ring_read, c.overlap, c.early)
 
     c = _layer_costs(model, machine, 1, misses, unpinned, k, attended=prompt_len + gen // 2)
     head = model.lm_head_bytes / machine.bf16_bps + machine.bf16_call_s
@@ -641,25 +673,65 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
         "the machine is assumed otherwise idle; other load slows compute and I/O",
     ] + (["ultra: lm_head streamed (read once per token, counted with the trunk's reads)"]
          if p.ultra else [])
-    if batch > 1:
-        # a step of `batch` sequences: the trunk bound once, each layer's expert union of
-        # batch x topk routes read once at the steady hit rate, lm_head over batch rows
-        union = f.n_experts * _seen_fraction(model, batch)
-        cb = _layer_costs(model, machine, batch, union * (1.0 - hit), unpinned, k * batch,
-                          attended=batch * (prompt_len + gen // 2), expert_runs=union)
-        head_b = batch * model.lm_head_bytes / machine.bf16_rate(batch) + \
+    def rows_step(rows: int) -> tuple[float, float, float]:
+        """(expert union per MoE layer, seconds, bytes read) of one step over `rows`
+        positions (a batch's sequences, or a block verified in one pass): the trunk bound
+        once, each layer's union of rows x topk routes read once at the steady hit rate,
+        lm_head over every row."""
+        union = f.n_experts * _seen_fraction(model, rows)
+        cb = _layer_costs(model, machine, rows, union * (1.0 - hit), unpinned, k * rows,
+                          attended=rows * (prompt_len + gen // 2), expert_runs=union)
+        head_b = rows * model.lm_head_bytes / machine.bf16_rate(rows) + \
             machine.bf16_call_s + (head - model.lm_head_bytes / machine.bf16_bps
                                    - machine.bf16_call_s)
-        step_b = _step_seconds(hide(cb), ring)[0] + head_b
+        return (union, _step_seconds(hide(cb), ring)[0] + head_b,
+                trunk_read + n_moe * union * (1.0 - hit) * f.expert_bytes)
+
+    if batch > 1:
+        union, step_b, read_b = rows_step(batch)
         batched = dict(batch=batch, batch_step_s=step_b, batch_tokens_per_s=batch / step_b,
-                       batch_bytes_per_token=(trunk_read + n_moe * union * (1.0 - hit)
-                                              * f.expert_bytes) / batch)
+                       batch_bytes_per_token=read_b / batch)
         assumptions.append(
             f"batch of {batch}: one step reads the trunk once for all, and per MoE layer the "
             f"union of their experts ({union:.1f} distinct of {f.n_experts} for "
             f"{batch} x top-{k} routes, as the prefill's union) at the steady hit rate")
     else:
         batched = {}
+    ahead = {}
+    if lookahead_recall is not None:
+        # the guess names recall x the routed experts; its misses (as many as the real
+        # ones) are read at the layer's start, so recall x misses are read early and used,
+        # the rest of the guess's reads are wasted, and the real misses it did not name are
+        # read after the router as before
+        r = min(max(float(lookahead_recall), 0.0), 1.0)
+        cl = _layer_costs(model, machine, 1, misses, unpinned, k,
+                          attended=prompt_len + gen // 2, recall=r)
+        per = n_moe * misses * f.expert_bytes
+        ahead = dict(recall=r, s_per_token=round(_step_seconds(hide(cl), ring)[0] + head, 4),
+                     s_per_token_without=round(s_tok, 4),
+                     overlapped_bytes_per_token=int(r * per),
+                     wasted_bytes_per_token=int((1.0 - r) * per),
+                     bytes_read_per_token=int(trunk_read + expert_read + (1.0 - r) * per))
+        assumptions.append(
+            f"lookahead: a guess naming {100 * r:.0f}% of each layer's routed experts, its "
+            f"{misses:.1f} misses a layer read from the layer's start; "
+            f"{human(r * per)} a token read early and used, {human((1 - r) * per)} "
+            f"wasted (read for a wrong guess, on the same device)")
+    drafting = {}
+    if accept is not None:
+        union, pass_s, read_p = rows_step(block)
+        per_pass = float(accept) + 1.0          # the accepted drafts and the target's own
+        drafting = dict(accept=float(accept), block=block, tokens_per_pass=per_pass,
+                        pass_s=round(pass_s, 4), s_per_token=round(pass_s / per_pass, 4),
+                        bytes_per_token=int(read_p / per_pass),
+                        trunk_bytes_per_token=int(trunk_read / per_pass),
+                        expert_union=round(union, 1))
+        assumptions.append(
+            f"block drafting: a verification pass over {block} positions reads the trunk "
+            f"once and per MoE layer the union of their experts ({union:.1f} distinct of "
+            f"{f.n_experts}, as a batch's union) at the steady hit rate, and yields "
+            f"{accept:g} accepted drafts + 1 = {per_pass:g} tokens; the drafter's own pass "
+            f"is not counted (a few resident layers)")
     return Forecast(model.name, p, s_tok, ttft, run_s, int(rss), p.total_bytes,
                     int(trunk_read + expert_read), trunk_read, expert_read, first, hit,
                     comp + head, io, prompt_len, gen, assumptions,
@@ -668,7 +740,8 @@ def forecast(model: ModelShape, machine: MachineFigures, *, preset: str | None =
                      "mxfp4_gbs": round(m.mxfp4_bps / 1e9, 3), "threads": m.threads},
                     decode_s_run=float(np.median(decode)) if decode else s_tok,
                     decode_compute_s=comp + head,
-                    decode_io_s=float(np.median(decode_io)) if decode_io else io, **batched)
+                    decode_io_s=float(np.median(decode_io)) if decode_io else io,
+                    lookahead=ahead, block=drafting, **batched)
 
 
 def _small_assumption(model: ModelShape, m: MachineFigures) -> str:

@@ -112,6 +112,9 @@ class TurnSummary:
     table_bytes: int = 0              # streamed embedding rows and lm_head (ultra)
     expert_requests: int = 0
     expert_hits: int = 0
+    lookahead_predicted: int = 0      # expert reads started from a guess (lookahead.py)
+    lookahead_useful: int = 0         # ... whose bytes a real miss took
+    lookahead_wasted_bytes: int = 0   # ... read for nothing
     peak_rss_bytes: int = 0           # the OS's figure (per turn where the engine resets it)
     spec: SpecCounters = field(default_factory=SpecCounters)
     reasoning: str | None = None      # a closed chat turn, parsed
@@ -166,7 +169,9 @@ class TurnSummary:
                     expert_bytes=self.expert_bytes, table_bytes=self.table_bytes,
                     peak_rss_bytes=self.peak_rss_bytes, hit_rate=self.hit_rate,
                     spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted,
-                    spec_rounds=self.spec.rounds)
+                    spec_rounds=self.spec.rounds, lookahead_predicted=self.lookahead_predicted,
+                    lookahead_useful=self.lookahead_useful,
+                    lookahead_wasted_bytes=self.lookahead_wasted_bytes)
 
 
 class Turn:
@@ -424,6 +429,9 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None, between=None):
             res.table_bytes += tel.model_table_bytes // n
             res.expert_requests += tel.expert_requests // n
             res.expert_hits += tel.expert_hits // n
+            res.lookahead_predicted += tel.lookahead_predicted // n
+            res.lookahead_useful += tel.lookahead_useful // n
+            res.lookahead_wasted_bytes += tel.lookahead_wasted_bytes // n
         yield E.StepDone(g, tuple(emitted_all), seconds, tel, first, len(active))
         yield from engine.trunk_notices()
         yield from _tokens(engine, runs, out)

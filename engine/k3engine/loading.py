@@ -156,12 +156,14 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
                on_trunk_read: Callable[[int, int, float], None] | None = None,
                cache_bytes: int | None = None, ultra: bool = False,
                keep_trace: bool = True, trace_window: int = 0,
-               cache_policy: str | None = None) -> LoadedModel:
+               cache_policy: str | None = None, lookahead: bool = False) -> LoadedModel:
     """Bind the model tables and the trunk (resident, or streamed when the setup has a
     packed trunk and `plan` chose its pinned set and ring).  Routed experts come from a
     bounded cache of `cache_bytes`, or are read once and kept when it is None.  `ultra`
     streams the embedding and lm_head too (needs a packed trunk).  `cache_policy` names
-    the cache's replacement policy (experts.make_policy)."""
+    the cache's replacement policy (experts.make_policy); `lookahead` starts a layer's
+    expert reads from a guess of its router before its attention (lookahead.py; needs the
+    cache, changes no id and no decision of the cache)."""
     setup = model_dir if isinstance(model_dir, ModelSetup) else \
         open_model(model_dir, cfg, n_layers)
     cfg, ck, binder, nl = setup.cfg, setup.ck, setup.binder, setup.n_layers
@@ -189,6 +191,9 @@ def load_model(model_dir: str | ModelSetup, cfg: ModelConfig | None = None,
         tables.final_norm.nbytes + tables.phi_out.nbytes
     model = Model(cfg, weights, experts, nl,
                   moe_chunk=moe_chunk_for(plan, setup.figures, PREFILL_CHUNK))
+    if lookahead:
+        from .lookahead import attach
+        attach(model, experts, cfg)
     return LoadedModel(cfg, ck, model, experts,
                        setup.index_seconds, time.monotonic() - t0, trunk_bytes,
                        table_bytes, trunk, ultra)

@@ -685,6 +685,7 @@ class Plan:
     trace_bytes: int = 0          # the expert request trace (part of buffer_bytes)
     trace_window: int = 0         # its window in requests (0: every request, or none kept)
     sequences: int = 1            # recurrent states counted (a batch, serve --parallel)
+    lookahead_bytes: int = 0      # the lookahead reads' side buffer (part of buffer_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -803,7 +804,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
          baseline_label: str = "python baseline",
          draft_sizes: Sequence[int] | None = None,
          draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0,
-         keep_trace: bool = False, trace_window: int = 0, sequences: int = 1) -> Plan:
+         keep_trace: bool = False, trace_window: int = 0, sequences: int = 1,
+         lookahead: bool = False) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -821,7 +823,9 @@ def plan(figures: ModelFigures, preset: str | None = None,
     request trace kept for the whole run to the buffers (trace_bytes); with `trace_window`
     requests (the app's session trace) it adds that window's ring instead.  `sequences`
     (incremental: a batch, `k3 serve --parallel`) counts that many recurrent states;
-    `positions` is then all of their positions."""
+    `positions` is then all of their positions.  `lookahead` adds the side buffer of
+    lookahead expert reads (lookahead.py: one layer's top-k of expert slots) to the
+    buffers."""
     refusals: list[Refusal] = []
     sequences = max(1, int(sequences)) if incremental else 1
     avail, known, malformed, detail = _availability(available_bytes)
@@ -873,13 +877,14 @@ def plan(figures: ModelFigures, preset: str | None = None,
                     + figures.speculation_bytes(NL, spec))
     w_spec = figures.speculation_bytes(NL, spec + 1) if spec and incremental else 0
     trace = figures.trace_bytes(positions, keep_trace, trace_window)
+    ahead = figures.topk * figures.expert_slot_bytes if lookahead else 0
 
     terms = dict(
         trunk_bytes=w_trunk,
         model_table_bytes=figures.model_table_bytes(ultra),
         expert_cache_bytes=min(int(c_gb * 1e9), figures.expert_pool * figures.expert_slot_bytes),
         recurrent_state_bytes=figures.state_bytes(NL, ultra, incremental) * sequences,
-        buffer_bytes=figures.buffer_bytes(positions) + trace
+        buffer_bytes=figures.buffer_bytes(positions) + trace + ahead
         + (figures.stream_scratch_bytes if streamed else 0),
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
         baseline_bytes=int(baseline_bytes),
@@ -906,7 +911,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
                 expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
                 refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan,
                 trace_bytes=trace, trace_window=int(trace_window) if keep_trace else 0,
-                sequences=sequences)
+                sequences=sequences, lookahead_bytes=ahead)
 
 
 @dataclass(frozen=True)
@@ -927,6 +932,7 @@ class PlanRequest:
     trace_window: int = 0
     prefix: bool = False
     sequences: int = 1
+    lookahead: bool = False
 
 
 def plan_for(figures: ModelFigures, req: PlanRequest,
@@ -941,7 +947,8 @@ def plan_for(figures: ModelFigures, req: PlanRequest,
                 layers=req.layers, baseline_bytes=req.baseline_bytes, prefix=req.prefix,
                 baseline_label=req.baseline_label, draft_sizes=req.draft_sizes,
                 draft_gb=req.draft_gb, spec=req.spec, keep_trace=req.keep_trace,
-                trace_window=req.trace_window, sequences=req.sequences)
+                trace_window=req.trace_window, sequences=req.sequences,
+                lookahead=req.lookahead)
 
 
 def _streamed_trunk(sizes: Sequence[int], gb: float, ring: int | None, widen: int,

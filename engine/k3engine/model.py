@@ -237,18 +237,23 @@ class AttnResStack:
 def decoder_layer(L: int, h_TE: np.ndarray, stack: AttnResStack, lw: LayerWeights,
                   seqs: list[tuple[slice, KDAState | MLAState, int]], experts: ExpertSource,
                   cfg: ModelConfig, router=route, moe_chunk: int = PREFILL_CHUNK,
-                  tap: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+                  tap: Callable[[np.ndarray], None] | None = None,
+                  ahead: Callable | None = None) -> np.ndarray:
     """One layer over the rows of one or more sequences; h_TE is consumed (updated in place
     as the running sum).  `seqs`: each sequence's rows, its state of this layer and its past
     positions.  Attention runs per sequence on its own rows and state; everything else is
     row by row (each row bit-identical to a one-row call, the token-blocked kernels'
     guarantee), so the weights -- a streamed layer, the union of the rows' experts -- are
     read once for all the sequences of a step.  `tap(a)` sees the layer's input aggregate
-    (the previous layer's output as this layer reads it: a block drafter's feature)."""
+    (the previous layer's output as this layer reads it: a block drafter's feature).
+    `ahead(L, a, run, stack, lw)` may start this layer's expert reads from a guess before
+    its attention runs (lookahead.NextLayerGuess); it changes no value here."""
     run = h_TE                                                    # the block's running sum
     a = stack.aggregate(run, lw.phi_attn, cfg.rms_eps) if stack.n else h_TE
     if tap is not None:
         tap(a)
+    if ahead is not None:
+        ahead(L, a, run, stack, lw)
     if cfg.is_boundary(L):
         stack.push(run)                                           # push the block sum, then
         run = None                                                # clear it
@@ -289,6 +294,7 @@ class Model:
         self.router = router
         self.n_layers = cfg.n_layers if n_layers is None else int(n_layers)
         self.layers_completed = 0
+        self.lookahead = None        # decoder_layer's `ahead` (lookahead.attach sets it)
 
     def new_state(self, capacity: int, shared_recurrent: bool = False) -> SequenceState:
         return SequenceState(self.cfg, capacity, self.n_layers, shared_recurrent)
@@ -344,7 +350,7 @@ class Model:
                     tap = (lambda a, k=L - 1: capture.__setitem__(k, a.copy()))
                 try:
                     h = decoder_layer(L, h, stack, lw, seqs, self.experts, cfg, self.router,
-                                      self.moe_chunk, tap)
+                                      self.moe_chunk, tap, self.lookahead)
                 finally:
                     self.weights.release(L)
                 self.layers_completed = L + 1

@@ -12,7 +12,7 @@ def test_round_trip_every_field(tmp_path):
     store = QSettings(str(tmp_path / "s.ini"), QSettings.IniFormat)
     s = S.StudioSettings(model_dir="/m", trunk_dir="/t", tok_dir="/k", demo_offered=True,
                          preset="custom", trunk_gb=12.5, cache_gb=0.75, trunk_ring=3,
-                         cache_policy="s3fifo", threads=4, gen=999, thinking=False, effort="max",
+                         cache_policy="s3fifo", lookahead=False, threads=4, gen=999, thinking=False, effort="max",
                          system_prompt="Be brief.\nReally.", greedy=False, temperature=0.7,
                          top_p=0.9, top_k=40, seed=1234, conversation_path="/c.jsonl",
                          geometry=b"\x01\x00\xffgeo", splitter=b"\x00split", tab=2)
@@ -59,6 +59,7 @@ def test_window_restores_what_it_saved(qtbot, tmp_path, demo_model):
     win.setup.set_paths(*demo_model)
     win.memory.ring.setValue(3)
     win.memory.policy.setCurrentIndex(win.memory.policy.findData("s3fifo"))
+    win.memory.lookahead.setChecked(False)
     win.chat.limit.setValue(77)
     win.chat.thinking.setChecked(False)
     win.tabs.setCurrentIndex(TAB_MEMORY)
@@ -71,6 +72,9 @@ def test_window_restores_what_it_saved(qtbot, tmp_path, demo_model):
     assert s.cache_policy == "s3fifo" and again.memory.policy.currentData() == "s3fifo"
     assert again.spec().load_spec().cache_policy == "s3fifo"
     assert "--cache-policy s3fifo" in again.chat.command.text()   # the k3 line to reproduce
+    assert s.lookahead is False and not again.memory.lookahead.isChecked()
+    assert again.spec().load_spec().lookahead is False
+    assert "--no-lookahead" in again.chat.command.text()
     assert again.memory.ring.value() == 3 and again.chat.limit.value() == 77
     assert again.setup.model.text() == demo_model[0]
     assert again.tabs.currentIndex() == TAB_MEMORY

@@ -40,6 +40,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=1, metavar="B",
                     help="also price B sequences decoded together (k3 --batch, serve "
                          "--parallel): one trunk pass per step for all")
+    ap.add_argument("--accept", type=float, metavar="A",
+                    help="also price block drafting (--draft-model): A accepted drafts a "
+                         "verification pass on average (A + 1 tokens a pass)")
+    ap.add_argument("--block", type=int, default=None, metavar="N",
+                    help="positions a drafter's pass proposes and the target verifies "
+                         "(default 16, DFlash's)")
+    ap.add_argument("--lookahead-recall", type=float, metavar="R",
+                    help="also price lookahead expert reads whose guess names this share "
+                         "(0-1) of a layer's routed experts: bytes read early and wasted "
+                         "(the misses come from --trace when given)")
     ap.add_argument("--trace", metavar="FILE",
                     help="expert_trace.bin of a run (--dump-cache-trace): its hit rate "
                          "replayed through the cache's policy replaces the uniform-routing "
@@ -98,6 +108,17 @@ def text_lines(fc) -> list[str]:
            f"  time to 1st token {fc.ttft_s:10.3f} s",
            f"  s/token over {fc.gen:<4} {fc.s_per_token_run:10.3f}   (what the run's "
            f"'s/token average' line reports)"]
+    la, bd = fc.lookahead, fc.block
+    if la:
+        out += [f"  lookahead         {la['s_per_token']:10.3f}   s/token at recall "
+                f"{100 * la['recall']:.0f}% ({fc.s_per_token:.3f} without): "
+                f"{human(la['overlapped_bytes_per_token'])} a token read early, "
+                f"{human(la['wasted_bytes_per_token'])} wasted"]
+    if bd:
+        out += [f"  block drafting    {bd['s_per_token']:10.3f}   s/token at {bd['accept']:g} "
+                f"accepted a pass ({bd['tokens_per_pass']:g} tokens per {bd['pass_s']:.3f} s "
+                f"pass of {bd['block']} positions), {human(bd['bytes_per_token'])} read per "
+                f"token ({bd['expert_union']:g} experts a layer)"]
     if fc.batch > 1:
         out += [f"  batch of {fc.batch:<4}     {fc.batch_step_s:10.3f} s a step, "
                 f"{fc.batch_tokens_per_s:.3f} tokens/s in all "
@@ -116,6 +137,12 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.prompt_len < 1 or a.gen < 1 or not 1 <= a.trunk_ring <= 8 or not 1 <= a.batch <= 64:
         ap.error("--prompt-len and --gen must be >= 1, --trunk-ring 1..8, --batch 1..64")
+    if a.accept is not None and not 0 <= a.accept < (a.block or 16):
+        ap.error("--accept must be >= 0 and below --block (the drafts a pass can accept)")
+    if a.block is not None and (a.accept is None or not 1 <= a.block <= 64):
+        ap.error("--block N (1..64) goes with --accept")
+    if a.lookahead_recall is not None and not 0 <= a.lookahead_recall <= 1:
+        ap.error("--lookahead-recall is a share, 0..1")
     try:
         budgets = resolve_budgets(memory_flags(argv))
     except BudgetError as e:
@@ -150,7 +177,9 @@ def main(argv: list[str]) -> int:
     fc = F.forecast(model, machine, preset=kw["preset"], trunk_gb=kw["trunk_gb"],
                     cache_gb=kw["cache_gb"], trunk_ring=a.trunk_ring, ultra=kw["ultra"],
                     prompt_len=a.prompt_len, gen=a.gen, hits=hits, available_bytes=probe,
-                    expert_overlap=not a.no_expert_pipeline, batch=a.batch)
+                    expert_overlap=not a.no_expert_pipeline, batch=a.batch,
+                    lookahead_recall=a.lookahead_recall, accept=a.accept,
+                    **({"block": a.block} if a.block else {}))
     if a.json:
         print(json.dumps(fc.as_json()))
     else:
