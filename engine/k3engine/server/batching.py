@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import time
 
-from ..events import StepDone, TokenOut
-from ..generate import decode_many
 from .engine import ApiError, EngineThread, Fail, engine_error
 
 
@@ -107,7 +105,6 @@ class BatchingEngineThread(EngineThread):
             self._count(outcome, slot.job)
 
     def _loop(self) -> None:
-        engine = self.backend.engine
         while True:
             with self._cv:
                 while not self._waiting and not self._slots and not self._closing:
@@ -119,18 +116,10 @@ class BatchingEngineThread(EngineThread):
             if not runs:
                 continue
             slot_of = {id(s.run): s for s in self._slots}
-            step: list = []            # the last StepDone, then a slot per token it gave
-
-            def record() -> None:
-                if step:
-                    self.backend.record_step(step[0], step[1:])
-                    step.clear()
-
             def between() -> None:
-                """A step boundary: the step just relayed is recorded, runs of clients
-                that left go, finished requests are answered (their last tokens were
-                relayed after the step), waiting ones join."""
-                record()
+                """A step boundary: runs of clients that left go, finished requests are
+                answered (their last tokens were relayed after the step), waiting ones
+                join."""
                 for s in self._slots:                      # clients that left, shutdown
                     if s.job.cancel:
                         s.run.leave()
@@ -144,16 +133,7 @@ class BatchingEngineThread(EngineThread):
                     slot_of[id(run)] = next(s for s in self._slots if s.run is run)
 
             try:
-                for ev in decode_many(engine, runs, between=between):
-                    if isinstance(ev, TokenOut):
-                        run = runs[ev.row]
-                        slot = slot_of[id(run)]
-                        if ev.id >= 0:
-                            step.append(slot)
-                        self.backend.relay(slot, ev, run.leave)
-                    elif isinstance(ev, StepDone):
-                        step[:] = [ev]
-                record()
+                self.backend.decode(runs, lambda run: slot_of[id(run)], between)
             except BaseException as e:  # noqa: BLE001 - a failed step fails its requests
                 err = engine_error(e)
                 for s in list(self._slots):

@@ -1,9 +1,10 @@
-"""One generation at a time: the engine thread, its bounded queue, and the adapter from a
-validated request to the engine's turns (a Conversation for chat, a batch turn for
-completions).
+"""The engine thread, its bounded queue, and the adapter from a validated request to the
+engine's decode loop (a Conversation's turn for chat, a sequence's for completions).
 
-The engine owns the machine's memory (the plan was made for one sequence), so requests run
-one after another on ONE thread; the event loop only submits jobs and reads what they post.
+The engine owns the machine's memory (the plan counts its sequence slots), so requests run
+on ONE thread: here one at a time (`--parallel 1`), in server/batching.py several per step
+through the same adapter (open_slot, decode, close_slot); the event loop only submits jobs
+and reads what they post.
 A job that cannot wait (the queue is full) is refused at once (`QueueFull`, the route's 429).
 Each job has its own `Cancel`: a disconnecting client, a stop string or shutdown sets it,
 and the engine honours it at the next safe point (between the layers of the prompt pass,
@@ -26,8 +27,8 @@ from typing import Callable
 from ..chat import ChatError
 from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
-from ..events import StepDone, TokenOut, TurnEnded
-from ..generate import BatchRun, Cancel, GenSpec, TextStream, Turn, TurnSummary
+from ..events import StepDone, TokenOut
+from ..generate import BatchRun, Cancel, GenSpec, TextStream, TurnSummary, decode_many
 from ..prompt_cache import PromptCache
 from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
 from .steps import StepLog
@@ -241,16 +242,47 @@ class Backend:
         self.engine.close()
 
     def execute(self, job: Job) -> str:
+        """One request alone: the same open_slot / loop / close_slot as a batch of one."""
         if job.cancel:
             return "cancelled"
         sink = self.engine.sink
         self.engine.sink = self._progress_to(job, sink)
         try:
-            if job.req.kind == "chat":
-                return self._chat(job)
-            return self._completion(job)
+            slot = self.open_slot(job)
+            try:
+                self.decode([slot.run], lambda run: slot)
+            except BaseException:
+                self.cache.give_back(slot.seq)     # a failed pass left it poisoned: dropped
+                raise
+            return self.close_slot(slot)
         finally:
             self.engine.sink = sink
+
+    def decode(self, runs: list, slot_for, between=None) -> None:
+        """The engine's decode loop over `runs` (generate.decode_many): each TokenOut
+        relayed to its request (`slot_for(run)`), each step recorded for /k3/steps once
+        its tokens are out (at the next step boundary, where `between()` then runs)."""
+        step: list = []                # the last StepDone, then a slot per token it gave
+
+        def record() -> None:
+            if step:
+                self.record_step(step[0], step[1:])
+                step.clear()
+
+        def boundary() -> None:
+            record()
+            if between is not None:
+                between()
+        for ev in decode_many(self.engine, runs, between=boundary):
+            if isinstance(ev, TokenOut):
+                run = runs[ev.row]
+                slot = slot_for(run)
+                if ev.id >= 0:
+                    step.append(slot)
+                self.relay(slot, ev, run.leave)
+            elif isinstance(ev, StepDone):
+                step[:] = [ev]
+        record()
 
     def _progress_to(self, job: Job, sink):
         """The prompt pass's per-layer progress as the job's Progress (prompt positions
@@ -295,43 +327,6 @@ class Backend:
             self.engine.check_limits(n_prompt, gen, ids, self.limits.max_prompt_ids)
         except LimitError as e:
             raise limit_error(e) from None
-
-    # -- chat ------------------------------------------------------------------------
-    def _chat(self, job: Job) -> str:
-        req = job.req
-        spec = self._gen_spec(req)
-        conv, _ = self._conversation(req, spec)
-        try:
-            res, reasoning, stops = self._chat_turn(job, conv, spec)
-            tail = stops.flush()
-            if tail:
-                job.post(Delta("content", tail))
-            # A turn that closed with an end id but does not parse strictly (`k3 --chat`
-            # exits 1 there): the text already streamed stands; the request ends as `stop`
-            # and says why.
-            note = f"the reply closed but is not a well-formed turn: {res.malformed}" \
-                if res.malformed else None
-            return self._done(job, stops, res, reasoning, note)
-        finally:
-            self.cache.give_back(conv.seq)        # after Done: a disk save delays no one
-
-    def _chat_turn(self, job: Job, conv, spec: GenSpec):
-        turn = conv.turn(spec, job.cancel)
-        try:
-            started = next(turn)               # refusals come before the turn starts
-        except LimitError as e:
-            raise limit_error(e) from None
-        job.start(Started(started.prompt_ids, started.reused))
-        slot = Slot(job, spec, StopMatcher(job.req.stops), conv.seq, conv)
-        res = None
-        for ev in turn:
-            if isinstance(ev, TurnEnded):
-                res = ev.result
-            elif isinstance(ev, TokenOut):
-                self.relay(slot, ev, job.cancel.set)
-            elif isinstance(ev, StepDone):
-                self.record_step(ev, [slot] * len(ev.ids))
-        return res, slot.reasoning, slot.stops
 
     def record_step(self, ev: StepDone, slots: list) -> None:
         """One engine step for /k3/steps: `slots` names a request once per token it got
@@ -380,16 +375,6 @@ class Backend:
         self._check(len(ids), req.gen, ids)
         return ids
 
-    def _completion(self, job: Job) -> str:
-        req = job.req
-        ids = self._completion_ids(req)
-        spec = self._gen_spec(req)
-        seq = self.cache.take(ids)
-        try:
-            return self._completion_turn(job, spec, seq, ids)
-        finally:
-            self.cache.give_back(seq)
-
     def _completion_start(self, job: Job, spec: GenSpec, seq, ids: list[int]):
         """A completion's sequence prepared and Started posted: (positions reused, end ids,
         sampler, text parser)."""
@@ -402,23 +387,7 @@ class Backend:
         hidden = set(getattr(self.tok, "added", None) or ()) | set(ends)
         return reuse, ends, sampler, TextStream(self.tok, hidden)
 
-    def _completion_turn(self, job: Job, spec: GenSpec, seq, ids: list[int]) -> str:
-        reuse, ends, sampler, parser = self._completion_start(job, spec, seq, ids)
-        stops = StopMatcher(job.req.stops)
-        turn = Turn(self.engine.generate(seq, spec, sampler, job.cancel, stop_in_pass=True,
-                                         end_ids=ends, reused=reuse, parser=parser))
-        slot = Slot(job, spec, stops, seq)
-        for ev in turn:
-            if isinstance(ev, TokenOut):
-                self.relay(slot, ev, job.cancel.set)
-            elif isinstance(ev, StepDone):
-                self.record_step(ev, [slot] * len(ev.ids))
-        tail = stops.flush()
-        if tail:
-            job.post(Delta("text", tail))
-        return self._done(job, stops, turn.summary, 0)
-
-    # -- batched (server/batching.py: several requests share each step) ---------------
+    # -- a request in the decode loop (alone: execute; several: server/batching.py) -----
     def open_slot(self, job: Job) -> Slot:
         """Start a request for the batch: its refusals (ApiError, before Started), its
         sequence from the prompt cache, prepared; Started posted.  Alone in a step it
