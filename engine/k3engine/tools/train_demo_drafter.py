@@ -72,7 +72,7 @@ PLAIN_PROMPT = 12      # tokens of a plain text given as the prompt
 MAX_NEW_PLAIN = 64
 GEN_BATCH = 32         # sequences decoded together by the engine (one trunk pass per step)
 GENERATED_SHARE = 0.75  # of the training anchors, the share drawn where verification drafts
-DEFAULTS = dict(steps=2400, conversations=4000, plain=800, held_out=150, seqs_per_step=16,
+DEFAULTS = dict(steps=1600, conversations=3000, plain=600, held_out=150, seqs_per_step=16,
                 anchors_per_seq=24, lr=3e-3)
 
 
