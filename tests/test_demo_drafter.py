@@ -285,3 +285,18 @@ def test_train_demo_drafter_without_torch_names_the_extra(tmp_path, capsys, monk
     print(f"[gate] without torch: exit 2, {err.strip()!r}")
     assert "[train]" in err and "PyTorch" in err
     assert not (tmp_path / "d").exists()
+
+
+def test_train_demo_drafter_refuses_an_unwritable_out_before_training(tmp_path, capsys,
+                                                                      monkeypatch):
+    import types
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))   # "installed"
+    from k3engine.tools import train_demo_drafter
+    monkeypatch.setattr(train_demo_drafter, "train",
+                        lambda *a, **k: pytest.fail("trained into an unwritable folder"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert k3_main(["train-demo-drafter", "--out", str(blocker / "d")]) == 2
+    err = capsys.readouterr().err
+    print(f"[gate] --out under a file: exit 2, {err.strip()!r}")
+    assert str(blocker / "d") in err

@@ -30,7 +30,8 @@ that match the target's greedy continuation up to the first miss, emits them plu
 target's own token, and the next anchor is the last emitted token): mean accepted drafts
 per pass and mean tokens per pass (= accepted + 1).  Plain decoding is 1 token per pass.
 
-Exit codes: 0 written; 2 usage (bad option values) or PyTorch missing (the `[train]` extra).
+Exit codes: 0 written; 2 usage (bad option values, an --out folder that cannot be written)
+or PyTorch missing (the `[train]` extra).
 """
 from __future__ import annotations
 
@@ -384,6 +385,16 @@ def main(argv: list[str]) -> int:
               "some training data (--conversations or --plain) is needed", file=sys.stderr)
         return EXIT_USAGE
     out = a.out or drafter_dir()         # beside the demo model: k3 demo --drafter-path
+    # refuse an unwritable folder now, not after half an hour of training (an installed,
+    # read-only package's data folder is the likely case: pass --out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        print(f"k3 train-demo-drafter: cannot create {out}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    if not os.access(out, os.W_OK | os.X_OK):
+        print(f"k3 train-demo-drafter: {out} is not writable; give --out DIR", file=sys.stderr)
+        return EXIT_USAGE
     rec = train(out, a.seed, a.steps, a.threads, a.conversations, a.plain, a.held_out)
     print(f"wrote {out}: {rec['steps']} steps, final loss {rec['final_loss']}, "
           f"{rec['wall_seconds']:.0f} s on {rec['threads']} thread(s); held-out mean accepted "
