@@ -36,6 +36,7 @@ SUBCOMMANDS = {
     "budget": "k3engine.tools.budget",
     "download": "k3engine.tools.download",
     "train-demo": "k3engine.tools.train_demo",
+    "train-demo-drafter": "k3engine.tools.train_demo_drafter",
     "demo": "k3engine.tools.demo",
     "forecast": "k3engine.tools.forecast",
     "datapoint": "k3engine.tools.datapoint",
@@ -47,7 +48,8 @@ usage: k3 <model_dir> (--ids LIST | --ids-file PATH | --prompt TEXT | --prompt-f
           [--tok DIR] [--gen N] [--incremental] [--stop-id N]... [memory] [diagnostics]
        k3 <model_dir> --chat --tok DIR [--system TEXT] [--history PATH] [sampling]
        k3 serve | demo | forecast | datapoint | download | doctor | devbw | budget
-       k3 make-checkpoint | pack-trunk | train-demo | sim-cache ...   (each has --help)
+       k3 make-checkpoint | pack-trunk | train-demo | train-demo-drafter | sim-cache ...
+                                                                  (each has --help)
        k3 --help | --version | --list-presets
 """
 

@@ -11,6 +11,7 @@ looks ready, and two processes racing both end with the same complete copy.
 
     k3 demo --path          # prints the model directory
     k3 demo --trunk-path    # prints its packed trunk (<dir>/trunk)
+    k3 demo --drafter-path  # prints its block drafter's folder (k3engine/data/demo_drafter)
     k3 <that dir> --trunk <that dir>/trunk --chat --tok <that dir>
 """
 from __future__ import annotations
@@ -29,6 +30,12 @@ TRUNK = "trunk"
 def shipped_dir() -> str:
     """The package-data directory (a real directory: k3engine is an on-disk package)."""
     return str(importlib.resources.files("k3engine") / "data" / "demo_model")
+
+
+def drafter_dir() -> str:
+    """The demo model's block drafter (`k3 train-demo-drafter`), package data beside it:
+    a folder in the contract's format, ready for `--draft-model`.  It needs no packing."""
+    return str(importlib.resources.files("k3engine") / "data" / "demo_drafter")
 
 
 def cache_root() -> str:
@@ -142,9 +149,19 @@ def main(argv: list[str]) -> int:
     what.add_argument("--path", action="store_true",
                       help="print the model directory (packing its trunk on first use)")
     what.add_argument("--trunk-path", action="store_true", help="print its packed trunk")
+    what.add_argument("--drafter-path", action="store_true",
+                      help="print the folder of its block drafter (for --draft-model)")
     ap.add_argument("--cache-dir", help="where a copy goes when the package is read-only "
                                         "(default $XDG_CACHE_HOME/k3studio)")
     a = ap.parse_args(argv)
+    if a.drafter_path:
+        d = drafter_dir()
+        if not os.path.isfile(os.path.join(d, MANIFEST)):
+            print(f"k3 demo: {d}: the demo drafter is not there (its {MANIFEST} is missing)",
+                  file=sys.stderr)
+            return 1
+        print(d)
+        return 0
     try:
         d = ready_dir(cache=a.cache_dir)
     except (OSError, ValueError) as e:

@@ -131,6 +131,14 @@ def collate(seqs, batch):
 
 # ---- training ---------------------------------------------------------------------------
 
+def cosine_lr(step: int, lr: float, steps: int, warm: int) -> float:
+    """Linear warm-up over `warm` steps, then cosine decay to 5 % of `lr` at `steps`."""
+    if step < warm:
+        return lr * (step + 1) / warm
+    f = (step - warm) / max(1, steps - warm)
+    return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
+
+
 def train(out_dir: str, seed: int = 0, steps: int = 900, qat_steps: int = 90,
           batch_tokens: int = 2048, lr: float = 6e-3, prompt_weight: float = PROMPT_WEIGHT,
           number_weight: float = NUMBER_WEIGHT, log=print) -> dict:
@@ -152,14 +160,6 @@ def train(out_dir: str, seed: int = 0, steps: int = 900, qat_steps: int = 90,
     other = [p for n, p in model.p.items() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
-    warm = 30
-
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return lr * (step + 1) / warm
-        f = (step - warm) / max(1, steps - warm)
-        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, f))))
-
     rng = random.Random(seed)
     it = batches(seqs, batch_tokens, rng)
     moe_layers = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
@@ -178,7 +178,7 @@ def train(out_dir: str, seed: int = 0, steps: int = 900, qat_steps: int = 90,
         aux = torch.stack(model.aux_losses).mean()
         loss = loss_lm + AUX_WEIGHT * aux
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = cosine_lr(step, lr, steps, warm=30)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
