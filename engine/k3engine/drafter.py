@@ -384,9 +384,11 @@ class BlockDrafter:
         """The `capture` argument of the target pass whose features this drafter takes."""
         return dict.fromkeys(self.config.target_layers)
 
-    def take(self, ids: list[int], start: int, new: list[int], capture: dict) -> None:
-        """The features of positions start.. (ids `new`, the first len(new) rows of
-        `capture`), which a target pass just committed after ids[:start]."""
+    def take(self, ids: list[int], start: int, new: list[int], capture: dict,
+             row: int = 0) -> None:
+        """The features of positions start.. (ids `new`: rows row.. of `capture`), which a
+        target pass just committed after ids[:start].  A pass over several sequences
+        (sequence.feed_together) hands each its own rows; the drafter follows one."""
         t0 = time.monotonic()
         try:
             n = len(self.fed)
@@ -396,7 +398,8 @@ class BlockDrafter:
                     return                   # its start is missing: no drafts (exact anyway)
             del self.fed[start:]             # an edited turn: keep the shared prefix
             T = len(new)
-            f = np.concatenate([capture[L][:T] for L in self.config.target_layers], axis=1)
+            f = np.concatenate([capture[L][row:row + T] for L in self.config.target_layers],
+                               axis=1)
             self._append(start, f)
             self.fed += list(new)
         finally:
