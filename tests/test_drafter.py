@@ -521,3 +521,41 @@ def test_the_drafter_follows_one_sequence_and_starts_over_for_another(lm, tiny_d
     print(f"[gate] edited at 8: context {kept[0]}, restarts {kept[1]}, {kept[2]} drafts; "
           f"another sequence fed from 5: context {unseen[0]}, {unseen[1]} drafts")
     assert kept == (len(ids), 0, 3) and unseen == (0, 0) and dr.restarts == 1
+
+
+def test_demo_repl_and_k3_serve_with_a_drafter_give_the_plain_ids(demo, tmp_path):
+    """The real front ends: `k3 --chat` (the REPL answering a history) and a `k3 serve`
+    process, each with and without --draft-model."""
+    import subprocess
+    import sys
+    import urllib.request
+    from serve_helpers import serve
+    model, _, d = demo
+
+    def repl(*flags):
+        hist, ev = tmp_path / f"h{len(flags)}.jsonl", tmp_path / f"ev{len(flags)}.jsonl"
+        # a fresh history each time: the REPL appends its reply to the file
+        hist.write_text(json.dumps({"role": "user", "content": "Hello!"}) + "\n")
+        r = subprocess.run([sys.executable, "-m", "k3engine", model, "--chat", "--tok", model,
+                            "--history", str(hist), "--gen", "64", "--no-think", "--events",
+                            str(ev), *flags], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=600)
+        recs = [json.loads(x) for x in ev.read_text().splitlines()]
+        return r.returncode, [x["id"] for x in recs if x["ev"] == "token" and x["id"] >= 0]
+
+    def ask(*flags):
+        with serve(model, *flags) as s:
+            body = json.dumps({"model": "demo_model", "max_tokens": 20, "temperature": 0,
+                               "messages": [{"role": "user", "content": "Count to ten"}],
+                               "chat_template_kwargs": {"thinking": False}}).encode()
+            req = urllib.request.Request(s.url + "/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return json.loads(r.read())["k3"]
+    (c0, plain), (c1, got) = repl(), repl("--draft-model", d)
+    s0, s1 = ask(), ask("--draft-model", d)
+    print(f"[gate] k3 --chat --draft-model: exit {c1}, {len(got)} ids equal plain {got == plain}; "
+          f"k3 serve --draft-model: ids equal plain {s1['ids'] == s0['ids']} "
+          f"({len(s1['ids'])} ids), spec_drafted {s1['spec_drafted']} vs {s0['spec_drafted']}")
+    assert c0 == c1 == 0 and got == plain and len(got) > 0
+    assert s1["ids"] == s0["ids"] and s1["spec_drafted"] > 0 == s0["spec_drafted"]

@@ -369,9 +369,8 @@ def validate_draft(o: Options) -> None:
         ignored("--draft-model needs --incremental")
         o.draft_model = None
     if o.draft_model and not int(o.spec):                # the drafter's own block
-        from .drafter import block_size
-        from .speculative import MAX_DRAFT
-        o.spec = str(min(block_size(o.draft_model) - 1, MAX_DRAFT))
+        from .drafter import default_width
+        o.spec = str(default_width(o.draft_model))
     if o.draft_trunk and not ((o.incremental or o.chat) and o.trunk):
         ignored("--draft-trunk needs --incremental and --trunk")
         o.draft_trunk = None

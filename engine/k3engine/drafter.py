@@ -38,7 +38,7 @@ from .strict_json import JSONFormatError, loads_strict
 from .weights import mv, mvs
 
 __all__ = ["DrafterConfig", "DrafterSetup", "BlockDrafter", "read_drafter_config",
-           "block_size", "open_drafter", "load_drafter", "drafter_tensors"]
+           "default_width", "open_drafter", "load_drafter", "drafter_tensors"]
 
 CONFIG_LIMIT = 1 * MiB
 ARCHITECTURE = "DFlashDraftModel"
@@ -160,9 +160,11 @@ def read_drafter_config(folder: str, target: ModelConfig | None, n_bound: int | 
                          tuple(int(x) for x in layers), int(mask), float(scale))
 
 
-def block_size(folder: str) -> int:
-    """The block size a drafter folder declares (the CLI's default width)."""
-    return read_drafter_config(folder, None).block_size
+def default_width(folder: str) -> int:
+    """The sweep width when none is given: the drafts of one block (its size less the
+    anchor), within the widest sweep (speculative.MAX_DRAFT)."""
+    from .speculative import MAX_DRAFT
+    return min(read_drafter_config(folder, None).block_size - 1, MAX_DRAFT)
 
 
 def _against(refuse, ints: dict, layers, mask, target: ModelConfig, n_bound) -> None:

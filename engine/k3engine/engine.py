@@ -228,6 +228,8 @@ def open_engine(spec: LoadSpec, sink: E.Sink | None = None, tok=None, *,
             raise PlanRefused(the_plan)
         if plan_only:
             setup.ck.close()
+            if drafter is not None:
+                drafter.close()
             return the_plan
         engine = Engine(spec, cfg, nl, tok, setup, the_plan, positions, sink, threads,
                         available)
