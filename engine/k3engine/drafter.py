@@ -37,8 +37,8 @@ from .model import greedy
 from .strict_json import JSONFormatError, loads_strict
 from .weights import mv, mvs
 
-__all__ = ["DrafterConfig", "DrafterSetup", "BlockDrafter", "read_drafter_config",
-           "default_width", "open_drafter", "load_drafter", "drafter_tensors"]
+__all__ = ["DrafterConfig", "DrafterSetup", "DrafterSize", "BlockDrafter", "read_drafter_config",
+           "size_of", "default_width", "open_drafter", "load_drafter", "drafter_tensors"]
 
 CONFIG_LIMIT = 1 * MiB
 ARCHITECTURE = "DFlashDraftModel"
@@ -225,6 +225,28 @@ def drafter_tensors(dc: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return t
 
 
+@dataclass(frozen=True)
+class DrafterSize:
+    """What the plan counts for a drafter (memory.plan's drafter terms)."""
+    weight_bytes: int                  # in memory: BF16 and F32 as stored, F16 widened
+    per_position: int                  # context K/V and scratch per planned position
+
+
+def _size(dc: DrafterConfig, ck: Checkpoint, names) -> DrafterSize:
+    w = sum(ck.info(n).nbytes * (2 if ck.info(n).dtype == "F16" else 1) for n in names)
+    return DrafterSize(w, dc.kv_bytes_per_position + dc.scratch_bytes_per_position)
+
+
+def size_of(folder: str) -> DrafterSize:
+    """The plan's figures for a drafter folder, without a model to check it against
+    (the app's memory panel, on every change); open_drafter checks it at load."""
+    dc = read_drafter_config(folder, None)
+    with Checkpoint(folder) as ck:
+        wanted = set(drafter_tensors(dc))
+        return _size(dc, ck, [n for n in ck.names()
+                              if n in wanted or n.removeprefix(ALIAS_PREFIX) in wanted])
+
+
 @dataclass
 class DrafterSetup:
     """A drafter folder opened and checked, before anything large is read."""
@@ -234,10 +256,8 @@ class DrafterSetup:
     names: dict[str, str]              # format name -> the name stored in the file
 
     @property
-    def weight_bytes(self) -> int:
-        """What the weights take in memory: BF16 and F32 as stored, F16 widened."""
-        return sum(self.ck.info(n).nbytes * (2 if self.ck.info(n).dtype == "F16" else 1)
-                   for n in self.names.values())
+    def size(self) -> DrafterSize:
+        return _size(self.config, self.ck, self.names.values())
 
     def close(self) -> None:
         self.ck.close()

@@ -97,7 +97,7 @@ class LoadSpec:
 
     def plan_request(self, positions: int, layers: int | None = None,
                      draft_sizes: Seq[int] | None = None, drafter=None) -> PlanRequest:
-        """`drafter`: the opened block drafter (drafter.DrafterSetup) to count."""
+        """`drafter`: the block drafter's drafter.DrafterSize, to count."""
         return PlanRequest(budgets=self.budgets, trunk_ring=self.trunk_ring,
                            streamed=self.streamed, incremental=self.incremental,
                            positions=positions, layers=layers, baseline_bytes=self.baseline_bytes,
@@ -107,8 +107,7 @@ class LoadSpec:
                            trace_window=self.trace_window, sequences=self.sequences,
                            lookahead=lookahead_enabled(self.lookahead),
                            drafter_weights=drafter.weight_bytes if drafter else 0,
-                           drafter_per_position=drafter.config.kv_bytes_per_position
-                           + drafter.config.scratch_bytes_per_position if drafter else 0)
+                           drafter_per_position=drafter.per_position if drafter else 0)
 
 
 def load_spec_from(model_dir: str, memory: Iterable[tuple[str, object]] = (), **fields
@@ -219,8 +218,8 @@ def open_engine(spec: LoadSpec, sink: E.Sink | None = None, tok=None, *,
             available = int(spec.available_override)
         else:
             _, available = available_memory()
-        the_plan = plan_for(setup.figures, spec.plan_request(positions, nl, setup.draft_sizes,
-                                                             drafter),
+        the_plan = plan_for(setup.figures, spec.plan_request(
+                                positions, nl, setup.draft_sizes, drafter and drafter.size),
                             available, spec.total_memory)
         sink(E.Planned(the_plan, spec.trunk_dir,
                        setup.manifest.total_bytes() if setup.manifest else 0))
@@ -358,7 +357,7 @@ class Engine:
         if drafter is not None:
             from .drafter import load_drafter
             t0 = time.monotonic()
-            nbytes = drafter.weight_bytes
+            nbytes = drafter.size.weight_bytes
             self.drafter = load_drafter(drafter, lm.model.weights.tables)
             dc = self.drafter.config
             sink(E.DrafterLoaded(spec.drafter_dir, dc.n_layers, dc.block_size,
