@@ -611,10 +611,10 @@ class Engine:
         if not spec.spec:
             return {}
         sp = res.spec
-        keys = dict(spec_rounds=sp.rounds, spec_drafted=sp.drafted, spec_accepted=sp.accepted,
-                    spec_mean_accepted=round(sp.mean_run, 4))
-        if self.drafter is not None:
-            keys.update(draft_model=self.spec.drafter_dir,
+        keys = dict(spec_rounds=sp.rounds, spec_drafted=sp.drafted, spec_accepted=sp.accepted)
+        if self.drafter is not None:          # accepted drafts per verification pass
+            keys.update(spec_mean_accepted=round(sp.mean_run, 4),
+                        draft_model=self.spec.drafter_dir,
                         drafter_seconds=round(self.drafter.seconds, 4),
                         drafter_passes=self.drafter.passes)
         d = self.spec.draft

@@ -775,7 +775,6 @@ class Plan:
             "baseline_bytes": self.baseline_bytes,
             "draft_bytes": self.draft_bytes,
             "spec_bytes": self.spec_bytes,
-            "drafter_bytes": self.drafter_bytes,
             "total_bytes": self.total_bytes,
             "available": self.available_bytes,
             "admitted": self.admitted,
@@ -792,6 +791,8 @@ class Plan:
             "ring_slots": tp.ring_slots if tp else None,
             "refusals": [{"kind": r.kind, "code": r.exit_code, "message": r.message}
                          for r in self.refusals],
+            # an extension key, present only with a block drafter (the golden event stays)
+            **({"drafter_bytes": self.drafter_bytes} if self.drafter_bytes else {}),
         }
 
 
