@@ -559,3 +559,24 @@ def test_demo_repl_and_k3_serve_with_a_drafter_give_the_plain_ids(demo, tmp_path
           f"({len(s1['ids'])} ids), spec_drafted {s1['spec_drafted']} vs {s0['spec_drafted']}")
     assert c0 == c1 == 0 and got == plain and len(got) > 0
     assert s1["ids"] == s0["ids"] and s1["spec_drafted"] > 0 == s0["spec_drafted"]
+
+
+def test_a_pass_over_several_sequences_hands_the_drafter_its_own_rows(lm, tiny_drafter):
+    """sequence.feed_together (a batch step): the sequence the drafter follows may share
+    the pass with others; its context is what a pass over it alone gives."""
+    from k3engine.sequence import Sequence, feed_together
+    dr, alone = _drafter(tiny_drafter, lm), _drafter(tiny_drafter, lm)
+    ids = golden_prompt(lm.cfg.vocab)
+    other, mine = Sequence(lm.model), Sequence(lm.model, features=dr)
+    other.extend(ids[::-1][:7], 4)
+    mine.extend(ids, 4)
+    feed_together([(other, 7), (mine, len(ids))])
+    solo = Sequence(lm.model, features=alone)
+    solo.extend(ids, 4)
+    solo.feed(len(ids))
+    n = len(ids)
+    same = np.array_equal(dr._k[:, :n], alone._k[:, :n]) and \
+        np.array_equal(dr._v[:, :n], alone._v[:, :n])
+    print(f"[gate] drafter context from a pass shared with another sequence (7 + {n} rows) "
+          f"== from a pass alone: {same}")
+    assert same and dr.fed == alone.fed == ids
