@@ -200,8 +200,12 @@ def _unsupported(refuse, obj: dict) -> None:
     lt = obj.get("layer_types")
     if lt is not None and (not isinstance(lt, list) or any(t != "full_attention" for t in lt)):
         refuse(f"layer_types {lt!r}: only full_attention layers are supported")
-    if obj.get("is_causal") not in (None, False):
-        refuse("is_causal: true is not supported (the block attends to all of itself)")
+    dfc = obj.get("dflash_config", {})
+    if obj.get("is_causal") not in (None, False) or dfc.get("causal") not in (None, False):
+        refuse("causal draft layers are not supported (the block attends to all of itself)")
+    for key in ("use_swa", "attention_sink_bias"):        # vLLM's sliding-window variants
+        if dfc.get(key) not in (None, False):
+            refuse(f"dflash_config.{key} is not supported (full attention only)")
 
 
 def drafter_tensors(dc: DrafterConfig) -> dict[str, tuple[int, ...]]:
