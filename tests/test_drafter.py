@@ -27,13 +27,13 @@ from k3engine.generate import GenSpec, Sampling, Turn
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("drafter") / "tiny", GOLDEN_SEED)
+def lm(tmp_path_factory):
+    return load(make_tiny(tmp_path_factory.mktemp("drafter") / "tiny", GOLDEN_SEED))
 
 
 @pytest.fixture(scope="module")
-def lm(tiny):
-    return load(tiny)
+def tiny(lm):
+    return lm.ck.model_dir
 
 
 @pytest.fixture(scope="module")
