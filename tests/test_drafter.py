@@ -580,3 +580,21 @@ def test_a_pass_over_several_sequences_hands_the_drafter_its_own_rows(lm, tiny_d
     print(f"[gate] drafter context from a pass shared with another sequence (7 + {n} rows) "
           f"== from a pass alone: {same}")
     assert same and dr.fed == alone.fed == ids
+
+
+def test_the_plan_figures_of_a_folder_alone_equal_the_checked_ones(lm, tmp_path):
+    """The app plans from the folder alone (drafter.size_of, before a model is loaded);
+    the engine from the folder checked against the model: the same figures.  --layers
+    binding fewer layers than the drafter reads is refused."""
+    from k3engine.drafter import read_drafter_config, size_of
+    folder = make_drafter(tmp_path / "d", lm.cfg, [1, 5, 12], inter=96, block=5, dtype="BF16")
+    setup = open_drafter(folder, lm.cfg)
+    try:
+        checked = setup.size
+    finally:
+        setup.close()
+    alone = size_of(folder)
+    with pytest.raises(ConfigError, match="--layers binds only 6"):
+        read_drafter_config(folder, lm.cfg, n_bound=6)
+    print(f"[gate] drafter plan figures: folder alone {alone} == checked {checked}")
+    assert alone == checked and checked.weight_bytes > 0 and checked.per_position > 0
