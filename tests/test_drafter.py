@@ -602,14 +602,14 @@ def test_the_plan_figures_of_a_folder_alone_equal_the_checked_ones(lm, tmp_path)
 
 def test_the_shipped_demo_drafter_is_accepted_and_changes_no_id():
     """With the demo's trained drafter (k3 train-demo-drafter's output, package data beside
-    the demo model): greedy chat turns keep their ids and most drafts are accepted."""
+    the demo model; `k3 demo --drafter-path`): greedy chat turns keep their ids and more
+    than one draft a pass is accepted."""
     from k3engine.chat import History, Message
     from k3engine.conversation import Conversation
     from k3engine.engine import load_spec_from, open_engine
     from k3engine.events import TurnEnded
-    from k3engine.tools.demo import shipped_dir
-    model = shipped_dir()
-    folder = os.path.join(os.path.dirname(model), "demo_drafter")
+    from k3engine.tools.demo import drafter_dir, shipped_dir
+    model, folder = shipped_dir(), drafter_dir()
     if not os.path.exists(os.path.join(folder, "model.safetensors")):
         pytest.skip(f"NOT RUN: no trained demo drafter at {folder}")
     runs = {}
