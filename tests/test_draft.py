@@ -433,7 +433,7 @@ def test_cli_draft_works_in_chat(tiny, trunks):
     (["--draft-trunk", "{d}", "--incremental"], "--draft-trunk needs --incremental and --trunk"),
     (["--draft-topk", "2", "--incremental"], "--draft-topk needs --draft-trunk"),
     (["--draft-cache-only"], "--draft-cache-only needs --draft-trunk"),
-    (["--spec-auto", "--incremental"], "--spec-auto needs --spec or --draft-trunk"),
+    (["--spec-auto", "--incremental"], "--spec-auto needs --spec, --draft-trunk or --draft-model"),
 ])
 def test_cli_draft_options_without_their_prerequisite_are_ignored(tiny, trunks, tmp_path,
                                                                   args, warning):

@@ -9,6 +9,7 @@ forecast; the measurement is what counts).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
@@ -17,10 +18,13 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout
                                QSlider, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
+from k3engine.errors import EngineError
 from k3engine.memory import AUTO, PRESETS, human
 
+from .checks import EMPTY, ERROR, OK, Check
 from .forecast_box import ForecastBox
 from .runspec import CUSTOM, RunSpec, make_plan
+from .setup_panel import PathRow
 
 SLIDER_STEPS = 1000
 
@@ -45,6 +49,10 @@ TERM_HELP = {
           "(positions = prompt + generation + 1). A memory fact, not an engine limit.",
     "baseline": "What this process already holds before the model: the Python interpreter, "
                 "NumPy and Qt, measured when the app started (SYSTEM §5.8).",
+    "drafter": "The block drafter (--draft-model): its weights, and its keys and values of "
+               "every position of the conversation plus a proposal's scratch. It drafts "
+               "several tokens the model verifies in one trunk pass; the tokens are the "
+               "model's own.",
     "total": "The sum of the terms: what the run is planned to hold.",
     "available": "What this machine can hand out now: MemAvailable, or the tightest cgroup "
                  "headroom when that is smaller.",
@@ -198,6 +206,13 @@ class MemoryPanel(QWidget):
         self.threads.setToolTip("Compute threads (--threads). The default is OMP_NUM_THREADS, "
                                 "else the number of physical cores. Never changes the tokens.")
         form.addRow("Threads", self.threads)
+        self.drafter = PathRow("optional: block drafter folder (config.json + "
+                               "model.safetensors)",
+                               "A block drafter (--draft-model) proposes several tokens that "
+                               "the model verifies in one trunk pass: fewer trunk reads per "
+                               "token, the same tokens. Greedy replies only. The demo's: "
+                               "k3 demo --drafter-path.")
+        form.addRow("Block drafter", self.drafter)
         self.budget_note = QLabel()
         self.budget_note.setObjectName("hint")
         self.budget_note.setWordWrap(True)
@@ -272,6 +287,7 @@ class MemoryPanel(QWidget):
         self.policy.currentIndexChanged.connect(self._other_changed)
         self.lookahead.toggled.connect(self._other_changed)
         self.threads.valueChanged.connect(self._other_changed)
+        self.drafter.edited.connect(self._emit)
         self.refresh_available()
 
     # -- state in and out ------------------------------------------------------------
@@ -287,6 +303,7 @@ class MemoryPanel(QWidget):
             self.policy.setCurrentIndex(max(i, 0))     # an unknown name: the reference's LRU
             self.lookahead.setChecked(bool(s.lookahead))
             self.threads.setValue(s.threads)
+            self.drafter.set_text(s.draft_model)
         finally:
             self._quiet = False
         self.refresh()
@@ -295,7 +312,7 @@ class MemoryPanel(QWidget):
         return dict(preset=self.preset.currentData(), trunk_gb=self.trunk.value(),
                     cache_gb=self.cache.value(), trunk_ring=self.ring.value(),
                     cache_policy=self.policy.currentData(), lookahead=self.lookahead.isChecked(),
-                    threads=self.threads.value())
+                    threads=self.threads.value(), draft_model=self.drafter.text())
 
     def set_figures(self, figures) -> None:
         """The model's sizes (None: no model chosen).  Slider ranges follow the model."""
@@ -398,9 +415,20 @@ class MemoryPanel(QWidget):
             self.planUpdated.emit(None)
             return
         spec = self._spec_fn()
-        p = make_plan(self.figures, spec, self.available, self.baseline_bytes,
-                      (self.probe.total or 0) if self.available_override is None and self.probe
-                      else 0)
+        try:
+            p = make_plan(self.figures, spec, self.available, self.baseline_bytes,
+                          (self.probe.total or 0) if self.available_override is None
+                          and self.probe else 0)
+        except EngineError as e:         # the drafter folder: say why, plan without it
+            self.drafter.show_check(Check(ERROR, str(e)))
+            spec = replace(spec, draft_model="")
+            p = make_plan(self.figures, spec, self.available, self.baseline_bytes,
+                          (self.probe.total or 0) if self.available_override is None
+                          and self.probe else 0)
+        else:
+            self.drafter.show_check(Check(OK, f"block drafter: {human(p.drafter_bytes)} "
+                                              f"planned") if spec.draft_model else
+                                    Check(EMPTY, ""))
         self.plan = p
         if spec.preset == AUTO:              # show what auto chose on the sliders
             self.trunk.set_value(p.trunk_gb)
@@ -418,6 +446,7 @@ class MemoryPanel(QWidget):
                 ("state", "recurrent state", p.recurrent_state_bytes),
                 ("buffers", "buffers", p.buffer_bytes),
                 ("kv", "KV cache", p.kv_cache_bytes),
+                ("drafter", "block drafter", p.drafter_bytes),
                 ("baseline", "app baseline (measured)", p.baseline_bytes),
                 ("total", "TOTAL", p.total_bytes)]
         if p.available_bytes > 0:

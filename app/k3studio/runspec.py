@@ -32,6 +32,7 @@ class RunSpec:
     cache_policy: str = "lru"         # expert replacement (--cache-policy)
     lookahead: bool = True            # expert reads from a guess of the router (--no-lookahead)
     threads: int = 0                  # 0 = engine default
+    draft_model: str = ""             # a block drafter folder (--draft-model); "" = none
     gen: int = 256
     thinking: bool = True
     effort: str = "low"
@@ -52,6 +53,22 @@ class RunSpec:
         return bool(self.trunk_dir)
 
     @property
+    def spec_width(self) -> int:
+        """The speculative width with a block drafter (its block less the anchor), else 0.
+        A folder that cannot be read raises its ConfigError here, as the load would."""
+        if not self.draft_model:
+            return 0
+        from k3engine.drafter import default_width
+        return default_width(self.draft_model)
+
+    def drafter_size(self):
+        """The plan's figures of the block drafter (drafter.size_of), or None."""
+        if not self.draft_model:
+            return None
+        from k3engine.drafter import size_of
+        return size_of(self.draft_model)
+
+    @property
     def positions(self) -> int:
         """What the CLI's chat plans for: no batch prompt, so gen + 1 (cli.prepare)."""
         return self.gen + 1
@@ -69,7 +86,8 @@ class RunSpec:
             # the What-if tab replays this session's expert requests: the latest window of
             # them (a long session's trace would grow without bound), counted in the plan
             keep_trace=True, trace_window=trace_window(), cache_policy=self.cache_policy,
-            lookahead=self.lookahead, turn_peaks=True)
+            lookahead=self.lookahead, turn_peaks=True, drafter_dir=self.draft_model or None,
+            spec=self.spec_width)
 
     def gen_spec(self) -> GenSpec:
         """What every turn asks with these settings."""
@@ -77,7 +95,7 @@ class RunSpec:
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None,
             seed=self.seed or None)
         return GenSpec(gen=int(self.gen), sampling=sampling, thinking=self.thinking,
-                       effort=self.effort)
+                       effort=self.effort, spec=self.spec_width)
 
 
 def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,
@@ -85,7 +103,8 @@ def make_plan(figures, spec: RunSpec, available, baseline_bytes: int = 0,
     """The whole-run plan for a chat run (incremental, like `k3 --chat`): the plan
     open_engine admits the load under."""
     ls = spec.load_spec(baseline_bytes=baseline_bytes, total_memory=total_memory)
-    return plan_for(figures, ls.plan_request(spec.positions), available, total_memory)
+    return plan_for(figures, ls.plan_request(spec.positions, drafter=spec.drafter_size()),
+                    available, total_memory)
 
 
 def _fmt_gb(x: float) -> str:
@@ -110,6 +129,8 @@ def model_flags(spec: RunSpec) -> list[str]:
         argv.append("--no-lookahead")
     if spec.threads:
         argv += ["--threads", str(spec.threads)]
+    if spec.draft_model:
+        argv += ["--draft-model", spec.draft_model]
     return argv
 
 
@@ -140,7 +161,7 @@ def from_settings(s, history_path: str = "") -> RunSpec:
                    tok_dir=os.path.expanduser(s.tok_dir), preset=s.preset,
                    trunk_gb=s.trunk_gb, cache_gb=s.cache_gb, trunk_ring=s.trunk_ring,
                    cache_policy=s.cache_policy, lookahead=s.lookahead, threads=s.threads,
-                   gen=s.gen,
+                   draft_model=os.path.expanduser(s.draft_model), gen=s.gen,
                    thinking=s.thinking, effort=s.effort,
                    greedy=s.greedy, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                    seed=s.seed, system_prompt=s.system_prompt,

@@ -45,6 +45,7 @@ class StudioSettings:
     cache_policy: str = "lru"         # expert replacement: "lru" (the reference's), "s3fifo"
     lookahead: bool = True            # expert reads from a guess of the router (--no-lookahead)
     threads: int = 0                  # 0 = the engine's default (OMP_NUM_THREADS / cores)
+    draft_model: str = ""             # a block drafter folder (--draft-model); "" = none
     # chat
     gen: int = 256                    # generation limit per reply (--gen)
     thinking: bool = True

@@ -111,6 +111,12 @@ hybrid decode (a draft model proposes, the exact model verifies: same ids as gre
   --draft-topk K        experts per token in the draft model (default 4)
   --draft-cache-only    the draft routes only among experts already in the cache and
                         reads no expert bytes
+block drafter (DFlash-style: one small pass drafts a block, one sweep verifies it)
+  --draft-model DIR     a block drafter folder (config.json + model.safetensors; the
+                        demo's: k3 demo --drafter-path); needs --incremental or --chat;
+                        width --spec N (default: its block size - 1, at most 8); greedy
+                        turns only (a sampled turn decodes plainly, the same stream as
+                        without it); not with --draft-trunk
 
 exit codes
   0  success (also --help, --version, --list-presets, chat /exit or end of input)
@@ -147,6 +153,7 @@ FLAGS = {
     "--draft-trunk": ("draft_trunk", True), "--draft-trunk-gb": ("draft_trunk_gb", True),
     "--draft-topk": ("draft_topk", True), "--draft-cache-only": ("draft_cache_only", False),
     "--spec-auto": ("spec_auto", False), "--batch": ("batch", True),
+    "--draft-model": ("draft_model", True),
 }
 DRAFT_OPTIONS = ("--draft-trunk-gb", "--draft-topk", "--draft-cache-only")
 MEMORY_FLAGS = ("--preset", "--trunk-gb", "--cache-gb")
@@ -156,7 +163,8 @@ NOT_IN_CHAT = ("--load-state", "--save-state", "--dump-logits", "--dump-cache-tr
                "--tf-check")
 MAX_STOP_IDS = 8
 NOT_IN_BATCH = ("--load-state", "--save-state", "--dump-logits", "--spec", "--spec-auto",
-                "--draft-trunk", "--tf-check", "--stream-tokens", "--ultra-low-memory")
+                "--draft-trunk", "--draft-model", "--tf-check", "--stream-tokens",
+                "--ultra-low-memory")
 
 
 @dataclass
@@ -211,6 +219,7 @@ class Options:
     draft_cache_only: bool = False
     spec_auto: bool = False
     batch: str | None = None
+    draft_model: str | None = None
 
     @property
     def gen_n(self) -> int:
@@ -333,8 +342,10 @@ def validate(o: Options) -> None:
         budgets = resolve_budgets(o.memory)
     except BudgetError as e:
         raise UsageError(str(e)) from None
-    if budgets.ultra and o.draft_trunk:                 # (it implies --spec: say which)
-        raise UsageError("--ultra-low-memory cannot be combined with --draft-trunk")
+    for implies in ("draft_trunk", "draft_model"):      # (they imply --spec: say which)
+        if budgets.ultra and getattr(o, implies):
+            raise UsageError(f"--ultra-low-memory cannot be combined with "
+                             f"--{implies.replace('_', '-')}")
     if budgets.ultra and int(o.spec):
         raise UsageError("--ultra-low-memory cannot be combined with --spec")
 
@@ -351,6 +362,15 @@ def validate_draft(o: Options) -> None:
         raise UsageError("--draft-trunk-gb must be >= 0")
     if o.draft_topk is not None:
         strict_int("--draft-topk", o.draft_topk, 1)
+    if o.draft_model and o.draft_trunk:
+        raise UsageError("--draft-model and --draft-trunk are mutually exclusive (one "
+                         "proposer per run)")
+    if o.draft_model and not (o.incremental or o.chat):
+        ignored("--draft-model needs --incremental")
+        o.draft_model = None
+    if o.draft_model and not int(o.spec):                # the drafter's own block
+        from .drafter import default_width
+        o.spec = str(default_width(o.draft_model))
     if o.draft_trunk and not ((o.incremental or o.chat) and o.trunk):
         ignored("--draft-trunk needs --incremental and --trunk")
         o.draft_trunk = None
@@ -361,7 +381,7 @@ def validate_draft(o: Options) -> None:
     elif not int(o.spec):
         o.spec = "4"
     if o.spec_auto and not int(o.spec):
-        ignored("--spec-auto needs --spec or --draft-trunk")
+        ignored("--spec-auto needs --spec, --draft-trunk or --draft-model")
         o.spec_auto = False
 
 
@@ -376,8 +396,8 @@ def build_load(o: Options) -> LoadSpec:
         trunk_ring=int(o.trunk_ring), threads=int(o.threads) if o.threads is not None else 0,
         layers=None if o.layers is None else strict_int("--layers", o.layers, 1),
         incremental=o.incremental or o.chat, spec=int(o.spec), draft=draft,
-        keep_trace=bool(o.dump_cache_trace), cache_policy=o.cache_policy,
-        lookahead=not o.no_lookahead)
+        drafter_dir=o.draft_model, keep_trace=bool(o.dump_cache_trace),
+        cache_policy=o.cache_policy, lookahead=not o.no_lookahead)
 
 
 def build_gen(o: Options) -> GenSpec:
@@ -530,6 +550,14 @@ def finish(o: Options, eng: Engine, spec: GenSpec, seq: Sequence, res: TurnSumma
         print(f"  draft model: {eng.draft.seconds:.1f} s of {res.seconds:.1f} s wall in "
               f"{eng.draft.steps} forward calls; draft trunk read "
               f"{eng.draft.trunk.bytes_read / 1e9:.2f} GB")
+    if eng.drafter is not None:
+        dr = eng.drafter
+        print(f"block drafter: {sp.rounds} passes, {sp.drafted} drafted, {sp.accepted} "
+              f"accepted ({sp.accepted_pct:.1f}%), mean accepted per pass {sp.mean_run:.2f} "
+              f"({sp.mean_run + 1:.2f} tokens per verification pass)" if sp.rounds else
+              "block drafter: no pass drafted")
+        print(f"  drafter: {dr.seconds:.2f} s of {res.seconds:.1f} s wall in {dr.passes} "
+              f"proposals")
     print(RULE)
     if n:
         print(f"{n} tokens in {res.seconds:.1f} s, {res.seconds / n:.2f} s/token average")
@@ -537,7 +565,7 @@ def finish(o: Options, eng: Engine, spec: GenSpec, seq: Sequence, res: TurnSumma
         print(f"prefill only: {seq.position} positions cached, "
               f"0 tokens generated")
     print(f"generated ids: {','.join(str(i) for i in res.ids)}")
-    if sp.rounds and eng.draft is None:
+    if sp.rounds and eng.draft is None and eng.drafter is None:
         print(f"speculative decode: {sp.rounds} sweeps, {sp.drafted} drafted, {sp.accepted} "
               f"accepted ({sp.accepted_pct:.1f}%)")
     text = None

@@ -122,6 +122,11 @@ class Printer:
         print(f"draft trunk: {human(ev.total_bytes)} ({kind}), pinned {ev.pinned}/"
               f"{ev.n_layers} layers, ring {ev.ring_slots} slots")
 
+    def _DrafterLoaded(self, ev):
+        print(f"block drafter: {ev.folder}: {ev.n_layers} layers, block {ev.block_size}, "
+              f"reads target layers {list(ev.target_layers)}; {human(ev.weight_bytes)} in "
+              f"{ev.seconds:.1f} s")
+
     # -- batch decode -------------------------------------------------------------------
     def _DecodeStarted(self, ev):
         r = ev.resumed
@@ -141,6 +146,10 @@ class Printer:
                   f"batched (draft routes top-{d['topk']} "
                   f"{'among cached experts only' if d['cache_only'] else 'through the cache'}"
                   f"{auto})")
+        elif ev.drafter is not None:
+            print(f"block drafter: proposes up to {ev.spec} tokens per pass from target "
+                  f"layers {list(ev.drafter['layers'])}; the exact model verifies them "
+                  f"batched{auto}")
         elif ev.spec:
             print(f"speculative decode: up to {ev.spec} drafted tokens per sweep, n-gram "
                   f"lookup, verified batched{auto}")

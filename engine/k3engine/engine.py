@@ -77,6 +77,7 @@ class LoadSpec:
     incremental: bool = False         # carry state between steps (chat and serve always)
     spec: int = 0                     # the widest speculative sweep the plan makes room for
     draft: Draft | None = None
+    drafter_dir: str | None = None    # a block drafter's folder (--draft-model, drafter.py)
     keep_trace: bool = False          # keep every expert request (--dump-cache-trace)
     trace_window: int = 0             # ...only the latest N of them (the app's session trace)
     cache_policy: str | None = None   # "lru" / "s3fifo"; None: K3_CACHE_POLICY, else LRU
@@ -95,7 +96,8 @@ class LoadSpec:
         return bool(self.trunk_dir)
 
     def plan_request(self, positions: int, layers: int | None = None,
-                     draft_sizes: Seq[int] | None = None) -> PlanRequest:
+                     draft_sizes: Seq[int] | None = None, drafter=None) -> PlanRequest:
+        """`drafter`: the block drafter's drafter.DrafterSize, to count."""
         return PlanRequest(budgets=self.budgets, trunk_ring=self.trunk_ring,
                            streamed=self.streamed, incremental=self.incremental,
                            positions=positions, layers=layers, baseline_bytes=self.baseline_bytes,
@@ -103,7 +105,9 @@ class LoadSpec:
                            draft_gb=self.draft.trunk_gb if self.draft else DEFAULT_DRAFT_TRUNK_GB,
                            spec=min(self.spec, MAX_DRAFT), keep_trace=self.keep_trace,
                            trace_window=self.trace_window, sequences=self.sequences,
-                           lookahead=lookahead_enabled(self.lookahead))
+                           lookahead=lookahead_enabled(self.lookahead),
+                           drafter_weights=drafter.weight_bytes if drafter else 0,
+                           drafter_per_position=drafter.per_position if drafter else 0)
 
 
 def load_spec_from(model_dir: str, memory: Iterable[tuple[str, object]] = (), **fields
@@ -203,14 +207,19 @@ def open_engine(spec: LoadSpec, sink: E.Sink | None = None, tok=None, *,
 
     setup = open_model(spec.model_dir, cfg, nl, spec.trunk_dir,
                        spec.draft.trunk_dir if spec.draft else None)
+    drafter = None
     try:
+        if spec.drafter_dir:
+            from .drafter import open_drafter
+            drafter = open_drafter(spec.drafter_dir, cfg, nl)   # checked before the plan
         sink(E.Indexed(len(setup.ck), len(setup.ck.shards), setup.index_seconds,
                        tuple(setup.ck.notes)))
         if spec.available_override is not None:
             available = int(spec.available_override)
         else:
             _, available = available_memory()
-        the_plan = plan_for(setup.figures, spec.plan_request(positions, nl, setup.draft_sizes),
+        the_plan = plan_for(setup.figures, spec.plan_request(
+                                positions, nl, setup.draft_sizes, drafter and drafter.size),
                             available, spec.total_memory)
         sink(E.Planned(the_plan, spec.trunk_dir,
                        setup.manifest.total_bytes() if setup.manifest else 0))
@@ -218,13 +227,17 @@ def open_engine(spec: LoadSpec, sink: E.Sink | None = None, tok=None, *,
             raise PlanRefused(the_plan)
         if plan_only:
             setup.ck.close()
+            if drafter is not None:
+                drafter.close()
             return the_plan
         engine = Engine(spec, cfg, nl, tok, setup, the_plan, positions, sink, threads,
                         available)
         engine.prompt_ids, engine.n_prior = ids, n_prior
-        engine._load(draft_topk)
+        engine._load(draft_topk, drafter)
     except BaseException:
         setup.ck.close()
+        if drafter is not None:
+            drafter.close()
         raise
     return engine
 
@@ -264,18 +277,19 @@ class Engine:
         self.n_prior = 0
         self.lm = None
         self.draft = None
+        self.drafter = None               # a block drafter (drafter.BlockDrafter)
         self._ctl = None
         self._trunk_mark = (0, 0.0, 0)
         self._peak = PeakWindow() if spec.turn_peaks else None
 
     @classmethod
     def around(cls, lm, tok=None, *, incremental: bool = True, spec: int = 0, draft=None,
-               setup=None) -> "Engine":
+               setup=None, drafter=None) -> "Engine":
         """An engine over a model loaded by loading.load_model (tests, benchmarks, the
         training tools): the same decode, no plan, no limits beyond the model's."""
         e = cls(LoadSpec(model_dir="", incremental=incremental, spec=spec), lm.cfg,
                 lm.model.n_layers, tok, setup, None, 0, lambda ev: None, 0, None)
-        e.lm, e.draft = lm, draft
+        e.lm, e.draft, e.drafter = lm, draft, drafter
         return e
 
     @property
@@ -294,7 +308,7 @@ class Engine:
         return self._ctl
 
     # -- loading -------------------------------------------------------------------
-    def _load(self, draft_topk: int) -> None:
+    def _load(self, draft_topk: int, drafter=None) -> None:
         spec, setup, the_plan, sink = self.spec, self.setup, self.plan, self.sink
         tp = the_plan.trunk_plan
         pinned = set(tp.pinned) if tp is not None else set()
@@ -340,6 +354,14 @@ class Engine:
             dm, dt = setup.draft_manifest, self.draft.trunk
             sink(E.DraftLoaded(dm.total_bytes(), dm.draft["bits"] if dm.draft else None,
                                len(dt.pinned), self.nl, dt.nslot))
+        if drafter is not None:
+            from .drafter import load_drafter
+            t0 = time.monotonic()
+            nbytes = drafter.size.weight_bytes
+            self.drafter = load_drafter(drafter, lm.model.weights.tables)
+            dc = self.drafter.config
+            sink(E.DrafterLoaded(spec.drafter_dir, dc.n_layers, dc.block_size,
+                                 dc.target_layers, nbytes, time.monotonic() - t0))
 
     def close(self) -> None:
         if self.draft is not None:
@@ -352,7 +374,8 @@ class Engine:
     # -- sequences -----------------------------------------------------------------
     def sequence(self) -> Sequence:
         """A new, empty sequence on this engine's model."""
-        return Sequence(self.lm.model, shared_recurrent=self.lm.ultra and not self.incremental)
+        return Sequence(self.lm.model, shared_recurrent=self.lm.ultra and not self.incremental,
+                        features=self.drafter)
 
     def resume(self, path: str, room: int, n_new: int = 0) -> tuple[Sequence, E.Resumed]:
         """A sequence restored from a state file (v2), with room for `room` more positions
@@ -366,8 +389,11 @@ class Engine:
         return seq, E.Resumed(path, seq.state.n_cached, n_new, time.monotonic() - t0)
 
     def proposer(self, seq: Sequence):
-        """What drafts for a speculative sweep on `seq`: the draft model (made to follow
+        """What drafts for a speculative sweep on `seq`: the block drafter (it follows the
+        sequence through the features its passes hand it), the draft model (made to follow
         this sequence from its start when it followed another) or n-gram lookup (None)."""
+        if self.drafter is not None:
+            return self.drafter
         if self.draft is not None:
             self.draft.follow(seq.ids, len(seq.ids) + MAX_DRAFT + 1)
         return self.draft
@@ -586,6 +612,11 @@ class Engine:
             return {}
         sp = res.spec
         keys = dict(spec_rounds=sp.rounds, spec_drafted=sp.drafted, spec_accepted=sp.accepted)
+        if self.drafter is not None:          # accepted drafts per verification pass
+            keys.update(spec_mean_accepted=round(sp.mean_run, 4),
+                        draft_model=self.spec.drafter_dir,
+                        drafter_seconds=round(self.drafter.seconds, 4),
+                        drafter_passes=self.drafter.passes)
         d = self.spec.draft
         if self.draft is not None:
             keys.update(draft_trunk=d.trunk_dir, draft_trunk_gb=d.trunk_gb,
@@ -609,5 +640,9 @@ class Engine:
                                resumed, min(spec.spec, MAX_DRAFT), spec.spec_auto,
                                None if self.draft is None else dict(
                                    trunk=d.trunk_dir, gb=d.trunk_gb,
-                                   topk=self.draft.model.router.k, cache_only=d.cache_only))
+                                   topk=self.draft.model.router.k, cache_only=d.cache_only),
+                               None if self.drafter is None else dict(
+                                   folder=self.spec.drafter_dir,
+                                   block=self.drafter.config.block_size,
+                                   layers=self.drafter.config.target_layers))
 

@@ -143,6 +143,17 @@ class DraftLoaded(Event):
     ring_slots: int
 
 
+@dataclass(frozen=True)
+class DrafterLoaded(Event):
+    """A block drafter (--draft-model) was read."""
+    folder: str
+    n_layers: int
+    block_size: int
+    target_layers: tuple[int, ...]
+    weight_bytes: int
+    seconds: float
+
+
 # ---- generation (generate.decode, Conversation) -------------------------------------------
 
 @dataclass(frozen=True)
@@ -163,6 +174,7 @@ class DecodeStarted(Event):
     spec: int                    # sweep width (0: plain decode)
     spec_auto: bool
     draft: dict | None           # hybrid decode: trunk, gb, topk, cache_only
+    drafter: dict | None = None  # a block drafter: folder, block, layers
 
 
 @dataclass(frozen=True)

@@ -682,6 +682,8 @@ class Plan:
     draft_bytes: int = 0          # hybrid decode's draft model: its trunk, state and KV
     draft_plan: TrunkPlan | None = None
     spec_bytes: int = 0           # --spec / --draft-trunk: snapshot, sweep log, sweep logits
+    drafter_bytes: int = 0        # --draft-model: the block drafter's weights, context, scratch
+    drafter_weight_bytes: int = 0
     trace_bytes: int = 0          # the expert request trace (part of buffer_bytes)
     trace_window: int = 0         # its window in requests (0: every request, or none kept)
     sequences: int = 1            # recurrent states counted (a batch, serve --parallel)
@@ -691,7 +693,8 @@ class Plan:
     def total_bytes(self) -> int:
         return (self.trunk_bytes + self.model_table_bytes + self.expert_cache_bytes
                 + self.recurrent_state_bytes + self.buffer_bytes + self.kv_cache_bytes
-                + self.baseline_bytes + self.draft_bytes + self.spec_bytes)
+                + self.baseline_bytes + self.draft_bytes + self.spec_bytes
+                + self.drafter_bytes)
 
     @property
     def limit_bytes(self) -> float:
@@ -746,6 +749,10 @@ class Plan:
             out.append("  draft model      %s (trunk %s, state + KV %s)" % (
                 human(self.draft_bytes), human(self.draft_plan.total_bytes),
                 human(self.draft_bytes - self.draft_plan.total_bytes)))
+        if self.drafter_bytes:
+            out.append("  block drafter    %s (weights %s, context K/V and scratch %s)" % (
+                human(self.drafter_bytes), human(self.drafter_weight_bytes),
+                human(self.drafter_bytes - self.drafter_weight_bytes)))
         if self.baseline_bytes:
             out.append("  %-16s %s (measured)" % (self.baseline_label,
                                                   human(self.baseline_bytes)))
@@ -784,6 +791,8 @@ class Plan:
             "ring_slots": tp.ring_slots if tp else None,
             "refusals": [{"kind": r.kind, "code": r.exit_code, "message": r.message}
                          for r in self.refusals],
+            # an extension key, present only with a block drafter (the golden event stays)
+            **({"drafter_bytes": self.drafter_bytes} if self.drafter_bytes else {}),
         }
 
 
@@ -805,7 +814,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
          draft_sizes: Sequence[int] | None = None,
          draft_gb: float = DEFAULT_DRAFT_TRUNK_GB, spec: int = 0,
          keep_trace: bool = False, trace_window: int = 0, sequences: int = 1,
-         lookahead: bool = False) -> Plan:
+         lookahead: bool = False, drafter_weights: int = 0,
+         drafter_per_position: int = 0) -> Plan:
     """The whole-run memory plan.  Pure: no I/O, safe to call on every slider move.
 
     Budgets: `preset` first, then explicit `trunk_gb`/`cache_gb` as if given after it
@@ -825,7 +835,9 @@ def plan(figures: ModelFigures, preset: str | None = None,
     (incremental: a batch, `k3 serve --parallel`) counts that many recurrent states;
     `positions` is then all of their positions.  `lookahead` adds the side buffer of
     lookahead expert reads (lookahead.py: one layer's top-k of expert slots) to the
-    buffers."""
+    buffers.  `drafter_weights` and `drafter_per_position` (--draft-model,
+    drafter.DrafterConfig) add the block drafter: its weights, and its context keys/values
+    and scratch at every position."""
     refusals: list[Refusal] = []
     sequences = max(1, int(sequences)) if incremental else 1
     avail, known, malformed, detail = _availability(available_bytes)
@@ -876,6 +888,7 @@ def plan(figures: ModelFigures, preset: str | None = None,
         w_draft += (figures.state_bytes(NL, False, True) + figures.kv_bytes(positions)
                     + figures.speculation_bytes(NL, spec))
     w_spec = figures.speculation_bytes(NL, spec + 1) if spec and incremental else 0
+    w_drafter = drafter_weights + drafter_per_position * positions if drafter_weights else 0
     trace = figures.trace_bytes(positions, keep_trace, trace_window)
     ahead = figures.topk * figures.expert_slot_bytes if lookahead else 0
 
@@ -889,7 +902,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
         kv_cache_bytes=figures.kv_bytes(positions) if incremental else 0,
         baseline_bytes=int(baseline_bytes),
         draft_bytes=w_draft,
-        spec_bytes=w_spec)
+        spec_bytes=w_spec,
+        drafter_bytes=w_drafter)
     need = sum(terms.values())
     if malformed:
         if not (kv and kv.refusal):           # the KV check already said it (exit 2)
@@ -911,7 +925,8 @@ def plan(figures: ModelFigures, preset: str | None = None,
                 expert_slots_needed=figures.topk + 1, auto=auto, kv=kv,
                 refusals=tuple(refusals), baseline_label=baseline_label, draft_plan=dplan,
                 trace_bytes=trace, trace_window=int(trace_window) if keep_trace else 0,
-                sequences=sequences, lookahead_bytes=ahead)
+                sequences=sequences, lookahead_bytes=ahead,
+                drafter_weight_bytes=int(drafter_weights))
 
 
 @dataclass(frozen=True)
@@ -933,6 +948,8 @@ class PlanRequest:
     prefix: bool = False
     sequences: int = 1
     lookahead: bool = False
+    drafter_weights: int = 0          # the block drafter (drafter.DrafterSetup)
+    drafter_per_position: int = 0
 
 
 def plan_for(figures: ModelFigures, req: PlanRequest,
@@ -948,7 +965,8 @@ def plan_for(figures: ModelFigures, req: PlanRequest,
                 baseline_label=req.baseline_label, draft_sizes=req.draft_sizes,
                 draft_gb=req.draft_gb, spec=req.spec, keep_trace=req.keep_trace,
                 trace_window=req.trace_window, sequences=req.sequences,
-                lookahead=req.lookahead)
+                lookahead=req.lookahead, drafter_weights=req.drafter_weights,
+                drafter_per_position=req.drafter_per_position)
 
 
 def _streamed_trunk(sizes: Sequence[int], gb: float, ring: int | None, widen: int,

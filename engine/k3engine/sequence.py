@@ -27,9 +27,12 @@ FORK_SNAPSHOT_BYTES = 64 << 20
 
 
 class Sequence:
-    def __init__(self, model, shared_recurrent: bool = False):
+    def __init__(self, model, shared_recurrent: bool = False, features=None):
         self._model = model
         self._shared = shared_recurrent     # --ultra-low-memory recompute: one KDA slot
+        # a block drafter (drafter.BlockDrafter) takes the features of every position a
+        # pass commits, so it can draft from the next one on; None: nothing is captured
+        self.features = features
         self.state: SequenceState | None = None
         self.ids: list[int] = []
         # (position, recurrent snapshot): the state after ids[:position]
@@ -141,7 +144,7 @@ class Sequence:
     # -- copies and files ----------------------------------------------------------------
     def fork(self) -> "Sequence":
         """An independent copy (state, ids and fork points) that can go its own way."""
-        c = Sequence(self._model, self._shared)
+        c = Sequence(self._model, self._shared, self.features)
         c.ids, c.forks, c.logits = list(self.ids), list(self.forks), self.logits
         if self.state is not None:
             c.state = grown(self.state, self.state.capacity + 1)    # a copy, rows included
@@ -162,10 +165,21 @@ def feed_together(items, cancel=None, on_layer=None) -> list:
     -- the next n pending ids of each.  Each gets the logits of its last fed position, bit
     for bit what it would get alone; a pass that fails poisons every state it carried."""
     model = items[0][0]._model
-    fed = []
+    fed, starts = [], []
     for seq, n in items:
         p = seq.position
         seq.logits = None
         fed.append((seq.ids[p:p + n], seq.state))
-    return model.forward_batch(fed, cancel=cancel, on_layer=on_layer)
+        starts.append(p)
+    # a block drafter (the engine's one) takes the features of its sequences' rows; they
+    # are captured only when there is one
+    f = next((seq.features for seq, _ in items if seq.features is not None), None)
+    cap = f.capture() if f is not None else None
+    logits = model.forward_batch(fed, cancel=cancel, on_layer=on_layer, capture=cap)
+    row = 0
+    for (seq, n), p in zip(items, starts):
+        if seq.features is not None:
+            seq.features.take(seq.ids, p, seq.ids[p:p + n], cap, row)
+        row += n
+    return logits
 

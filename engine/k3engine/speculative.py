@@ -7,7 +7,9 @@ state and re-feeds the accepted positions (a second forward); we restore it and 
 only the KDA recurrence and conv history on the sweep's logged inputs for the accepted
 positions (state.keep_prefix): the same bits without a second pass over the weights.
 The emitted ids equal serial greedy decode.
-The same sweep verifies a draft model's proposals (draft.DraftModel, `--draft-trunk`)."""
+The same sweep verifies a draft model's proposals (draft.DraftModel, `--draft-trunk`) and a
+block drafter's (drafter.BlockDrafter, `--draft-model`), which is also handed the target
+features of the positions each step commits (its `capture`/`take`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -124,21 +126,27 @@ def spec_step(model: Model, seq: list[int], state: SequenceState, cap: int,
     base = state.n_cached
     cap = min(cap, MAX_DRAFT, state.capacity - base - 1)
     d = proposer.propose(seq, cap) if cap > 0 else []
+    features = getattr(proposer, "capture", None)   # a block drafter reads the pass
+    capture = features() if features is not None else None
     if not d:
-        logits = model.forward(seq[base:], state)
+        logits = model.forward(seq[base:], state, capture=capture)
+        if capture is not None:
+            proposer.take(seq, base, seq[base:], capture)
         return [greedy(logits)], logits
     counters.rounds += 1
     counters.drafted += len(d)
     counters.width_sum += cap
     snap = begin_sweep(state)
     try:
-        logits = model.forward(seq[base:] + d, state, all_logits=True)
+        logits = model.forward(seq[base:] + d, state, all_logits=True, capture=capture)
         a = [greedy(row) for row in logits]
         m = 0
         while m < len(d) and a[m] == d[m] and d[m] not in stops:
             m += 1
         counters.accepted += m
         proposer.settle(d, m)
+        if capture is not None:             # the kept rows only: the anchor and accepted
+            proposer.take(seq, base, seq[base:] + d[:m], capture)
         if m < len(d):                      # drop the rejected tail, keep what was accepted
             keep_prefix(state, snap, base, m + 1)
     finally:

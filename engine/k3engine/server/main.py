@@ -74,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", type=int, default=0, metavar="N",
                    help="n-gram speculative decoding of greedy requests, up to N (<= 8) "
                         "drafts per sweep: same ids as plain greedy, fewer trunk passes")
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="a block drafter folder (docs/drafter.md) proposes the drafts of "
+                        "greedy requests; width --spec N (default: its block size - 1, at "
+                        "most 8); same ids as plain greedy")
     p.add_argument("--prompt-cache-gb", type=float, default=0.0, metavar="X",
                    help="memory for the sequences kept for later requests (default 0: one, "
                         "as the plan counts); a request continues the one holding most of "
@@ -177,11 +181,16 @@ def main(argv: list[str]) -> int:
     from .engine import Backend, EngineThread
     from .protocol import Limits, ModelNames
     try:
+        if a.draft_model and not a.spec:                 # the drafter's own block
+            from ..drafter import default_width
+            a.spec = default_width(a.draft_model)
+
         def opened(n: int, sink, plan_only: bool = False):
             spec = load_spec_from(a.model_dir, a.memory, trunk_dir=a.trunk, tok_dir=a.tok,
                                   config_path=a.config, trunk_ring=a.trunk_ring,
                                   threads=a.threads, incremental=True, spec=a.spec,
-                                  cache_policy=a.cache_policy, sequences=n)
+                                  cache_policy=a.cache_policy, sequences=n,
+                                  drafter_dir=a.draft_model)
             # the plan's KV cache: n sequences of up to --gen + 1 positions each
             return open_engine(spec, sink, gen=n * (a.gen + 1) - 1, plan_only=plan_only)
         if a.parallel is None:
