@@ -131,6 +131,8 @@ def test_failed_expert_read_mid_turn(qtbot, window, demo_model, monkeypatch):
     qtbot.waitUntil(lambda: window.setup.load_btn.isEnabled(), timeout=TIMEOUT)
     with qtbot.waitSignal(window.host.loaded, timeout=TIMEOUT):
         window.setup.load_btn.click()
+    # the button follows the load's signals: a click before it is enabled does nothing
+    qtbot.waitUntil(lambda: window.chat.regen_btn.isEnabled(), timeout=TIMEOUT)
     with qtbot.waitSignal(window.host.turnFinished, timeout=TIMEOUT) as b:
         window.chat.regen_btn.click()
     assert not b.args[0]["failed"]
