@@ -209,10 +209,10 @@ def _unsupported(refuse, obj: dict) -> None:
 
 
 def drafter_tensors(dc: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the format and its shape ([out, in] for a Linear weight)."""
+    """Every tensor of the format and its shape ([out, in] for a Linear weight), in the
+    order the trainer writes them (tools/drafter_torch.py)."""
     E, H, Hkv, D, inter = dc.hidden, dc.n_heads, dc.n_kv_heads, dc.head_dim, dc.inter
-    t = {"fc.weight": (E, len(dc.target_layers) * E), "hidden_norm.weight": (E,),
-         "norm.weight": (E,)}
+    t = {"fc.weight": (E, len(dc.target_layers) * E), "hidden_norm.weight": (E,)}
     for lyr in range(dc.n_layers):
         p = f"layers.{lyr}."
         t.update({p + "input_layernorm.weight": (E,),
@@ -226,6 +226,7 @@ def drafter_tensors(dc: DrafterConfig) -> dict[str, tuple[int, ...]]:
                   p + "mlp.gate_proj.weight": (inter, E),
                   p + "mlp.up_proj.weight": (inter, E),
                   p + "mlp.down_proj.weight": (E, inter)})
+    t["norm.weight"] = (E,)
     return t
 
 

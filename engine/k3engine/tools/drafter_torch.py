@@ -22,28 +22,14 @@ from .demo_torch import rmsnorm
 
 
 def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """The contract's tensors and shapes, in file order."""
-    E, H, Hkv, D, I = (cfg["hidden_size"], cfg["num_attention_heads"],
-                       cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"])
-    nf = len(cfg["dflash_config"]["target_layer_ids"])
-    out = {"fc.weight": (E, nf * E), "hidden_norm.weight": (E,)}
-    for l in range(cfg["num_hidden_layers"]):
-        p = f"layers.{l}."
-        out.update({
-            p + "input_layernorm.weight": (E,),
-            p + "self_attn.q_proj.weight": (H * D, E),
-            p + "self_attn.k_proj.weight": (Hkv * D, E),
-            p + "self_attn.v_proj.weight": (Hkv * D, E),
-            p + "self_attn.o_proj.weight": (E, H * D),
-            p + "self_attn.q_norm.weight": (D,),
-            p + "self_attn.k_norm.weight": (D,),
-            p + "post_attention_layernorm.weight": (E,),
-            p + "mlp.gate_proj.weight": (I, E),
-            p + "mlp.up_proj.weight": (I, E),
-            p + "mlp.down_proj.weight": (E, I),
-        })
-    out["norm.weight"] = (E,)
-    return out
+    """The contract's tensors and shapes, in file order (the engine's one list of them)."""
+    from ..drafter import DrafterConfig, drafter_tensors
+    dfc = cfg["dflash_config"]
+    return drafter_tensors(DrafterConfig(
+        "", cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+        cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"],
+        cfg["rms_norm_eps"], cfg["rope_theta"], cfg["vocab_size"], cfg["block_size"],
+        tuple(dfc["target_layer_ids"]), dfc["mask_token_id"]))
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
