@@ -190,15 +190,17 @@ class MemoryPanel(QWidget):
             "reads fewer experts from disk once the cache holds thousands of K3's (32 GB and "
             "up) and more below ~16 GB. The What-if tab's trace shows which suits a budget. "
             "Never changes the tokens.")
-        form.addRow("Expert replacement", self.policy)
-        self.lookahead = QCheckBox("Start expert reads a layer early")
+        self.lookahead = QCheckBox("lookahead reads")
         self.lookahead.setToolTip(
             "Lookahead expert reads (--no-lookahead turns them off): at each layer's start "
             "its router is applied to a guess of its input, and the guessed experts that are "
             "not in the cache start reading while the layer's attention computes. A wrong "
             "guess costs bytes, never bits: the tokens and the cache's choices are the same "
             "either way. The plan holds one layer's experts more for the reads in flight.")
-        form.addRow("Lookahead", self.lookahead)
+        experts_row = QHBoxLayout()          # one row for both: the tab fits 1024x700
+        experts_row.addWidget(self.policy, 1)
+        experts_row.addWidget(self.lookahead)
+        form.addRow("Expert replacement", experts_row)
         self.threads = QSpinBox()
         self.threads.setRange(0, max(os.cpu_count() or 1, 1))
         from k3engine.threads import default_threads
