@@ -123,8 +123,9 @@ def _number(kind: type, value: Any) -> int | float | None:
 RANGES: dict[str, tuple[float, float]] = {
     "trunk_gb": (0.0, 100000.0), "cache_gb": (0.0, 100000.0), "trunk_ring": (1, 8),
     "threads": (0, 4096), "gen": (1, 4096), "temperature": (0.01, 5.0), "top_p": (0.01, 1.0),
-    "top_k": (0, 100000), "seed": (0, 2**31 - 1), "tab": (0, 64),
-    "serve_slots": (0, 64)}
+    "top_k": (0, 100000), "seed": (0, 2**31 - 1), "tab": (0, 64), "side_tab": (0, 64),
+    "serve_slots": (0, 64), "serve_port": (0, 65535)}   # an int QSettings cannot store
+                                                        # would fail the save (test_fuzz)
 CHOICES: dict[str, tuple[str, ...]] = {
     "cache_policy": ("lru", "s3fifo"), "theme": ("system", "light", "dark"),
     "backend": ("local", "remote"), "effort": ("low", "high", "max")}
