@@ -2,9 +2,10 @@
 what the one engine's steps do for all the conversations it holds, from the server's
 `GET /k3/steps` (steps_feed.py).
 
-Two plots: tokens/s in all (a mean over the last few steps, so a join's prompt step does
-not hide the trend) with each slot's own decode rate beside it, one line per slot (the
-window's conversation is one of them); and the batch size of each step.  pyqtgraph's
+Two plots: tokens/s in all with each slot's share beside it, one line per slot (the
+window's conversation is one of them), all over the same last few steps (so a join's prompt
+step does not hide the trend, and the slots' rates add up to the whole: a slot's rate since
+it began beside a recent total read as a contradiction); and the batch size of each step.  pyqtgraph's
 scrolling pattern as on the other pages: preallocated columns, curves made once and only
 given `setData` per poll; the newest WINDOW steps are kept.  The key to the lines is the
 summary above them (each slot's rate in its line's colour): a legend inside a plot ~300 px
@@ -41,7 +42,9 @@ class BatchPlots(QWidget):
         self.fg = "#2b3245"
         self.series = Series(("t", "all", "batch", *(f"s{i}" for i in range(MAX_SLOTS))),
                              WINDOW)
-        self._recent: deque = deque(maxlen=MEAN_STEPS)    # (tokens, seconds) of the last steps
+        # (tokens, seconds, {slot: tokens}) of the last steps; the requests' token counts
+        self._recent: deque = deque(maxlen=MEAN_STEPS)
+        self._had: dict[int, int] = {}                    # request -> its tokens so far
         self._seen: set[int] = set()                       # slots busy at some step
         self.summary = QLabel(EMPTY)
         self.summary.setTextFormat(Qt.RichText)
@@ -84,6 +87,7 @@ class BatchPlots(QWidget):
         self.slots = max(1, int(slots))
         self.series.clear()
         self._recent.clear()
+        self._had.clear()
         self._seen.clear()
         self.summary.setText(f"Serving with {self.slots} slot{'s' * (self.slots > 1)}: "
                              f"the plots fill as they generate." if serving else EMPTY)
@@ -98,13 +102,19 @@ class BatchPlots(QWidget):
                 # of a straight line across the gap
                 self._append({"t": s.view("t")[-1] + 1e-3, "batch": 0, "all": np.nan})
                 self._recent.clear()
-            self._recent.append((st["tokens"], st["seconds"]))
-            secs = sum(x for _, x in self._recent)
+            # tokens this step: the growth of each request's count (a request is in every
+            # step that gives it a token, so the last step's counts are all it needs)
+            got = {x["slot"]: x["tokens"] - self._had.get(x["request"], 0)
+                   for x in st["slots"]}
+            self._had = {x["request"]: x["tokens"] for x in st["slots"]}
+            self._recent.append((st["tokens"], st["seconds"], got))
+            secs = sum(x for _, x, _ in self._recent)
             row = {"t": st["t"], "batch": st["batch"],
-                   "all": sum(n for n, _ in self._recent) / secs if secs > 0 else 0.0}
+                   "all": sum(n for n, _, _ in self._recent) / secs if secs > 0 else 0.0}
             for x in st["slots"]:
-                if x["slot"] < MAX_SLOTS:
-                    row[f"s{x['slot']}"] = x["tokens_per_s"] or np.nan
+                if x["slot"] < MAX_SLOTS and secs > 0:
+                    n = sum(g.get(x["slot"], 0) for _, _, g in self._recent)
+                    row[f"s{x['slot']}"] = n / secs
             self._append(row)
         if steps:
             self._seen.update(x["slot"] for st in steps for x in st["slots"]
@@ -121,10 +131,10 @@ class BatchPlots(QWidget):
     def _say(self, last: dict) -> None:
         """The key and the latest figures: all (bold, the thick line's colour), then each
         busy slot's rate in its line's colour."""
+        busy = sorted(x["slot"] for x in last["slots"] if x["slot"] < MAX_SLOTS)
         rates = "".join(
-            f" · <span style='color:{SLOT_COLORS[x['slot'] % MAX_SLOTS]}'>&#9632; slot "
-            f"{x['slot'] + 1} {x['tokens_per_s']:.1f}</span>"
-            for x in sorted(last["slots"], key=lambda x: x["slot"]))
+            f" · <span style='color:{SLOT_COLORS[k % MAX_SLOTS]}'>&#9632; slot "
+            f"{k + 1} {self.series.view(f's{k}')[-1]:.1f}</span>" for k in busy)
         self.summary.setText(
             f"{last['batch']} of {self.slots} slots busy · <b>all "
             f"{self.series.view('all')[-1]:.1f} tokens/s</b>{rates} · read "

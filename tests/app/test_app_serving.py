@@ -219,3 +219,32 @@ def test_a_server_that_dies_gives_the_model_back_to_the_window(qtbot, window, de
     window.chat.limit.setValue(4)
     t = send(qtbot, window, "Still there?")
     assert not t["failed"] and t["n"] == 4
+
+
+def test_the_batch_page_s_slot_rates_add_up_to_the_whole(qtbot):
+    """The summary's and the lines' rates are all over the same last steps, so the slots'
+    add up to `all` (a slot's rate since it began beside a recent total read as a
+    contradiction in the screenshot: 46 + 68 + 64 shown beside 'all 105')."""
+    import re
+    from k3studio.batch_plots import BatchPlots
+    plots = BatchPlots()
+    qtbot.addWidget(plots)
+    plots.reset(3)
+    steps, counts = [], {1: 0, 2: 0, 3: 0}
+    for n in range(14):                       # 2 leaves at step 3, 3 joins at step 5: the
+        rows = [q for q in (1, 2, 3)          # last 8 steps are slots 1 and 3's
+                if not (q == 3 and n < 5) and not (q == 2 and n >= 3)]
+        for q in rows:
+            counts[q] += 1
+        steps.append({"n": n, "t": 0.1 * n, "batch": len(rows), "seconds": 0.1 + 0.01 * n,
+                      "tokens": len(rows), "tokens_per_s": 0.0, "trunk_bytes": 0,
+                      "expert_bytes": 0,
+                      "slots": [{"slot": q - 1, "request": q, "tokens": counts[q],
+                                 "tokens_per_s": 99.0} for q in rows]})
+    plots.on_steps(steps)
+    text = re.sub("<[^>]+>", "", plots.summary.text())
+    whole = float(re.search(r"all ([\d.]+) tokens/s", text).group(1))
+    parts = [float(x) for x in re.findall(r"slot \d+ ([\d.]+)", text)]
+    print(f"[gate] batch page: all {whole} tokens/s, slots {parts}")
+    assert len(parts) == 2 and abs(sum(parts) - whole) < 0.2
+    assert "99.0" not in text                 # not the since-it-began figure
