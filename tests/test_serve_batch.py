@@ -80,3 +80,50 @@ def test_a_client_leaving_mid_stream_leaves_the_batch(demo):
           f"{len(other.get('ids', []))} ids; cancelled {h['cancelled']}, answered "
           f"{h['answered']}")
     assert len(other["ids"]) == 8 and h["cancelled"] >= 1
+
+
+def test_a_batch_that_never_empties_holds_no_finished_request(demo):
+    """While one long request keeps the batch running, twenty short ones come and go:
+    afterwards the engine thread holds no sequence of a finished request (a map from runs
+    to their slots kept every one: the server grew 104 -> 419 MB over 640 requests in
+    bench_serve_load.py until it was pruned at each step boundary)."""
+    import gc
+    import time
+    from k3engine.engine import load_spec_from, open_engine
+    from k3engine.sequence import Sequence
+    from k3engine.server.batching import BatchingEngineThread
+    from k3engine.server.engine import Backend, Done, Job
+    from k3engine.server.protocol import GenRequest, Limits, SamplingIn
+
+    def job(text: str, gen: int, done: list) -> Job:
+        req = GenRequest("completion", model="demo", gen=gen,
+                         sampling=SamplingIn(None, None, None, None, True), stops=(),
+                         stream=False, include_usage=True, prompt=text)
+        return Job(req, lambda item: done.append(item) if isinstance(item, Done) else None)
+
+    eng = open_engine(load_spec_from(demo, tok_dir=demo, incremental=True, sequences=2),
+                      gen=2 * 600)
+    backend = Backend(eng, "demo", Limits())
+    thread = BatchingEngineThread(backend, queue=64, parallel=2)
+    try:
+        long_done, short_done = [], []
+        long_job = job("Tell me a long story", 500, long_done)
+        thread.submit(long_job)
+        for i in range(20):
+            thread.submit(job(f"Count to {i}", 3, short_done))
+        end = time.monotonic() + 300
+        while len(short_done) < 20 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(short_done) == 20 and not long_done, "the long request must still run"
+        gc.collect()
+        live = sum(isinstance(o, Sequence) for o in gc.get_objects())
+        kept = len(backend.cache.kept)
+        print(f"[gate] batch kept running: 20 short requests answered, {live} sequences "
+              f"alive (the running one, the prompt cache's {kept})")
+        assert live <= 1 + kept + 1
+        long_job.cancel.set()
+        while not long_done and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        thread.close()
+        backend.close()

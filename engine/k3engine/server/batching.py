@@ -127,7 +127,9 @@ class BatchingEngineThread(EngineThread):
                 # finished runs leave the list (their sequences are back in the prompt
                 # cache; a batch that never empties would hold them all)
                 runs[:] = [r for r in runs if not r.finished]
-                before = len(runs)
+                for gone in set(slot_of) - {id(r) for r in runs}:
+                    del slot_of[gone]                      # nor may this map (its slots
+                before = len(runs)                         # hold their sequences)
                 self._admit(runs)
                 for run in runs[before:]:
                     slot_of[id(run)] = next(s for s in self._slots if s.run is run)
