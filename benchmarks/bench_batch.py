@@ -18,7 +18,7 @@ import numpy as np
 
 from bench_engine import drop_caches            # benchmarks/ is the script's folder
 from k3engine.engine import load_spec_from, open_engine
-from k3engine.generate import BatchRun, GenSpec, Turn, decode_many
+from k3engine.generate import Run, GenSpec, Turn, decode_many
 
 
 def memory_flags(text: str) -> list[tuple[str, object]]:
@@ -39,7 +39,7 @@ def one(model, trunk, flags, B, gen, plen, seed) -> tuple[float, float, float]:
             seq.extend([int(i) for i in rng.integers(0, eng.cfg.vocab, plen)], gen + 1)
             s = GenSpec(gen=gen).sampling.sampler()
             s.new_turn(1)
-            runs.append(BatchRun(seq, GenSpec(gen=gen), s))
+            runs.append(Run(seq, GenSpec(gen=gen), s))
         steps = []
         for ev in Turn(decode_many(eng, runs)):
             if type(ev).__name__ == "StepDone":

@@ -12,7 +12,7 @@ import pytest
 from engine_helpers import GOLDEN_SEED, decode, load, make_tiny
 from k3engine import kernels as K
 from k3engine.engine import Engine
-from k3engine.generate import BatchRun, GenSpec, Sampling, Turn, decode_many
+from k3engine.generate import Run, GenSpec, Sampling, Turn, decode_many
 from test_cli import k3
 
 RNG = np.random.default_rng(44)
@@ -58,7 +58,7 @@ def together(lm, ps, gens, samplings=None, join_at=None, leave_at=None):
         seq.extend(p, g + 1)
         sampler = s.sampler()
         sampler.new_turn(1)
-        runs.append(BatchRun(seq, GenSpec(gen=g, sampling=s), sampler))
+        runs.append(Run(seq, GenSpec(gen=g, sampling=s), sampler))
     join_at = join_at or [0] * len(ps)
     active = [r for r, j in zip(runs, join_at) if j == 0]
     step = 0

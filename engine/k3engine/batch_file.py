@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from .engine import MAX_GEN, MAX_PROMPT, Cancel, GenSpec, Sampling, open_engine
 from .errors import EXIT_DROP, EXIT_INTERRUPTED, EXIT_OK, EXIT_OUT, UsageError
-from .generate import BatchRun, Turn, decode_many
+from .generate import Run, Turn, decode_many
 from .inputfile import InputFileError, read_regular_file
 from .memory import human
 
@@ -111,7 +111,7 @@ def run_batch(o, load, base: GenSpec, printer, events, write_output, interrupts)
             seq.extend(ids, spec.gen + 1)
             sampler = spec.sampling.sampler()
             sampler.new_turn(1)
-            runs.append(BatchRun(seq, spec, sampler, end_ids=()))
+            runs.append(Run(seq, spec, sampler, end_ids=()))
         print(f"batch: {len(runs)} sequences, {positions} positions planned; one pass over "
               f"the trunk per step for all of them")
         with interrupts(cancel):

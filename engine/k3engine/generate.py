@@ -24,7 +24,7 @@ from .model import Stopped
 from .speculative import MAX_DRAFT, SpecCounters, SpecWidth, spec_step
 
 __all__ = ["Cancel", "Sampling", "GenSpec", "TurnSummary", "decode", "TextStream", "Turn",
-           "Run", "BatchRun", "BatchSummary", "decode_many", "JOIN_CHUNK"]
+           "Run", "BatchSummary", "decode_many", "JOIN_CHUNK"]
 
 
 class Cancel:
@@ -511,5 +511,3 @@ def _tokens(engine, runs: list, out: list):
             if tail:
                 yield E.TokenOut(-1, tail, r.parser.phase, row=row[id(r)])
 
-
-BatchRun = Run          # the name the batch file, the server and the benches use

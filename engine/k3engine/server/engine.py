@@ -28,7 +28,7 @@ from ..chat import ChatError
 from ..conversation import Conversation
 from ..errors import EngineError, LimitError, describe
 from ..events import StepDone, TokenOut
-from ..generate import BatchRun, Cancel, GenSpec, TextStream, TurnSummary, decode_many
+from ..generate import Cancel, GenSpec, Run, TextStream, TurnSummary, decode_many
 from ..prompt_cache import PromptCache
 from .protocol import ApiError, GenRequest, Limits, Progress, usage_body
 from .steps import StepLog
@@ -89,7 +89,7 @@ class Slot:
     stops: StopMatcher
     seq: object                            # the Sequence it runs on
     conv: object = None                    # chat: its Conversation; None: a completion
-    run: object = None                     # batched: its generate.BatchRun
+    run: object = None                     # batched: its generate.Run
     index: int = 0                         # the slot it holds (0..parallel-1)
     reasoning: int = 0                     # reasoning ids streamed
     texts: dict = field(default_factory=lambda: {"thinking": "", "response": ""})
@@ -408,7 +408,7 @@ class Backend:
             ids = self._completion_ids(req)
             conv, seq, n, fork_at = None, self.cache.take(ids), len(ids), 0
             reuse, ends, sampler, parser = self._completion_start(job, spec, seq, ids)
-        run = BatchRun(seq, spec, sampler, parser, end_ids=ends,
+        run = Run(seq, spec, sampler, parser, end_ids=ends,
                        summary=TurnSummary([], n, reused=reuse), cancel=job.cancel,
                        stop_in_pass=True, fork_at=fork_at)
         return Slot(job, spec, StopMatcher(req.stops), seq, conv, run)
