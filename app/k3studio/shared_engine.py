@@ -22,7 +22,7 @@ import os
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-AUTO_MAX = 4                  # slots when the setting says auto, if the plan fits them
+from k3engine.memory import AUTO_SEQUENCES as AUTO_MAX   # slots when the setting says auto
 
 
 def slots_that_fit(figures, spec, available, baseline_bytes: int = 0,
@@ -36,13 +36,11 @@ def slots_that_fit(figures, spec, available, baseline_bytes: int = 0,
     from dataclasses import replace
 
     from k3engine.engine import MAX_GEN
-    from k3engine.memory import plan_for
+    from k3engine.memory import most_sequences, plan_for
     ls = spec.load_spec(baseline_bytes=baseline_bytes, total_memory=total_memory)
-    for n in range(most, 1, -1):
-        req = replace(ls, sequences=n).plan_request(n * (MAX_GEN + 1))
-        if not plan_for(figures, req, available, total_memory).refusals:
-            return n
-    return 1
+    return most_sequences(lambda n: not plan_for(
+        figures, replace(ls, sequences=n).plan_request(n * (MAX_GEN + 1)), available,
+        total_memory).refusals, most)
 
 
 class SharedEngine(QObject):

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels as K
 from .checkpoint import Checkpoint, CheckpointError
 from .config import ConfigError, ModelConfig
 from .inputfile import InputFileError, MiB, read_regular_file
-from .model import greedy
+from .model import greedy, rmsnorm
 from .strict_json import JSONFormatError, loads_strict
 from .weights import mv, mvs
 
@@ -349,10 +348,8 @@ def load_drafter(setup: DrafterSetup, tables) -> "BlockDrafter":
 # ---- the computation (float32; docs/drafter.md) --------------------------------------------
 
 def _rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    y = np.empty_like(x)
-    K.rmsnorm(x, w, eps, y)
-    return y
+    return rmsnorm(np.ascontiguousarray(x, dtype=np.float32), w, eps)  # the kernel wants
+                                                                       # contiguous rows
 
 
 def rope_tables(positions: np.ndarray, D: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -216,6 +216,13 @@ def _hard(cancel):
 # streamed trunk would otherwise be read once per chunk).
 JOIN_CHUNK = 64
 
+# (TurnSummary field, StepTelemetry field): what a run that shared steps gets its share of
+SHARED_FIGURES = (("trunk_bytes", "trunk_bytes"), ("expert_bytes", "expert_bytes"),
+                  ("table_bytes", "model_table_bytes"), ("expert_requests", "expert_requests"),
+                  ("expert_hits", "expert_hits"), ("lookahead_predicted", "lookahead_predicted"),
+                  ("lookahead_useful", "lookahead_useful"),
+                  ("lookahead_wasted_bytes", "lookahead_wasted_bytes"))
+
 
 @dataclass(eq=False)
 class Run:
@@ -423,15 +430,9 @@ def decode_many(engine, runs: list, cancel: Cancel | None = None, between=None):
         agg.sizes.append(len(active))
         tel = engine.measure_step(seconds)
         for r in active:                      # each run's share of the step's reads
-            res, n = r.summary, len(active)
-            res.trunk_bytes += tel.trunk_bytes // n
-            res.expert_bytes += tel.expert_bytes // n
-            res.table_bytes += tel.model_table_bytes // n
-            res.expert_requests += tel.expert_requests // n
-            res.expert_hits += tel.expert_hits // n
-            res.lookahead_predicted += tel.lookahead_predicted // n
-            res.lookahead_useful += tel.lookahead_useful // n
-            res.lookahead_wasted_bytes += tel.lookahead_wasted_bytes // n
+            for mine, step in SHARED_FIGURES:
+                setattr(r.summary, mine, getattr(r.summary, mine)
+                        + getattr(tel, step) // len(active))
         yield E.StepDone(g, tuple(emitted_all), seconds, tel, first, len(active))
         yield from engine.trunk_notices()
         yield from _tokens(engine, runs, out)

@@ -28,7 +28,7 @@ __all__ = [
     "Refusal", "KvCheck", "kv_check", "Plan", "plan",
     "MemProbe", "available_memory", "probe_memory",
     "ADMIT", "KV_ADMIT", "KV_CHECK_BYTES_K3", "KV_EXACT_BYTES_K3",
-    "DEFAULT_TRUNK_GB", "DEFAULT_CACHE_GB", "RING_MAX",
+    "DEFAULT_TRUNK_GB", "DEFAULT_CACHE_GB", "RING_MAX", "AUTO_SEQUENCES", "most_sequences",
 ]
 
 # --- constants of the reference (§0 table, §5) ------------------------------------------
@@ -38,6 +38,7 @@ KV_ADMIT = 0.90              # the early KV check refuses above this share
 DEFAULT_TRUNK_GB = 16.0      # budgets when no preset/budget flag is given (§5.2)
 DEFAULT_CACHE_GB = 64.0
 DEFAULT_DRAFT_TRUNK_GB = 6.0  # --draft-trunk-gb
+AUTO_SEQUENCES = 4           # DESIGN: k3 serve's default slots are what the plan admits, <= 4
 RING_DEFAULT = 2             # --trunk-ring
 RING_MAX = 8
 PIN_PASSES = 8               # §3.2 fixed-point iteration bound
@@ -951,6 +952,13 @@ class PlanRequest:
     drafter_weights: int = 0          # the block drafter (drafter.DrafterSetup)
     drafter_per_position: int = 0
 
+
+
+def most_sequences(admitted, most: int = AUTO_SEQUENCES) -> int:
+    """The most sequence slots, up to `most`, for which `admitted(n)` (a plan of n
+    sequences has no refusal) holds; 1 when fewer than two are admitted (one slot's
+    refusal, if any, is then the run's own).  k3 serve's and the app's auto slots."""
+    return next((n for n in range(most, 1, -1) if admitted(n)), 1)
 
 def plan_for(figures: ModelFigures, req: PlanRequest,
              available_bytes: "MemProbe | int | None" = None, total_memory: int = 0) -> Plan:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -331,7 +331,6 @@ class Backend:
     def record_step(self, ev: StepDone, slots: list) -> None:
         """One engine step for /k3/steps: `slots` names a request once per token it got
         in the step (a batch step gives each one; a speculative sweep may give several)."""
-        from collections import Counter
         self.steps.record(ev.seconds, ev.telemetry,
                           [(s.job.no, s.index, n) for s, n in Counter(slots).items()])
 

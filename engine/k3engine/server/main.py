@@ -17,6 +17,7 @@ import sys
 from ..errors import EXIT_OK, EXIT_USAGE, describe
 from ..experts import POLICIES
 from ..engine import MAX_GEN, MAX_PROMPT
+from ..memory import AUTO_SEQUENCES, most_sequences
 from .loopback import is_loopback
 
 USAGE_NOTE = """\
@@ -36,7 +37,6 @@ class _Memory(argparse.Action):
         ns.memory.append((option_string, True if self.nargs == 0 else value))
 
 
-AUTO_PARALLEL = 4        # DESIGN: serve's default is what the plan allows, at most 4
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3 serve", epilog=USAGE_NOTE,
@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
                    help="requests decoded together (continuous batching): each step reads "
                         "the trunk once for all of them; the plan counts N sequences of "
                         f"--gen positions (default: as many as the plan allows, up to "
-                        f"{AUTO_PARALLEL})")
+                        f"{AUTO_SEQUENCES})")
     p.add_argument("--spec", type=int, default=0, metavar="N",
                    help="n-gram speculative decoding of greedy requests, up to N (<= 8) "
                         "drafts per sweep: same ids as plain greedy, fewer trunk passes")
@@ -194,9 +194,9 @@ def main(argv: list[str]) -> int:
             # the plan's KV cache: n sequences of up to --gen + 1 positions each
             return open_engine(spec, sink, gen=n * (a.gen + 1) - 1, plan_only=plan_only)
         if a.parallel is None:
-            a.parallel = plan_parallel(lambda n: opened(n, None, True), AUTO_PARALLEL)
+            a.parallel = plan_parallel(lambda n: opened(n, None, True))
             print(f"k3 serve: {a.parallel} parallel slot(s), as many as the plan allows "
-                  f"(up to {AUTO_PARALLEL}; --parallel N sets it)", flush=True)
+                  f"(up to {AUTO_SEQUENCES}; --parallel N sets it)", flush=True)
         eng = opened(a.parallel, Printer(Events()))
     except Exception as e:
         d = describe(e)
@@ -234,18 +234,18 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def plan_parallel(plan_n, most: int) -> int:
-    """The most slots (≤ `most`) whose sequences the memory plan admits (`plan_n(n)` plans
-    without loading, or raises PlanRefused); 1 when fewer than two are admitted (the
-    refusal, if any, is then the one reported for one)."""
+def plan_parallel(plan_n) -> int:
+    """The most slots the memory plan admits, up to AUTO_SEQUENCES (`plan_n(n)` plans
+    without loading, or raises PlanRefused)."""
     from ..errors import PlanRefused
-    for n in range(most, 1, -1):
+
+    def admitted(n: int) -> bool:
         try:
             plan_n(n)
-            return n
+            return True
         except PlanRefused:
-            continue
-    return 1
+            return False
+    return most_sequences(admitted)
 
 
 def tokenizer_facts(tok) -> dict:
